@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): throughput and speed-up measurements."""

@@ -1,0 +1,1 @@
+"""Drafters propose draft token trees for the target to verify."""

@@ -1,0 +1,1 @@
+"""Target-model runtime: model, KV cache, scheduler, sampling, engine loop."""

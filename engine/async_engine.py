@@ -1,0 +1,211 @@
+"""`AsyncEngine`: the synchronous engine stepped by one background thread, results fanned out to
+per-request asyncio streams.
+
+The step loop never runs on the event loop (torch releases the GIL in its kernels, so the server
+stays responsive). Requests and aborts reach the loop through a thread-safe inbox and are applied
+between steps; each step's outputs go back to the event loop in one `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+from specserve.engine.config import EngineConfig
+from specserve.engine.core import LLMEngine
+from specserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from specserve.engine.outputs import RequestOutput
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.stats import EngineStats
+
+logger = logging.getLogger("specserve")
+
+
+class RequestStream:
+    """Async iterator over one request's `RequestOutput` deltas; ends after the finished one."""
+
+    def __init__(self, request_id: str, engine: "AsyncEngine", loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    async def aclose(self) -> None:
+        """Stop listening; aborts the request (freeing its KV) if it is still running."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.eos_token_ids = sorted(engine.eos_token_ids)
+        self.max_queue_len = engine.config.max_queue_len
+        self._streams: dict[str, RequestStream] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._num_pending = 0          # added but not yet seen by the loop
+        self._lock = threading.Lock()
+        self._stats = engine.get_stats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(LLMEngine(config))
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Validate and enqueue. Raises InvalidRequestError, QueueFullError or EngineDeadError."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop died: {self._dead!r}")
+        self.engine.validate(prompt_token_ids, params)
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        with self._lock:
+            if self._stats.num_waiting + self._num_pending >= self.max_queue_len:
+                raise QueueFullError(f"the server is busy: {self.max_queue_len} requests are waiting; retry later")
+            self._num_pending += 1
+        stream = RequestStream(request_id, self, asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, list(prompt_token_ids), params, time.monotonic()))
+        self._wakeup.set()
+        return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """add_request + iterate; aborts the request if the caller stops early or is cancelled."""
+        stream = self.add_request(request_id, prompt_token_ids, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the request's stream (if still read) ends with finish_reason "abort"."""
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    def get_stats(self) -> EngineStats:
+        return self._stats
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def _drain_inbox(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, request_id, prompt, params, arrival = msg
+                with self._lock:
+                    self._num_pending -= 1
+                stream = self._streams.get(request_id)
+                if stream is None or stream.finished:   # closed before it started
+                    self._streams.pop(request_id, None)
+                    continue
+                try:
+                    engine.add_request(request_id, prompt, params, arrival)
+                except Exception as exc:  # validated already; anything here is reported to that request only
+                    self._deliver_error(request_id, exc)
+            else:
+                engine.abort_request(msg[1])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            if stream is not None:
+                by_loop.setdefault(stream._loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: nobody is listening
+                pass
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            try:
+                stream._loop.call_soon_threadsafe(stream._put, exc)
+            except RuntimeError:
+                pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                self._wakeup.clear()
+                self._drain_inbox()
+                if not engine.has_unfinished_requests():
+                    self._stats = engine.get_stats()
+                    self._wakeup.wait(timeout=0.5)
+                    continue
+                outputs = engine.step()
+                self._stats = engine.get_stats()
+                if outputs:
+                    self._deliver(outputs)
+        except BaseException as exc:  # noqa: BLE001 - the loop must report any death to every waiter
+            logger.exception("engine loop died")
+            self._dead = exc
+            err = EngineDeadError(f"the engine loop died: {exc!r}")
+            for request_id in list(self._streams):
+                self._deliver_error(request_id, err)
+
+
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream._put(out)

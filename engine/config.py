@@ -1,0 +1,108 @@
+"""Engine configuration: small frozen dataclasses, each component gets only its part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specserve.engine.errors import InvalidRequestError, UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `specserve serve` can set about the engine."""
+
+    model: str = "default"
+    dtype: str = "auto"                 # float32 | bfloat16 | float16 | auto (fp32 on CPU, bf16 on CUDA)
+    device: str = "auto"                # cpu | cuda | auto
+    max_num_seqs: int = 16              # running sequences per step
+    max_model_len: int | None = None    # context length; default min(model limit, 8192)
+    max_num_batched_tokens: int = 512   # tokens per step (prefill chunks + decode tokens)
+    block_size: int = 16                # tokens per KV block
+    num_kv_blocks: int | None = None    # KV pool size; default: enough for max_num_seqs full contexts, capped by memory
+    kv_cache_memory_gib: float = 4.0    # cap for the default pool size
+    max_queue_len: int = 256            # waiting requests before new ones get 429
+    seed: int = 0                       # seeds unseeded sampling
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queue_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but no CUDA device is available")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family model, read from its HF config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool                 # bias on q/k/v projections (Qwen2)
+    hf_config: Any = None                # the transformers config (RoPE parameters live there)
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> "ModelConfig":
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"activation {act!r} is not supported (only silu)")
+        num_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(cfg, "attention_bias", model_type == "qwen2")) or model_type == "qwen2",
+            hf_config=cfg,
+        )
+
+
+def check_prompt_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """OpenAI's context check: prompt plus requested completion must fit the context."""
+    if num_prompt_tokens == 0:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    requested = num_prompt_tokens + (max_tokens or 1)
+    if num_prompt_tokens >= max_model_len or requested > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{requested} tokens ({num_prompt_tokens} in the prompt, {max_tokens or 1} for the completion). "
+            "Please reduce the length of the prompt or of max_tokens.", "messages")

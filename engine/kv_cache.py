@@ -1,0 +1,130 @@
+"""Paged KV cache: a pool of fixed-size blocks (`BlockManager`, pure Python) and the tensors
+that hold them (`KVCache`, one [2, layers, slots, kv_heads, head_dim] tensor so that a move of
+rows touches every layer in one op).
+
+Token position p of a sequence lives in slot `block_table[p // block_size] * block_size +
+p % block_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.kernels.kv_compact import compact_kv
+
+
+class BlockManager:
+    """Block allocation per sequence. Query-then-mutate: `blocks_needed`/`can_grow` never change
+    state; `grow` either allocates everything asked for or nothing."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.block_tables: dict[int, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool in use (0..1)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
+        """Extra blocks `seq_id` needs to hold `num_tokens` tokens."""
+        have = len(self.block_tables.get(seq_id, ()))
+        return max(0, self.blocks_for(num_tokens) - have)
+
+    def can_grow(self, seq_id: int, num_tokens: int) -> bool:
+        return self.blocks_needed(seq_id, num_tokens) <= len(self._free)
+
+    def grow(self, seq_id: int, num_tokens: int) -> bool:
+        """Make room for `num_tokens` tokens in total; False (and nothing allocated) if the pool is short."""
+        need = self.blocks_needed(seq_id, num_tokens)
+        if need > len(self._free):
+            return False
+        table = self.block_tables.setdefault(seq_id, [])
+        for _ in range(need):
+            table.append(self._free.pop())
+        return True
+
+    def shrink(self, seq_id: int, num_tokens: int) -> None:
+        """Keep only the blocks covering the first `num_tokens` tokens; the rest return to the pool."""
+        table = self.block_tables.get(seq_id)
+        if table is None:
+            return
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            self._free.append(table.pop())
+
+    def free(self, seq_id: int) -> None:
+        for block in reversed(self.block_tables.pop(seq_id, [])):
+            self._free.append(block)
+
+    def slot(self, seq_id: int, position: int) -> int:
+        table = self.block_tables[seq_id]
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
+        table, bs = self.block_tables[seq_id], self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+class KVCache:
+    """The key/value tensors of every layer, addressed by slot."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.block_size = block_size
+        self.kv = torch.zeros(2, num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype,
+                              device=device)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of layer i, each [num_slots, num_kv_heads, head_dim] (views)."""
+        return self.kv[0, i], self.kv[1, i]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def commit_accepted(
+    blocks: BlockManager,
+    cache: KVCache,
+    seq_ids: list[int],
+    prefix_lens: list[int],
+    accepted: list[list[int]],
+) -> list[int]:
+    """Prune draft trees to their accepted paths, for a whole batch in one tensor op.
+
+    Sequence b wrote its draft-tree nodes to positions `prefix_lens[b] + node` (node 0 = first
+    node after the prefix). `accepted[b]` lists the accepted nodes in path order (increasing
+    indices, since trees are topologically ordered). Their entries move to positions
+    `prefix_lens[b] + 0, 1, ...`; the sequence keeps `prefix_lens[b] + len(accepted[b])` tokens
+    and every block past that returns to the pool.
+
+    Example: prefix 5, tree nodes at positions 5..9, accepted nodes [0, 2, 4]: positions 5, 7, 9
+    move to 5, 6, 7 and the sequence length becomes 8.
+
+    Returns the new lengths.
+    """
+    src: list[int] = []
+    dst: list[int] = []
+    new_lens = []
+    for seq_id, prefix, path in zip(seq_ids, prefix_lens, accepted):
+        for i, node in enumerate(path):
+            if node != i:
+                src.append(blocks.slot(seq_id, prefix + node))
+                dst.append(blocks.slot(seq_id, prefix + i))
+        new_lens.append(prefix + len(path))
+    if src:
+        device = cache.kv.device
+        compact_kv(cache.kv, torch.tensor(src, device=device), torch.tensor(dst, device=device))
+    for seq_id, n in zip(seq_ids, new_lens):
+        blocks.shrink(seq_id, n)
+    return new_lens

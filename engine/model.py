@@ -1,0 +1,150 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM) as a pure function of its inputs.
+
+`forward(input_ids, positions, kv_cache, attn_metadata) -> hidden` handles prefill chunks, decode
+steps and (later) draft-tree verification for a whole ragged batch in one call; `compute_logits`
+projects only the rows a caller needs. q/k/v and gate/up projections are fused at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.engine.attention import AttnMetadata, paged_attention_reference
+from specserve.engine.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back, as the reference implementation does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, max_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] for every RoPE variant transformers knows
+    (default, linear, dynamic at its base length, yarn, longrope, llama3) via its own init functions."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = cfg.hf_config
+    scaling = getattr(hf, "rope_scaling", None) or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        base = getattr(hf, "rope_theta", 10000.0)
+        partial = getattr(hf, "partial_rotary_factor", 1.0)
+        dim = int(cfg.head_dim * partial)
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        attention_scaling = 1.0
+    else:
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"unsupported RoPE scaling type {rope_type!r}")
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq.float())
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * attention_scaling).to(device), (emb.sin() * attention_scaling).to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, D]: rotate-half RoPE (the HF weight layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.eps = cfg.rms_norm_eps
+        self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, h, cos, sin, k_cache, v_cache, meta: AttnMetadata):
+        x = rms_norm(h, self.input_norm, self.eps)
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        n = h.shape[0]
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        k_cache[meta.slot_mapping] = k
+        v_cache[meta.slot_mapping] = v.view(n, self.num_kv_heads, self.head_dim)
+        h = h + self.o(paged_attention_reference(q, k_cache, v_cache, meta, self.scale))
+        gate, up = self.gate_up(rms_norm(h, self.post_attn_norm, self.eps)).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head (tied or not)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.max_positions = max_positions
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,   # [num_tokens] int64
+        positions: torch.Tensor,   # [num_tokens] int64 RoPE positions
+        kv_cache,                  # KVCache: .layer(i) -> (k_cache, v_cache)
+        attn_metadata: AttnMetadata,
+    ) -> torch.Tensor:             # [num_tokens, hidden_size] after the final norm
+        h = self.embed(input_ids)
+        cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv_cache.layer(i)
+            h = layer(h, cos, sin, k_cache, v_cache, attn_metadata)
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab] logits (fp32)."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    @classmethod
+    def from_state_dict(cls, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, max_positions: int,
+                        dtype: torch.dtype, device: torch.device) -> "LlamaModel":
+        """Build from an HF-named state dict (fusing q/k/v and gate/up)."""
+        with torch.device("meta"):
+            model = cls(cfg, max_positions)
+        sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise KeyError(f"weight {name!r} missing from the checkpoint")
+            return sd[name]
+
+        params: dict[str, torch.Tensor] = {"embed.weight": take("embed_tokens.weight"), "norm": take("norm.weight")}
+        if model.lm_head is not None:
+            params["lm_head.weight"] = sd.get("lm_head.weight", take("embed_tokens.weight"))
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            params[p + "input_norm"] = take(p + "input_layernorm.weight")
+            params[p + "post_attn_norm"] = take(p + "post_attention_layernorm.weight")
+            params[p + "qkv.weight"] = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            if cfg.attention_bias:
+                params[p + "qkv.bias"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            params[p + "o.weight"] = take(p + "self_attn.o_proj.weight")
+            params[p + "gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            params[p + "down.weight"] = take(p + "mlp.down_proj.weight")
+        params = {k: v.to(device=device, dtype=dtype) for k, v in params.items()}
+        model.load_state_dict(params, strict=True, assign=True)
+        cos, sin = rope_tables(cfg, max_positions, device)
+        model.rope_cos, model.rope_sin = cos, sin
+        return model.eval().requires_grad_(False)

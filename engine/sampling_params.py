@@ -1,0 +1,59 @@
+"""Per-request sampling settings, validated once at the edge of the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.engine.errors import InvalidRequestError
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded.
+
+    temperature 0 means greedy (argmax); top_k <= 0 and top_p == 1 disable those filters.
+    `logprobs` None returns no log-probabilities; an int k >= 0 returns the chosen token's
+    log-probability plus the k most likely alternatives at each step.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.temperature < 0 or self.temperature != self.temperature:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise InvalidRequestError("min_tokens must be in [0, max_tokens]", "min_tokens")
+        if not 1 <= self.n <= 128:
+            raise InvalidRequestError(f"n must be in [1, 128], got {self.n}", "n")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", "top_logprobs")
+        if len(self.stop) > 16:
+            raise InvalidRequestError("at most 16 stop sequences are supported", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

@@ -1,0 +1,81 @@
+"""Per-request and per-sequence state. A request with n choices owns n sequences."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.engine.outputs import RequestMetrics, TokenLogprob
+from specserve.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One choice of a request: its tokens, how many of them have KV in the cache, its stop state."""
+
+    def __init__(self, request: "Request", index: int, prompt_token_ids: list[int], detokenizer,
+                 generator: torch.Generator | None):
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index
+        self.params: SamplingParams = request.params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0          # tokens whose KV is in the cache
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.detokenizer = detokenizer
+        self.generator = generator
+        # what the next delta will carry
+        self.pending_token_ids: list[int] = []
+        self.pending_text: str = ""
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.reported_finished = False
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.seq_id}, req={self.request.request_id}, len={len(self.token_ids)}, {self.status.value})"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(s.num_output_tokens for s in self.seqs)

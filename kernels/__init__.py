@@ -1,0 +1,1 @@
+"""Compute kernels, each beside its torch reference."""

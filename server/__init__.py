@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP front end and the specserve command line."""
