@@ -1,0 +1,86 @@
+"""Scheduler policy on real Sequence objects (no model): budgets, chunked prefill, admission by
+free blocks, the sequence cap, preemption."""
+
+from __future__ import annotations
+
+from specserve.engine.kv_cache import BlockManager
+from specserve.engine.outputs import RequestMetrics
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.sequence import Request, Sequence, SeqStatus
+
+
+def make_seq(prompt_len: int, rid: str = "r") -> Sequence:
+    req = Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=100), RequestMetrics(0.0))
+    seq = Sequence(req, 0, req.prompt_token_ids, detokenizer=None, generator=None)
+    req.seqs.append(seq)
+    return seq
+
+
+def run_step(sched: Scheduler, new_token: int = 7):
+    """Apply a step the way the engine does: computed tokens advance; finished chunks sample one token."""
+    batch = sched.schedule()
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == len(seq.token_ids):
+            seq.token_ids.append(new_token)
+    return batch
+
+
+def test_chunked_prefill_under_token_budget():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=16)
+    long, short = make_seq(40, "a"), make_seq(5, "b")
+    sched.add(long)
+    sched.add(short)
+    b1 = run_step(sched)
+    assert [s.request.request_id for s in b1.seqs] == ["a"] and b1.num_tokens == [16]
+    b2 = run_step(sched)
+    assert b2.num_tokens == [16]
+    b3 = run_step(sched)   # 8 left for a, the rest of the budget admits b
+    assert [s.request.request_id for s in b3.seqs] == ["a", "b"] and b3.num_tokens == [8, 5]
+    b4 = run_step(sched)   # both decode
+    assert b4.num_tokens == [1, 1] and b4.total_tokens <= 16
+
+
+def test_max_num_seqs_caps_running():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    seqs = [make_seq(3, str(i)) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    b = run_step(sched)
+    assert len(b.seqs) == 2 and len(sched.waiting) == 2
+    sched.remove(seqs[0])
+    b = run_step(sched)
+    assert seqs[2] in b.seqs and len(sched.running) == 2
+
+
+def test_admission_waits_for_free_blocks():
+    bm = BlockManager(6, 4)   # 24 token slots
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = make_seq(15, "a"), make_seq(10, "b")
+    sched.add(a)
+    sched.add(b)
+    batch = run_step(sched)
+    assert batch.seqs == [a] and b.status is SeqStatus.WAITING   # b needs 3 blocks, 2 are free
+    sched.remove(a)
+    assert bm.num_free_blocks == 6
+    batch = run_step(sched)
+    assert batch.seqs == [b]
+
+
+def test_preemption_frees_the_newest_and_recomputes_it_later():
+    bm = BlockManager(4, 4)   # 16 slots
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = make_seq(7, "a"), make_seq(7, "b")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)                  # both prefilled, 2 blocks each: the pool is full
+    assert bm.num_free_blocks == 0
+    run_step(sched)                  # one decode each still fits (8 tokens in 2 blocks)
+    batch = run_step(sched)          # a needs a 3rd block for position 8: b is preempted
+    assert batch.seqs == [a] and batch.preempted == [b]
+    assert b.status is SeqStatus.WAITING and b.num_computed_tokens == 0 and b.seq_id not in bm.block_tables
+    assert sched.num_preemptions == 1
+    sched.remove(a)
+    batch = run_step(sched)          # b comes back and recomputes prompt + its 2 generated tokens
+    assert batch.seqs == [b] and batch.num_tokens == [9]
