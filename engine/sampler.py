@@ -1,0 +1,174 @@
+"""Batched, sync-free logits processing and sampling.
+
+Shared by plain decoding (`sample`) and speculative verification, which needs the distribution
+plain sampling draws from (`processed_probs`). Every function works on a whole batch whose rows
+have different settings; nothing here calls `.item()`, `.tolist()` or `torch.multinomial`, so a
+step stays free of host syncs until the runner's single `.tolist()` at the end.
+
+Order of processing for a random row (as in vLLM): temperature, then top-k, then top-p on the
+top-k-renormalised distribution. Greedy rows (temperature 0, or top_k 1) take the argmax of the
+raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specserve.engine.sampling_params import SamplingParams
+
+_TINY = torch.finfo(torch.float32).tiny  # floor for Exp(1) draws, so probs / E never meets 0 / 0
+
+
+@dataclass
+class SamplingTensors:
+    """The per-row sampling settings of one step, as tensors. Built once per step."""
+
+    temperature: Tensor  # [B] float32, 0 for greedy rows
+    top_k: Tensor        # [B] int64, 0 = off (also 0 on greedy rows)
+    top_p: Tensor        # [B] float32, 1 = off (also 1 on greedy rows)
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    max_logprobs: int | None  # max k over rows asking for logprobs, None if no row does
+    max_top_k: int = 0        # max top_k over random rows (0 if none): bounds the top-k-only path
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str) -> "SamplingTensors":
+        temperature, top_k, top_p = [], [], []
+        for p in params:
+            if p.greedy:
+                temperature.append(0.0)
+                top_k.append(0)
+                top_p.append(1.0)
+            else:
+                temperature.append(float(p.temperature))
+                top_k.append(int(p.top_k))
+                top_p.append(float(p.top_p))
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            all_greedy=all(t == 0.0 for t in temperature),
+            any_top_k=any(k > 0 for k in top_k),
+            any_top_p=any(p < 1.0 for p in top_p),
+            max_logprobs=max(asked) if asked else None,
+            max_top_k=max(top_k, default=0),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: Tensor              # [B] int64
+    logprobs: Tensor | None        # [B] float32, chosen token under log_softmax(raw logits); None if no row asked
+    top_ids: Tensor | None         # [B, max_logprobs] int64, most likely first
+    top_logprobs: Tensor | None    # [B, max_logprobs] float32
+
+
+def apply_top_k_top_p(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """Mask (to -inf) the tokens that top-k and top-p remove, row by row.
+
+    logits: [B, V] float32, already divided by the temperature. Returns a new [B, V] tensor.
+
+    Both filters reduce to a per-row threshold on the logit value: keep token v iff
+    logits[v] >= threshold. Top-k: the threshold is the k-th largest logit (ties with it are
+    kept). Top-p: with the (top-k-filtered) row sorted in descending order and probabilities
+    s_1 >= s_2 >= ..., keep the smallest prefix 1..m whose mass reaches p, i.e. every j with
+    s_1 + ... + s_{j-1} < p (j = 1 always qualifies); the threshold is the m-th sorted logit.
+    Rows with k = 0 and p = 1 get threshold -inf (untouched).
+
+    Example: logits [2, 1, 0, -1], probabilities ~[.64, .24, .09, .03].
+    top_k=2 keeps {2, 1}; top_p=0.8 keeps {2, 1} (0.64 < 0.8, 0.88 >= 0.8 stops);
+    top_p=0.5 keeps {2} alone.
+    """
+    if not (st.any_top_k or st.any_top_p):
+        return logits
+    num_rows, vocab = logits.shape
+    neg_inf = torch.full((), float("-inf"), device=logits.device)
+    k = st.top_k.clamp(max=vocab)
+    if not st.any_top_p:
+        # Top-k only: a partial top-k with the batch's largest k instead of a full sort.
+        top = logits.topk(min(st.max_top_k, vocab), dim=-1).values          # [B, max_k]
+        kth = top.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1)    # [B]
+        threshold = torch.where(k > 0, kth, neg_inf)
+        return logits.masked_fill(logits < threshold.unsqueeze(1), float("-inf"))
+
+    sorted_logits = logits.sort(dim=-1, descending=True).values             # [B, V]
+    if st.any_top_k:
+        kth = sorted_logits.gather(1, (k - 1).clamp(min=0).unsqueeze(1))    # [B, 1]
+        kth = torch.where(k.unsqueeze(1) > 0, kth, neg_inf)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    else:
+        kth = neg_inf.expand(num_rows, 1)
+    sorted_probs = sorted_logits.softmax(dim=-1)                            # [B, V]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs                # exclusive prefix sum
+    num_keep = (mass_before < st.top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp(min=1)  # [B, 1]
+    pth = sorted_logits.gather(1, num_keep - 1)                             # [B, 1]
+    # max(): rounding may let mass_before stay below p inside the top-k-masked tail.
+    pth = torch.where(st.top_p.unsqueeze(1) < 1.0, torch.maximum(pth, kth), kth)
+    return logits.masked_fill(logits < pth, float("-inf"))
+
+
+def processed_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """The distribution plain sampling draws from, per row.
+
+    logits: [B, V] (any float dtype). Returns [B, V] float32:
+    softmax(top_p(top_k(logits / temperature))) for random rows, and the one-hot of
+    argmax(raw logits) for greedy rows. Rows are processed independently.
+    """
+    logits = logits.float()
+    return _processed_probs(logits, st, logits.argmax(dim=-1))
+
+
+def _processed_probs(logits: Tensor, st: SamplingTensors, greedy_ids: Tensor) -> Tensor:
+    """processed_probs for float32 logits [B, V] whose row argmaxes greedy_ids [B] are known."""
+    onehot = torch.zeros_like(logits).scatter_(1, greedy_ids.unsqueeze(1), 1.0)
+    if st.all_greedy:
+        return onehot
+    greedy = st.temperature == 0                                             # [B]
+    temperature = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    probs = apply_top_k_top_p(logits / temperature.unsqueeze(1), st).softmax(dim=-1)
+    return torch.where(greedy.unsqueeze(1), onehot, probs)
+
+
+def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
+                      device: torch.device) -> Tensor:
+    """[B, V] i.i.d. Exp(1) draws. Row i comes from generators[i] when it has one (so a seeded
+    request draws the same numbers whatever else is in the batch), else from the global RNG in
+    one batched draw."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise.clamp_min_(_TINY)
+
+
+def sample(logits: Tensor, st: SamplingTensors, generators: list[torch.Generator | None]) -> SamplerOutput:
+    """Pick one token per row.
+
+    logits: [B, V] (float32 or bf16/fp16, computed in float32). generators: B entries.
+
+    Greedy rows: argmax of the raw logits. Random rows: the exponential race
+    argmax_v probs[v] / E[v] with E[v] ~ Exp(1) i.i.d.; since E[v] / probs[v] ~ Exp(probs[v]),
+    the smallest of those (the winner) is v with probability probs[v] / sum(probs). No host sync.
+    Logprobs (OpenAI-style) are taken from log_softmax of the raw, unscaled logits.
+    """
+    assert len(generators) == logits.shape[0], (len(generators), logits.shape)
+    logits = logits.float()
+    greedy_ids = logits.argmax(dim=-1)                                       # [B]
+    if st.all_greedy:
+        token_ids = greedy_ids
+    else:
+        probs = _processed_probs(logits, st, greedy_ids)
+        race = probs / exponential_noise(tuple(probs.shape), generators, probs.device)
+        token_ids = torch.where(st.temperature == 0, greedy_ids, race.argmax(dim=-1))
+
+    if st.max_logprobs is None:
+        return SamplerOutput(token_ids, None, None, None)
+    logprobs = logits.log_softmax(dim=-1)                                    # [B, V]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)           # [B]
+    top = logprobs.topk(min(st.max_logprobs, logprobs.shape[1]), dim=-1)
+    return SamplerOutput(token_ids, chosen, top.indices, top.values)
