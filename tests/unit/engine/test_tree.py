@@ -1,0 +1,64 @@
+"""Tree representation: templates, masks, depths and paths against hand-worked trees."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.engine.tree import (NO_PARENT, TokenTree, TreeTemplate, build_tree_buffers, tree_depths,
+                                   validate_parents)
+
+TREES = Path(__file__).resolve().parents[4] / "shared" / "data" / "trees.json"
+
+
+def test_hand_worked_template():
+    t = TreeTemplate.from_choices([[1], [0, 0], [0]])
+    assert t.parents == (NO_PARENT, 0, 0, 1) and t.ranks == (0, 0, 1, 0)
+    buf = build_tree_buffers(t.parents)
+    assert buf.depths.tolist() == [0, 1, 1, 2]
+    assert buf.mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert buf.paths == [[0, 2], [0, 1, 3]]
+
+
+def test_branching_config_counts_match_mcsd():
+    t = TreeTemplate.from_branching((4, 2, 2, 1))
+    assert t.num_nodes - 1 == 4 + 8 + 16 + 16
+    buf = build_tree_buffers(t.parents)
+    assert len(buf.paths) == 16 and all(len(p) == 5 for p in buf.paths)
+
+
+def test_level_major_prefix_is_a_valid_subtree_slice():
+    t = TreeTemplate.from_branching((3, 2, 2))
+    depths = tree_depths(t.parents)
+    assert depths == sorted(depths)
+    full = build_tree_buffers(t.parents).mask
+    for k in (1, 4, 10):
+        sub = t.truncate(k)
+        assert torch.equal(build_tree_buffers(sub.parents).mask, full[:k, :k])
+
+
+def test_chain_is_lower_triangular():
+    tree = TokenTree.chain(7, [1, 2, 3])
+    buf = build_tree_buffers(tree.parents)
+    assert torch.equal(buf.mask, torch.ones(4, 4, dtype=torch.bool).tril())
+    assert buf.depths.tolist() == [0, 1, 2, 3] and buf.paths == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("bad", [[0], [-1, 1], [-1, 0, 3, 1], []])
+def test_malformed_parents_are_rejected(bad):
+    with pytest.raises(ValueError):
+        validate_parents(bad)
+
+
+@pytest.mark.skipif(not TREES.is_file(), reason="shared/data/trees.json not beside the project")
+def test_published_templates_match_their_recorded_shapes():
+    for name, entry in json.loads(TREES.read_text()).items():
+        t = TreeTemplate.from_choices(entry["paths"])
+        assert t.num_nodes - 1 == entry["num_nodes"], name
+        counts = {}
+        for d in tree_depths(t.parents)[1:]:
+            counts[d] = counts.get(d, 0) + 1
+        assert [counts[d] for d in sorted(counts)] == entry["nodes_per_depth"], name
