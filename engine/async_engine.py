@@ -16,7 +16,7 @@ import time
 from typing import AsyncIterator
 
 from specserve.engine.config import EngineConfig
-from specserve.engine.core import LLMEngine
+from specserve.engine.core import _DEFAULT, LLMEngine
 from specserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from specserve.engine.outputs import RequestOutput
 from specserve.engine.sampling_params import SamplingParams
@@ -103,11 +103,18 @@ class AsyncEngine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Validate and enqueue. Raises InvalidRequestError, QueueFullError or EngineDeadError."""
+    @property
+    def drafter_names(self) -> list[str]:
+        return self.engine.drafter_names
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    drafter=_DEFAULT) -> RequestStream:
+        """Validate and enqueue. Raises InvalidRequestError, QueueFullError or EngineDeadError.
+        `drafter`: a loaded drafter's name, "none", or omitted for the server default."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         self.engine.validate(prompt_token_ids, params)
+        self.engine.resolve_drafter(drafter)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         with self._lock:
@@ -116,14 +123,14 @@ class AsyncEngine:
             self._num_pending += 1
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, list(prompt_token_ids), params, time.monotonic()))
+        self._inbox.put(("add", request_id, list(prompt_token_ids), params, time.monotonic(), drafter))
         self._wakeup.set()
         return stream
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       drafter=_DEFAULT) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; aborts the request if the caller stops early or is cancelled."""
-        stream = self.add_request(request_id, prompt_token_ids, params)
+        stream = self.add_request(request_id, prompt_token_ids, params, drafter)
         try:
             async for out in stream:
                 yield out
@@ -148,7 +155,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                _, request_id, prompt, params, arrival = msg
+                _, request_id, prompt, params, arrival, drafter = msg
                 with self._lock:
                     self._num_pending -= 1
                 stream = self._streams.get(request_id)
@@ -156,7 +163,7 @@ class AsyncEngine:
                     self._streams.pop(request_id, None)
                     continue
                 try:
-                    engine.add_request(request_id, prompt, params, arrival)
+                    engine.add_request(request_id, prompt, params, arrival, drafter)
                 except Exception as exc:  # validated already; anything here is reported to that request only
                     self._deliver_error(request_id, exc)
             else:

@@ -27,6 +27,9 @@ class EngineConfig:
     kv_cache_memory_gib: float = 4.0    # cap for the default pool size
     max_queue_len: int = 256            # waiting requests before new ones get 429
     seed: int = 0                       # seeds unseeded sampling
+    drafters: tuple[str, ...] = ()      # drafters to load; the first is the default ("none" = plain decoding)
+    num_speculative_tokens: int = 8     # max draft-tree nodes per sequence per step
+    max_draft_tokens_per_step: int = 64 # all sequences' draft nodes together per step (adaptive budget)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -22,7 +22,11 @@ from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, To
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Request, Sequence, SeqStatus
-from specserve.engine.stats import EngineStats
+from specserve.engine.stats import DrafterStats, EngineStats
+from specserve.engine.tree import TokenTree
+
+_DEFAULT = object()
+NO_DRAFTER = "none"
 
 logger = logging.getLogger("specserve")
 
@@ -55,7 +59,11 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                              self.dtype, self.device)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.num_speculative_tokens, config.max_draft_tokens_per_step, self.max_model_len)
+        self.drafters = self._load_drafters(config.drafters)
+        self.default_drafter = config.drafters[0] if config.drafters and config.drafters[0] != NO_DRAFTER else None
+        self.drafter_stats: dict[str, DrafterStats] = {name: DrafterStats() for name in self.drafters}
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device)
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}
@@ -63,6 +71,33 @@ class LLMEngine:
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
                     config.block_size, self.max_model_len)
+
+    def _load_drafters(self, names: tuple[str, ...]) -> dict:
+        from specserve.drafters.base import make_drafter   # the registry, not any specific drafter
+
+        drafters = {}
+        for name in names:
+            if name != NO_DRAFTER and name not in drafters:
+                drafters[name] = make_drafter(name, tokenizer=self.tokenizer, target=self.model,
+                                              model_config=self.model_config, device=self.device,
+                                              dtype=self.dtype, max_model_len=self.max_model_len)
+        return drafters
+
+    @property
+    def drafter_names(self) -> list[str]:
+        return list(self.drafters)
+
+    def resolve_drafter(self, name) -> str | None:
+        """A request's drafter: the server default when absent, None for "none"."""
+        if name is _DEFAULT or name is None:
+            return self.default_drafter
+        if name == NO_DRAFTER:
+            return None
+        if name not in self.drafters:
+            loaded = ", ".join([NO_DRAFTER, *self.drafters])
+            raise InvalidRequestError(f"drafter {name!r} is not loaded; loaded drafters: {loaded}",
+                                      "speculative.drafter")
+        return name
 
     def _default_num_blocks(self) -> int:
         mc, cfg = self.model_config, self.config
@@ -80,12 +115,15 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, drafter=_DEFAULT) -> None:
+        """`drafter`: a loaded drafter's name, "none" for plain decoding, or omitted for the default."""
         self.validate(prompt_token_ids, params)
+        drafter = self.resolve_drafter(drafter)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params,
-                      RequestMetrics(arrival_time=arrival_time or time.monotonic()))
+                      RequestMetrics(arrival_time=arrival_time or time.monotonic()), drafter=drafter)
+        req.spec.drafter = drafter
         for i in range(params.n):
             generator = None
             if params.seed is not None:
@@ -94,6 +132,8 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
             seq = Sequence(req, i, req.prompt_token_ids, detok, generator)
             req.seqs.append(seq)
+            if drafter is not None:
+                self.drafters[drafter].start(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = req
 
@@ -122,28 +162,107 @@ class LLMEngine:
             now = time.monotonic()
             for seq in first:
                 seq.request.metrics.first_scheduled_time = now
-            result = self.runner.execute(batch)
-            for seq, n in zip(batch.seqs, batch.num_tokens):
+            trees = self._propose(batch)
+            t0 = time.perf_counter()
+            result = self.runner.execute(batch, trees)
+            verify_time = time.perf_counter() - t0
+            for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
                     self.stats.num_prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-                seq.num_computed_tokens += n
-            self._process(result)
+                if b not in trees:
+                    seq.num_computed_tokens += n
+                    if batch.draft_budgets[b]:   # reserved room for a draft that did not come
+                        self.blocks.shrink(seq.seq_id, seq.num_computed_tokens + 1)
+            self._process(result, verify_time / max(1, len(trees)))
             self.stats.num_steps_total += 1
         return self._collect()
 
-    def _process(self, result: StepResult) -> None:
+    def _propose(self, batch) -> dict[int, TokenTree]:
+        """Ask each drafter for the trees of its sequences. A drafter that raises, or a tree that
+        is malformed, means plain decoding for those sequences this step (counted as fallbacks)."""
+        groups: dict[str, list[int]] = {}
+        for b, (seq, budget) in enumerate(zip(batch.seqs, batch.draft_budgets)):
+            if budget > 0 and seq.drafter is not None:
+                groups.setdefault(seq.drafter, []).append(b)
+        trees: dict[int, TokenTree] = {}
+        for name, idx in groups.items():
+            stats = self.drafter_stats[name]
+            seqs = [batch.seqs[b] for b in idx]
+            t0 = time.perf_counter()
+            try:
+                proposed = self.drafters[name].propose(seqs, [batch.draft_budgets[b] for b in idx])
+                if len(proposed) != len(idx):
+                    raise ValueError(f"{len(proposed)} trees for {len(idx)} sequences")
+            except Exception:
+                logger.exception("drafter %s failed; plain decoding for %d sequences this step", name, len(idx))
+                stats.num_fallbacks += len(idx)
+                continue
+            finally:
+                stats.draft_time_s += time.perf_counter() - t0
+            for b, seq, tree in zip(idx, seqs, proposed):
+                if tree is None:
+                    continue
+                problem = self._tree_problem(tree, seq, batch.draft_budgets[b])
+                if problem:
+                    logger.warning("drafter %s returned a malformed tree (%s); plain decoding this step", name, problem)
+                    stats.num_fallbacks += 1
+                    continue
+                if tree.num_draft_tokens > 0:
+                    trees[b] = tree
+        return trees
+
+    def _tree_problem(self, tree, seq: Sequence, budget: int) -> str | None:
+        if not isinstance(tree, TokenTree):
+            return f"not a TokenTree: {type(tree).__name__}"
+        if tree.tokens[0] != seq.token_ids[-1]:
+            return "root is not the last committed token"
+        if tree.num_draft_tokens > budget:
+            return f"{tree.num_draft_tokens} draft nodes over the budget of {budget}"
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in tree.tokens):
+            return "token id out of the vocabulary"
+        if tree.draft_probs is not None and tuple(tree.draft_probs.shape) != (tree.num_nodes, vocab):
+            return f"draft_probs shape {tuple(tree.draft_probs.shape)}"
+        return None
+
+    def _process(self, result: StepResult, verify_time: float) -> None:
         now = time.monotonic()
-        for k, (seq, token) in enumerate(zip(result.sampled, result.token_ids)):
-            logprob = None
-            if result.logprobs is not None and seq.params.logprobs is not None:
-                top = result.top[k][:seq.params.logprobs]
-                logprob = TokenLogprob(token, result.logprobs[k], top)
-            self._append_token(seq, token, logprob)
+        accepted_by_drafter: dict[str, tuple[list, list]] = {}
+        for res in result.results:
+            seq = res.seq
+            spec = seq.request.spec
+            if res.tree is not None:
+                seq.num_computed_tokens = res.num_computed
+                num_acc = len(res.verify.accepted_nodes)
+                spec.num_draft_tokens += res.tree.num_draft_tokens
+                spec.num_accepted_tokens += num_acc
+                stats = self.drafter_stats[seq.drafter]
+                stats.observe(res.tree.num_draft_tokens, num_acc)
+                stats.verify_time_s += verify_time
+                seqs, results = accepted_by_drafter.setdefault(seq.drafter, ([], []))
+                seqs.append(seq)
+                results.append(res.verify)
+            spec.num_target_forwards += 1
+            before = seq.num_output_tokens
+            for k, token in enumerate(res.tokens):
+                self._append_token(seq, token, res.logprobs[k] if res.logprobs else None)
+                if seq.is_finished:
+                    break
+            emitted = seq.num_output_tokens - before
+            spec.num_generated_tokens += emitted
+            self.stats.num_generation_tokens_total += emitted
             metrics = seq.request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-        self.stats.num_generation_tokens_total += len(result.token_ids)
+        for name, (seqs, results) in accepted_by_drafter.items():
+            live = [(s, r) for s, r in zip(seqs, results) if not s.is_finished]
+            if live:
+                try:
+                    self.drafters[name].accept([s for s, _ in live], [r for _, r in live])
+                except Exception:
+                    logger.exception("drafter %s failed in accept()", name)
+                    self.drafter_stats[name].num_fallbacks += 1
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         """Append one generated token and apply the stop rules in order: EOS, stop token ids,
@@ -176,6 +295,11 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.scheduler.remove(seq)
+        if seq.drafter is not None:
+            try:
+                self.drafters[seq.drafter].finish(seq)
+            except Exception:
+                logger.exception("drafter %s failed in finish()", seq.drafter)
 
     def _collect(self) -> list[RequestOutput]:
         outputs = []
@@ -198,7 +322,8 @@ class LLMEngine:
                 req.metrics.finished_time = now
                 del self.requests[request_id]
             outputs.append(RequestOutput(request_id, deltas, finished, len(req.prompt_token_ids),
-                                         req.num_generated_tokens, req.metrics, req.prompt_token_ids))
+                                         req.num_generated_tokens, req.metrics, req.prompt_token_ids,
+                                         req.spec if req.drafter is not None else None))
         self._changed.clear()
         return outputs
 
@@ -209,4 +334,8 @@ class LLMEngine:
         s.kv_usage = self.blocks.usage
         s.num_free_blocks = self.blocks.num_free_blocks
         s.num_preemptions_total = self.scheduler.num_preemptions
-        return EngineStats(**vars(s))
+        snapshot = EngineStats(**vars(s))
+        snapshot.drafters = {name: DrafterStats(**{k: (list(v) if isinstance(v, list) else v)
+                                                   for k, v in vars(st).items()})
+                             for name, st in self.drafter_stats.items()}
+        return snapshot

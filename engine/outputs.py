@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specserve.engine.stats import RequestSpecStats
+
 
 @dataclass
 class TokenLogprob:
@@ -42,3 +44,4 @@ class RequestOutput:
     num_generated_tokens: int        # all choices together, so far
     metrics: RequestMetrics
     prompt_token_ids: list[int] = field(default_factory=list)
+    spec: RequestSpecStats | None = None   # speculation figures so far (None when not speculating)

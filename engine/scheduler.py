@@ -5,6 +5,11 @@ prompts still being prefilled) and newly admitted ones. Running sequences go fir
 when the KV pool cannot hold a running sequence's next tokens the most recently admitted sequence
 is preempted (its blocks freed, recomputed later from its tokens). Waiting sequences are admitted
 in arrival order while the budget, the sequence cap and the free blocks allow.
+
+Speculation budget (adaptive): a decoding sequence with a drafter may add up to
+`max_draft_per_seq` draft-tree nodes, but all such sequences together get at most
+`max_draft_tokens_per_step`, split evenly. As the batch grows each tree shrinks, down to plain
+decoding, so speculation never turns a loaded step into a much larger forward.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from specserve.engine.sequence import Sequence, SeqStatus
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)   # new tokens per sequence this step
+    num_tokens: list[int] = field(default_factory=list)   # new tokens per sequence this step (tree root: 1)
+    draft_budgets: list[int] = field(default_factory=list)  # max draft nodes per sequence (0 = none)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -31,8 +37,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_draft_per_seq: int = 0, max_draft_tokens_per_step: int = 0, max_model_len: int | None = None):
         self.blocks = blocks
+        self.max_draft_per_seq = max_draft_per_seq
+        self.max_draft_tokens_per_step = max_draft_tokens_per_step
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -61,14 +71,34 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _draft_budget(self, seq: Sequence, per_seq: int) -> int:
+        """Draft nodes worth proposing for a decoding sequence: no more than the tokens it may
+        still produce (one comes free as the bonus) and than its context has room for."""
+        if seq.drafter is None or per_seq <= 0:
+            return 0
+        left = per_seq
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            left = min(left, self.max_model_len - len(seq.token_ids) - 1)
+        return max(0, left)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        speculating = sum(1 for s in self.running if s.drafter is not None and s.num_uncomputed_tokens == 1)
+        per_seq = 0
+        if speculating:
+            per_seq = min(self.max_draft_per_seq, self.max_draft_tokens_per_step // speculating,
+                          max(0, budget - len(self.running)) // speculating)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            target = seq.num_computed_tokens + n
+            draft = self._draft_budget(seq, per_seq) if seq.num_uncomputed_tokens == 1 else 0
+            if draft and not self.blocks.can_grow(seq.seq_id, seq.num_computed_tokens + 1 + draft):
+                draft = 0   # the pool is short: decode plainly rather than preempt for a draft
+            target = seq.num_computed_tokens + n + draft
             while not self.blocks.can_grow(seq.seq_id, target):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -80,7 +110,8 @@ class Scheduler:
             self.blocks.grow(seq.seq_id, target)
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
-            budget -= n
+            batch.draft_budgets.append(draft)
+            budget -= n + draft
             i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
@@ -95,5 +126,6 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
+            batch.draft_budgets.append(0)
             budget -= n
         return batch

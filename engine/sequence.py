@@ -10,6 +10,7 @@ import torch
 
 from specserve.engine.outputs import RequestMetrics, TokenLogprob
 from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.stats import RequestSpecStats
 
 
 class SeqStatus(enum.Enum):
@@ -43,6 +44,7 @@ class Sequence:
         self.pending_text: str = ""
         self.pending_logprobs: list[TokenLogprob] = []
         self.reported_finished = False
+        self.drafter: str | None = request.drafter   # name of the drafter proposing for this sequence
 
     @property
     def num_output_tokens(self) -> int:
@@ -70,7 +72,9 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
+    drafter: str | None = None
     seqs: list[Sequence] = field(default_factory=list)
+    spec: "RequestSpecStats" = field(default_factory=lambda: RequestSpecStats())
 
     @property
     def finished(self) -> bool:

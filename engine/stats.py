@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -16,3 +16,48 @@ class EngineStats:
     num_prompt_tokens_total: int = 0      # prompt tokens prefilled (recomputation included)
     num_generation_tokens_total: int = 0  # tokens generated
     num_steps_total: int = 0
+    drafters: dict[str, "DrafterStats"] = field(default_factory=dict)   # copies, by drafter name
+
+
+@dataclass
+class RequestSpecStats:
+    """Speculation figures of one request (all its choices), returned in its `speculative` block."""
+
+    drafter: str | None = None
+    num_draft_tokens: int = 0      # draft nodes proposed (root excluded)
+    num_accepted_tokens: int = 0   # draft tokens accepted (bonus excluded)
+    num_target_forwards: int = 0   # forwards that produced tokens for it (prefill's last chunk included)
+    num_generated_tokens: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ: tokens committed per target forward, bonus included."""
+        return self.num_generated_tokens / self.num_target_forwards if self.num_target_forwards else 0.0
+
+
+@dataclass
+class DrafterStats:
+    """Cumulative per-drafter counters (exported as Prometheus counters labelled by drafter)."""
+
+    num_steps: int = 0                 # verification steps with a draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0        # accepted + bonus
+    num_fallbacks: int = 0             # steps where the drafter failed and plain decoding was used
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    accepted_by_depth: list[int] = field(default_factory=list)        # index d-1: accepted at depth d
+    accepted_length_counts: list[int] = field(default_factory=list)   # index k: steps accepting k drafts
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_accepted + 1
+        while len(self.accepted_by_depth) < num_accepted:
+            self.accepted_by_depth.append(0)
+        for d in range(num_accepted):
+            self.accepted_by_depth[d] += 1
+        while len(self.accepted_length_counts) <= num_accepted:
+            self.accepted_length_counts.append(0)
+        self.accepted_length_counts[num_accepted] += 1

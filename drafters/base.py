@@ -1,0 +1,68 @@
+"""The drafter protocol and the registry.
+
+A drafter proposes one draft tree per running sequence, in one batched call for the batch.
+The engine never branches on drafter names: it looks drafters up here by name and calls the four
+hooks below. A drafter that raises or returns a malformed tree does not fail any request: the
+engine falls back to plain decoding for those sequences for that step and counts the error.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Sequence as Seq
+
+from specserve.engine.tree import TokenTree
+from specserve.engine.verify import VerifyResult
+
+
+class Drafter(ABC):
+    """Hooks, in call order for a sequence: start, (propose, accept)*, finish.
+
+    `seq` objects are the engine's sequences: `seq.seq_id`, `seq.token_ids` (prompt + output,
+    the last one being the tree root), `seq.params`. Budgets are the maximum number of draft
+    nodes (root excluded) the scheduler allows for each sequence this step; 0 means "no draft"."""
+
+    name: str = "base"
+
+    def start(self, seq) -> None:
+        """A sequence joins (after its prompt is known)."""
+
+    @abstractmethod
+    def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
+        """One tree per sequence rooted at seq.token_ids[-1], at most budgets[i] draft nodes,
+        or None for no draft."""
+
+    def accept(self, seqs: Seq, results: Seq[VerifyResult]) -> None:
+        """What the target accepted for each sequence proposed for this step."""
+
+    def finish(self, seq) -> None:
+        """A sequence leaves (finished or aborted); drop its state."""
+
+
+DrafterFactory = Callable[..., Drafter]
+_REGISTRY: dict[str, DrafterFactory] = {}
+
+
+def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+    def wrap(factory: DrafterFactory) -> DrafterFactory:
+        _REGISTRY[name] = factory
+        return factory
+    return wrap
+
+
+def available_drafters() -> list[str]:
+    _import_builtin()
+    return sorted(_REGISTRY)
+
+
+def make_drafter(name: str, **kwargs) -> Drafter:
+    """Build a registered drafter; kwargs are the drafter's own options plus engine context
+    (e.g. `tokenizer`, `target_model`) that a drafter may take or ignore."""
+    _import_builtin()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](**kwargs)
+
+
+def _import_builtin() -> None:
+    from specserve.drafters import ngram  # noqa: F401  (registers itself)
