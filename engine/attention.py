@@ -2,9 +2,10 @@
 
 One step's new tokens are a ragged, flattened batch: sequence b owns rows
 `cu_query_lens[b] : cu_query_lens[b+1]` of the query. Its keys are its whole context: the
-`context_lens[b] - query_lens[b]` committed tokens (always fully visible) followed by its own new
-tokens, whose visibility among each other is `masks[b]` (None = causal, i.e. prefill or decode;
-a tree's ancestor mask for speculative verification). New tokens are written to the cache before
+`context_lens[b] - query_lens[b]` committed tokens followed by its own new tokens. `masks[b]`
+governs the last `masks[b].shape[1]` context positions (the new tokens, and for a drafter growing
+a tree level by level also the earlier tree levels); every position before them is fully visible.
+None = causal (prefill or decode); a tree's ancestor mask for speculative verification. New tokens are written to the cache before
 attention, in the slots `slot_mapping` names, so the new-token part of the context is read back from
 the cache like the prefix.
 """
@@ -25,7 +26,7 @@ class AttnMetadata:
     slot_mapping: torch.Tensor        # [num_tokens] int64 cache slot of each new token
     context_slots: torch.Tensor       # [B, max_context_len] int64 cache slot of each key position (padded with 0)
     block_tables: torch.Tensor        # [B, max_blocks] int32 (for paged kernels)
-    masks: list[torch.Tensor | None]  # per sequence: [q, q] bool, True = row token sees column token; None = causal
+    masks: list[torch.Tensor | None]  # per sequence: [q, m >= q] bool over the last m keys, True = visible; None = causal
 
     @property
     def num_seqs(self) -> int:
@@ -87,13 +88,11 @@ def build_attn_metadata(
     return positions, meta
 
 
-def _full_mask(mask: torch.Tensor | None, q_len: int, ctx_len: int, device) -> torch.Tensor | None:
-    """[q, ctx] visibility: the committed prefix is visible to all rows, then the new-token mask."""
-    prefix = ctx_len - q_len
+def _full_mask(mask: torch.Tensor | None, q_len: int, ctx_len: int, device) -> torch.Tensor:
+    """[q, ctx] visibility: keys before the masked tail are visible to all rows."""
     if mask is None:
-        if prefix == 0:
-            return None  # pure causal, SDPA's is_causal
         mask = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril_()
+    prefix = ctx_len - mask.shape[1]
     full = torch.ones(q_len, ctx_len, dtype=torch.bool, device=device)
     full[:, prefix:] = mask
     return full
@@ -130,9 +129,6 @@ def paged_attention_reference(
         ks = k_cache[slots].transpose(0, 1)                                      # [Hkv, ctx, D]
         vs = v_cache[slots].transpose(0, 1)
         mask = _full_mask(meta.masks[b], q_len, ctx, q.device)
-        if mask is None:
-            # causal over the group-folded rows: row (g, i) sees columns <= i
-            mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device).tril_()
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.repeat(group, 1), scale=scale)
         out[start:start + q_len] = o.view(num_kv, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
             q_len, num_heads, head_dim)

@@ -168,13 +168,17 @@ def _load_hf_folder(folder: Path, name: str) -> LoadedModel:
         raise ModelNotFoundError(f"{folder} has no config.json, so it is not an HF model folder{hint}")
     raw = json.loads(config_file.read_text())
     _check_supported(raw.get("model_type"), raw.get("architectures"), folder)
-    config = transformers.AutoConfig.from_pretrained(folder)
+    if "quantization_config" in raw:
+        method = raw["quantization_config"].get("quant_method", "?")
+        raise UnsupportedModelError(f"{folder}: {method}-quantized checkpoints are not supported; use the "
+                                    "unquantised weights (or a GGUF file, which is dequantised on load)")
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
 
     generation_config = None
     if (folder / "generation_config.json").is_file():
-        generation_config = transformers.GenerationConfig.from_pretrained(folder)
+        generation_config = transformers.GenerationConfig.from_pretrained(folder, local_files_only=True)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, use_fast=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, use_fast=True, local_files_only=True)
     except (OSError, ValueError, TypeError) as e:
         raise ModelNotFoundError(f"{folder}: no usable tokenizer (tokenizer.json or tokenizer.model + "
                                  f"tokenizer_config.json): {e}") from e
@@ -263,7 +267,10 @@ def _convert_gguf(path: Path, out: Path) -> None:
     import transformers
 
     folder, file = str(path.parent), path.name
-    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=file)
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, gguf_file=file)
+    except ValueError as e:  # not a GGUF, or an architecture transformers cannot convert
+        raise UnsupportedModelError(f"{path}: transformers cannot convert this GGUF: {e}") from e
     _check_supported(config.model_type, getattr(config, "architectures", None), path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
     _fix_gguf_tokenizer(tokenizer, path)
@@ -271,6 +278,9 @@ def _convert_gguf(path: Path, out: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, config=config)
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.*"):  # left by a killed conversion
+        if time.time() - stale.stat().st_mtime > 3600:
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private

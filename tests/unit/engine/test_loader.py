@@ -96,6 +96,15 @@ def test_unknown_model_type_is_unsupported(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_quantized_checkpoint_is_unsupported(tmp_path, tiny_llama_dir):
+    folder = Path(shutil.copytree(tiny_llama_dir, tmp_path / "awq"))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="awq"):
+        load_model(str(folder))
+
+
 @pytest.mark.parametrize("model", ["/nonexistent/model/folder", "./not-here", "no such model"])
 def test_missing_path_raises_model_not_found(model):
     with pytest.raises(ModelNotFoundError):
@@ -259,6 +268,14 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, tiny_gguf, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         load_model(str(tiny_gguf), cache_dir=tmp_path)
     assert list((tmp_path / "gguf").iterdir()) == []  # neither the final folder nor the temp dir
+
+
+def test_corrupt_gguf_is_reported_and_not_cached(tmp_path):
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"not a gguf at all" * 100)
+    with pytest.raises(UnsupportedModelError, match="bogus.gguf"):
+        load_model(str(bogus), cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").iterdir())
 
 
 def test_cache_key_depends_on_content(tmp_path):
