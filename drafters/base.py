@@ -65,4 +65,4 @@ def make_drafter(name: str, **kwargs) -> Drafter:
 
 
 def _import_builtin() -> None:
-    from specserve.drafters import ngram  # noqa: F401  (registers itself)
+    from specserve.drafters import draft_model, ngram  # noqa: F401  (they register themselves)

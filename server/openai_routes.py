@@ -1,0 +1,567 @@
+"""The OpenAI endpoints: /v1/chat/completions, /v1/completions, /v1/models, plus /health.
+
+Each completion request: validate (pydantic) -> check model and drafter -> build the prompt token
+ids -> `SamplingParams` -> `engine.add_request` -> stream `RequestOutput` deltas back as one JSON
+body or as SSE chunks. Errors leave as `OpenAIError` and become OpenAI's error body in `app.py`.
+
+A request whose client disconnects is aborted in the engine (its KV blocks return to the pool):
+a watcher task waits for the ASGI ``http.disconnect`` message while the request runs, for streamed
+and non-streamed requests alike; closing the SSE generator (Starlette cancels it on disconnect)
+aborts it as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from specserve.engine.errors import EngineDeadError, EngineError, InvalidRequestError, QueueFullError
+from specserve.engine.outputs import RequestOutput, TokenLogprob
+from specserve.engine.sampling_params import SamplingParams
+from specserve.server.metrics import RequestTracker, ServerMetrics
+from specserve.server.protocol import (ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChoice,
+                                       ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
+                                       ChatMessage, ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
+                                       CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                       ErrorInfo, ErrorResponse, ModelCard, ModelList, SamplingFields,
+                                       SpeculativeOptions, SpeculativeUsage, TopLogprob, UsageInfo)
+
+logger = logging.getLogger("specserve.server")
+
+MIN_LOGPROB = -9999.0          # stands in for -inf, which JSON cannot carry (vLLM does the same)
+DEFAULT_MODEL_ALIAS = "default"  # always names the served model, whatever its name
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class OpenAIError(Exception):
+    """An error answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=self.info).model_dump(mode="json"), status_code=self.status_code,
+                            headers=headers)
+
+
+def engine_error(exc: EngineError, prompt_param: str | None = None) -> OpenAIError:
+    """Map an engine error to its HTTP status: 400 invalid, 429 queue full, 503 engine dead."""
+    if isinstance(exc, InvalidRequestError):
+        param = exc.param
+        if param in ("messages", "prompt") and prompt_param is not None:
+            param = prompt_param
+        code = "context_length_exceeded" if "context length" in str(exc) else None
+        return OpenAIError(400, str(exc), param=param, code=code)
+    if isinstance(exc, QueueFullError):
+        return OpenAIError(429, str(exc), type="rate_limit_error", code="queue_full")
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, str(exc), type="service_unavailable_error", code="engine_dead")
+    return OpenAIError(500, f"engine error: {exc}", type="server_error")
+
+
+# ---- token strings for logprobs ---------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable-character table used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class TokenRenderer:
+    """Token id -> (string, UTF-8 bytes) as OpenAI's logprobs show them; cached per id.
+
+    Byte-level BPE pieces map back to their exact bytes (a piece may hold half a UTF-8 character:
+    its string then carries U+FFFD, its bytes are exact); SentencePiece pieces turn ``▁`` into a
+    space and ``<0xNN>`` into that byte; special tokens show as written.
+    """
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, bytes]] = {}
+        decoder = str(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", "") or "")
+        self._byte_decoder = {c: b for b, c in _bytes_to_unicode().items()} if "ByteLevel" in decoder else None
+        self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
+
+    def render(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._render(token_id)
+        return hit
+
+    def _render(self, token_id: int) -> tuple[str, bytes]:
+        piece = self._tok.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return "", b""
+        if token_id in self._special:
+            return piece, piece.encode()
+        if self._byte_decoder is not None and all(c in self._byte_decoder for c in piece):
+            raw = bytes(self._byte_decoder[c] for c in piece)
+            return raw.decode("utf-8", errors="replace"), raw
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                raw = bytes([int(piece[3:5], 16)])
+                return raw.decode("utf-8", errors="replace"), raw
+            except ValueError:
+                pass
+        if "▁" in piece:
+            text = piece.replace("▁", " ")
+        else:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+        return text, text.encode()
+
+    def chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:
+        content = []
+        for lp in logprobs:
+            text, raw = self.render(lp.token_id)
+            top = []
+            for tid, value in lp.top:
+                t, b = self.render(tid)
+                top.append(TopLogprob(token=t, logprob=max(value, MIN_LOGPROB), bytes=list(b)))
+            content.append(ChatTokenLogprob(token=text, logprob=max(lp.logprob, MIN_LOGPROB), bytes=list(raw),
+                                            top_logprobs=top))
+        return ChatChoiceLogprobs(content=content)
+
+    def completion_logprobs(self, logprobs: list[TokenLogprob], text_offset: int) -> tuple[CompletionLogprobs, int]:
+        """OpenAI's legacy shape; `text_offset` is where this delta starts in the choice's text.
+        Returns the logprobs and the offset after them."""
+        out = CompletionLogprobs()
+        for lp in logprobs:
+            text, _ = self.render(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
+            top: dict[str, float] = {}
+            for tid, value in lp.top:
+                top.setdefault(self.render(tid)[0], max(value, MIN_LOGPROB))
+            out.top_logprobs.append(top)
+            out.text_offset.append(text_offset)
+            text_offset += len(text)
+        return out, text_offset
+
+
+# ---- server state -----------------------------------------------------------------------------
+
+
+@dataclass
+class ServerState:
+    """What the routes need, kept on ``app.state.specserve``."""
+
+    engine: object                       # AsyncEngine (duck-typed so tests may stand in a fake)
+    model_name: str                      # the served model name, echoed in every response
+    metrics: ServerMetrics
+    api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    renderer: TokenRenderer | None = None
+
+    def __post_init__(self) -> None:
+        if self.renderer is None:
+            self.renderer = TokenRenderer(self.engine.tokenizer)
+
+    @property
+    def model_aliases(self) -> set[str]:
+        return {self.model_name, self.engine.model_name, DEFAULT_MODEL_ALIAS}
+
+    @property
+    def loaded_drafters(self) -> list[str]:
+        """The engine's loaded drafters ("none", plain decoding, is always available besides)."""
+        return list(getattr(self.engine, "drafter_names", None) or [])
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.specserve
+
+
+async def check_api_key(request: Request) -> None:
+    """Bearer-token check for /v1/*, when the server has an API key."""
+    key = get_state(request).api_key
+    if not key:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        raise OpenAIError(401, "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+                          code="invalid_api_key")
+
+
+router = APIRouter()
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+
+# ---- request -> engine ------------------------------------------------------------------------
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.model_aliases:
+        raise OpenAIError(404, f"The model `{model}` does not exist. This server serves `{state.model_name}`.",
+                          param="model", code="model_not_found")
+
+
+def _drafter_args(state: ServerState, spec: SpeculativeOptions | None) -> dict:
+    """The `speculative` extension, validated against the loaded drafters, as `add_request` keyword
+    arguments: {} (the server's default drafter) or {"drafter": name} ("none" = plain decoding).
+    Options besides `drafter` are accepted but not used yet."""
+    if spec is None or not spec.drafter:
+        return {}
+    loaded = state.loaded_drafters
+    if spec.wants_drafter and spec.drafter not in loaded:
+        raise OpenAIError(400, f"no drafter {spec.drafter!r} is loaded; loaded drafters: {loaded} "
+                               "(\"none\" = plain decoding is always available)",
+                          param="speculative.drafter", code="drafter_not_loaded")
+    if not hasattr(state.engine, "drafter_names"):     # an engine without speculation: "none" is all there is
+        return {}
+    return {"drafter": spec.drafter}
+
+
+def _spec_usage(out: RequestOutput | None) -> SpeculativeUsage | None:
+    """The response's `speculative` block, when the request was decoded with a drafter."""
+    spec = getattr(out, "spec", None)
+    if spec is None or not spec.drafter:
+        return None
+    return SpeculativeUsage(drafter=spec.drafter, draft_tokens=spec.num_draft_tokens,
+                            accepted_tokens=spec.num_accepted_tokens, target_forwards=spec.num_target_forwards,
+                            mean_accepted_length=round(spec.mean_accepted_length, 4))
+
+
+def _chat_prompt_ids(state: ServerState, messages: list[ChatMessage]) -> list[int]:
+    tokenizer = state.engine.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise OpenAIError(400, "this model has no chat template; use /v1/completions with a plain prompt",
+                          param="messages")
+    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation (e.g. role order) is a 400
+        raise OpenAIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _completion_prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return state.engine.tokenizer.encode(prompt, add_special_tokens=True)
+    return list(prompt)
+
+
+def _sampling_params(state: ServerState, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
+                     logprobs: int | None, prompt_param: str) -> SamplingParams:
+    max_model_len = state.engine.max_model_len
+    room = max_model_len - num_prompt_tokens
+    if num_prompt_tokens and (room < 1 or (max_tokens is not None and max_tokens > room)):
+        asked = max_tokens if max_tokens is not None else 1
+        raise OpenAIError(
+            400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                 f"{num_prompt_tokens + asked} tokens ({num_prompt_tokens} in the {prompt_param}, {asked} in the "
+                 f"completion). Please reduce the length of the {prompt_param} or of max_tokens.",
+            param=prompt_param, code="context_length_exceeded")
+    try:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            max_tokens=max_tokens if max_tokens is not None else max(room, 1),
+            min_tokens=body.min_tokens,
+            stop=body.stop_list,
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+            seed=body.seed,
+            n=body.n or 1,
+            logprobs=logprobs,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+    except InvalidRequestError as exc:
+        raise engine_error(exc, prompt_param) from exc
+
+
+class EngineCall:
+    """One request in the engine, seen from the edge: iterate it for `RequestOutput`s (metrics are
+    observed on the way), `watch()` aborts it when the client disconnects, `close()` always runs."""
+
+    def __init__(self, state: ServerState, raw: Request, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams, prompt_param: str, drafter_args: dict):
+        self.state = state
+        self.raw = raw
+        self.request_id = request_id
+        self.disconnected = False
+        self._watcher: asyncio.Task | None = None
+        try:
+            self.stream = state.engine.add_request(request_id, prompt_ids, params, **drafter_args)
+        except EngineError as exc:
+            raise engine_error(exc, prompt_param) from exc
+        raw.state.specserve_tracked = True          # from here on the tracker counts this request's outcome
+        self.tracker: RequestTracker = state.metrics.track()
+
+    def watch(self) -> None:
+        if self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_disconnect())
+
+    async def _watch_disconnect(self) -> None:
+        while True:
+            message = await self.raw.receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected = True
+                logger.info("client of %s disconnected; aborting it", self.request_id)
+                self.state.engine.abort(self.request_id)   # the stream then ends with finish_reason "abort"
+                return
+
+    def __aiter__(self) -> "EngineCall":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        out = await self.stream.__anext__()
+        self.tracker.observe(out)
+        return out
+
+    def failed(self) -> None:
+        self.tracker.finish("error")
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        await self.stream.aclose()
+        self.tracker.finish()
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def _sse_error(exc: EngineError) -> str:
+    return _sse(ErrorResponse(error=engine_error(exc).info).model_dump_json())
+
+
+def _usage(out: RequestOutput | None) -> UsageInfo:
+    if out is None:
+        return UsageInfo()
+    return UsageInfo(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_generated_tokens,
+                     total_tokens=out.num_prompt_tokens + out.num_generated_tokens)
+
+
+def _streaming_response(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+# ---- chat completions -------------------------------------------------------------------------
+
+
+@v1.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+    state = get_state(raw)
+    _check_model(state, body.model)
+    drafter_args = _drafter_args(state, body.speculative)
+    prompt_ids = _chat_prompt_ids(state, body.messages)
+    params = _sampling_params(state, body, len(prompt_ids), body.requested_max_tokens, body.num_logprobs,
+                              "messages")
+    call = EngineCall(state, raw, _new_id("chatcmpl"), prompt_ids, params, "messages", drafter_args)
+    if body.stream:
+        return _streaming_response(_chat_stream(state, body, call, params.n))
+    return await _chat_full(state, body, call, params.n)
+
+
+async def _chat_full(state: ServerState, body: ChatCompletionRequest, call: EngineCall, n: int) -> Response:
+    texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    stop_reasons: list[str | int | None] = [None] * n
+    final = None
+    call.watch()
+    try:
+        async for out in call:
+            for d in out.outputs:
+                texts[d.index].append(d.text)
+                if d.logprobs:
+                    logprobs[d.index].extend(d.logprobs)
+                if d.finish_reason:
+                    finish[d.index], stop_reasons[d.index] = d.finish_reason, d.stop_reason
+            final = out
+    except EngineError as exc:
+        call.failed()
+        raise engine_error(exc) from exc
+    finally:
+        await call.close()
+    if call.disconnected:
+        return Response(status_code=499)   # nobody is listening
+    choices = [
+        ChatCompletionChoice(
+            index=i, message=ChatResponseMessage(content="".join(texts[i])),
+            logprobs=state.renderer.chat_logprobs(logprobs[i]) if body.logprobs else None,
+            finish_reason=finish[i], stop_reason=stop_reasons[i])
+        for i in range(n)]
+    response = ChatCompletionResponse(id=call.request_id, model=state.model_name, choices=choices,
+                                      usage=_usage(final), speculative=_spec_usage(final))
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+async def _chat_stream(state: ServerState, body: ChatCompletionRequest, call: EngineCall,
+                       n: int) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None,
+              speculative: SpeculativeUsage | None = None) -> str:
+        return _sse(ChatCompletionChunk(id=call.request_id, created=created, model=state.model_name,
+                                        choices=choices, usage=usage, speculative=speculative).model_dump_json())
+
+    call.watch()
+    final = None
+    try:
+        for i in range(n):
+            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+        async for out in call:
+            if call.disconnected:
+                return
+            for d in out.outputs:
+                if not (d.text or d.finish_reason or d.logprobs):
+                    continue
+                yield chunk([ChatChunkChoice(
+                    index=d.index, delta=ChatDelta(content=d.text if d.text or not d.finish_reason else None),
+                    logprobs=state.renderer.chat_logprobs(d.logprobs) if body.logprobs and d.logprobs else None,
+                    finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+            final = out
+        if body.include_usage:
+            yield chunk([], usage=_usage(final), speculative=_spec_usage(final))
+        yield _sse("[DONE]")
+    except EngineError as exc:
+        call.failed()
+        yield _sse_error(exc)
+        yield _sse("[DONE]")
+    finally:
+        await call.close()
+
+
+# ---- completions ------------------------------------------------------------------------------
+
+
+@v1.post("/completions")
+async def completions(body: CompletionRequest, raw: Request) -> Response:
+    state = get_state(raw)
+    _check_model(state, body.model)
+    drafter_args = _drafter_args(state, body.speculative)
+    prompt_ids = _completion_prompt_ids(state, body.single_prompt)
+    params = _sampling_params(state, body, len(prompt_ids), body.max_tokens, body.logprobs, "prompt")
+    call = EngineCall(state, raw, _new_id("cmpl"), prompt_ids, params, "prompt", drafter_args)
+    if body.stream:
+        return _streaming_response(_completion_stream(state, body, call))
+    return await _completion_full(state, body, call, params.n)
+
+
+async def _completion_full(state: ServerState, body: CompletionRequest, call: EngineCall, n: int) -> Response:
+    texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    stop_reasons: list[str | int | None] = [None] * n
+    final = None
+    call.watch()
+    try:
+        async for out in call:
+            for d in out.outputs:
+                texts[d.index].append(d.text)
+                if d.logprobs:
+                    logprobs[d.index].extend(d.logprobs)
+                if d.finish_reason:
+                    finish[d.index], stop_reasons[d.index] = d.finish_reason, d.stop_reason
+            final = out
+    except EngineError as exc:
+        call.failed()
+        raise engine_error(exc) from exc
+    finally:
+        await call.close()
+    if call.disconnected:
+        return Response(status_code=499)
+    choices = [
+        CompletionChoice(
+            index=i, text="".join(texts[i]),
+            logprobs=state.renderer.completion_logprobs(logprobs[i], 0)[0] if body.logprobs is not None else None,
+            finish_reason=finish[i], stop_reason=stop_reasons[i])
+        for i in range(n)]
+    response = CompletionResponse(id=call.request_id, model=state.model_name, choices=choices, usage=_usage(final),
+                                  speculative=_spec_usage(final))
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+async def _completion_stream(state: ServerState, body: CompletionRequest, call: EngineCall) -> AsyncIterator[str]:
+    created = int(time.time())
+    offsets: dict[int, int] = {}
+
+    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None,
+              speculative: SpeculativeUsage | None = None) -> str:
+        return _sse(CompletionChunk(id=call.request_id, created=created, model=state.model_name,
+                                    choices=choices, usage=usage, speculative=speculative).model_dump_json())
+
+    call.watch()
+    final = None
+    try:
+        async for out in call:
+            if call.disconnected:
+                return
+            for d in out.outputs:
+                if not (d.text or d.finish_reason or d.logprobs):
+                    continue
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs, offsets[d.index] = state.renderer.completion_logprobs(d.logprobs or [],
+                                                                                    offsets.get(d.index, 0))
+                yield chunk([CompletionChoice(index=d.index, text=d.text, logprobs=logprobs,
+                                              finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+            final = out
+        if body.include_usage:
+            yield chunk([], usage=_usage(final), speculative=_spec_usage(final))
+        yield _sse("[DONE]")
+    except EngineError as exc:
+        call.failed()
+        yield _sse_error(exc)
+        yield _sse("[DONE]")
+    finally:
+        await call.close()
+
+
+# ---- models and health ------------------------------------------------------------------------
+
+
+def _model_card(state: ServerState) -> ModelCard:
+    return ModelCard(id=state.model_name, created=state.created, max_model_len=state.engine.max_model_len)
+
+
+@v1.get("/models")
+async def list_models(raw: Request) -> JSONResponse:
+    return JSONResponse(ModelList(data=[_model_card(get_state(raw))]).model_dump(mode="json"))
+
+
+@v1.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, raw: Request) -> JSONResponse:
+    state = get_state(raw)
+    _check_model(state, model_id)
+    return JSONResponse(_model_card(state).model_dump(mode="json"))
+
+
+@router.get("/health")
+async def health(raw: Request) -> Response:
+    """200 while the engine's step loop is alive, 503 otherwise (for load balancers and k8s probes)."""
+    engine = get_state(raw).engine
+    if getattr(engine, "is_alive", True):
+        return JSONResponse({"status": "ok"})
+    return OpenAIError(503, "the engine loop is not running", type="service_unavailable_error",
+                       code="engine_dead").response()
+
+
+router.include_router(v1)
