@@ -15,15 +15,12 @@ from pathlib import Path
 
 import torch
 
+from specserve.bench.common import build_hf_model, chat_ids, run_hf
 from specserve.bench.datasets import load_prompts
 from specserve.engine.config import EngineConfig
 from specserve.engine.core import LLMEngine
 from specserve.engine.loader import load_model
 from specserve.engine.sampling_params import SamplingParams
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
 
 
 def run_ours(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[int, float, list[list[int]]]:
@@ -39,21 +36,6 @@ def run_ours(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tu
         elapsed += time.perf_counter() - t0
         total += len(toks)
         outs.append(toks)
-    return total, elapsed, outs
-
-
-def run_hf(hf, prompts: list[list[int]], max_tokens: int) -> tuple[int, float, list[list[int]]]:
-    outs, total, elapsed = [], 0, 0.0
-    for p in prompts:
-        ids = torch.tensor([p])
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                              min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-        elapsed += time.perf_counter() - t0
-        new = out[0, len(p):].tolist()
-        total += len(new)
-        outs.append(new)
     return total, elapsed, outs
 
 
@@ -73,11 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_model(args.model)
     engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_model_len=2048,
                                     max_num_seqs=1), loaded=loaded)
-    hf_cls = getattr(transformers, loaded.hf_config.architectures[0]) if loaded.hf_config.architectures else transformers.LlamaForCausalLM
-    hf = hf_cls(loaded.hf_config)
-    hf.load_state_dict(loaded.state_dict, strict=False)
-    hf.tie_weights()
-    hf.eval()
+    hf = build_hf_model(loaded)
     prompts = [chat_ids(loaded.tokenizer, t) for t in load_prompts(args.dataset, args.num_prompts)]
     # warm-up both on a short prompt
     run_ours(engine, prompts[:1], 8)

@@ -64,5 +64,33 @@ def make_drafter(name: str, **kwargs) -> Drafter:
     return _REGISTRY[name](**kwargs)
 
 
+def _option_value(text: str):
+    """'4' -> 4, '0.5' -> 0.5, 'true'/'false' -> bool, 'none' -> None, anything else stays text."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_drafter_options(items: Seq[str]) -> dict[str, dict]:
+    """`["draft_model.k_config=4,2,2,1", "ngram.max_ngram=3"]` -> `{"draft_model": {"k_config": "4,2,2,1"},
+    "ngram": {"max_ngram": 3}}`. Values become int, float, bool or None where they read as one."""
+    options: dict[str, dict] = {}
+    for item in items:
+        name, dot, rest = item.partition(".")
+        key, eq, value = rest.partition("=")
+        if not (name and dot and key and eq):
+            raise ValueError(f"drafter option {item!r} is not DRAFTER.KEY=VALUE")
+        options.setdefault(name.strip(), {})[key.strip().replace("-", "_")] = _option_value(value.strip())
+    return options
+
+
 def _import_builtin() -> None:
-    from specserve.drafters import draft_model, ngram  # noqa: F401  (they register themselves)
+    from specserve.drafters import draft_model, mag, ngram  # noqa: F401  (they register themselves)

@@ -8,7 +8,8 @@ the target's. Each step, per sequence:
 2. grow the tree level by level with a k-configuration (k1, k2, ...): every node of level d-1
    gets k_d children, drawn **without replacement** from the draft distribution q at that node
    (Gumbel-top-k, so the residual rule of verification stays exact) — or the top-k_d tokens for
-   greedy requests (deterministic drafts). A chain (SpS) is the k-configuration (1, 1, ..., 1).
+   greedy requests and with `deterministic=True` (deterministic drafts: one-hot q, lossless under
+   sampling too). A chain (SpS) is the k-configuration (1, 1, ..., 1).
    All sequences of the batch advance one level per draft forward, each level attending to the
    prefix plus its own ancestors (tree mask over the tree so far);
 3. after verification keep only the accepted path's KV.
@@ -62,10 +63,11 @@ class DraftModelDrafter(Drafter):
     def __init__(self, *, target: LlamaModel, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, tokenizer=None, draft_model: str | None = None, draft_layers: int | None = None,
                  k_config="chain:4", num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 8,
-                 target_init_width: int = 1, **_):
+                 target_init_width: int = 1, deterministic: bool = False, **_):
         if target_init_width != 1:
             raise ValueError("target_init_width > 1 (MCSD target-initialised roots) is lossy and not available yet")
         self.k_config = parse_k_config(k_config)
+        self.deterministic = deterministic
         self.template = TreeTemplate.from_branching(self.k_config)
         self.device = device
         if draft_model:
@@ -115,7 +117,9 @@ class DraftModelDrafter(Drafter):
         depths = [tree_depths(p) for p in parents]
         tokens = [[s.token_ids[-1]] for s in seqs]
         probs: list[list[torch.Tensor | None]] = [[None] for _ in seqs]
-        greedy = [s.params.greedy for s in seqs]
+        # top-k children, one-hot q (deterministic drafts) for greedy requests or when asked for;
+        # otherwise children drawn from q without replacement (stochastic drafts)
+        top_k = [self.deterministic or s.params.greedy for s in seqs]
 
         # 1. catch up on committed tokens (the root last): logits at the root
         starts = [st.draft_len for st in states]
@@ -153,7 +157,7 @@ class DraftModelDrafter(Drafter):
                 if not level:
                     continue
                 k = self.k_config[depth - 1]
-                if greedy[b]:
+                if top_k[b]:
                     picks = logits_b.topk(k, dim=-1).indices
                     q = None
                 else:
@@ -200,10 +204,9 @@ class DraftModelDrafter(Drafter):
         for b, i in enumerate(live):
             if len(tokens[b]) > 1:
                 dp = None
-                if not greedy[b]:
+                if not top_k[b]:
                     rows = [p if p is not None else torch.zeros(self.vocab, device=self.device) for p in probs[b]]
-                    dp = torch.stack(rows) ** 3
-                    dp = dp / dp.sum(-1, keepdim=True).clamp_min(1e-9)
+                    dp = torch.stack(rows)
                 trees[i] = TokenTree(tokens[b], parents[b][:len(tokens[b])], dp)
         return trees
 

@@ -37,6 +37,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        unloaded = sorted(set(self.drafter_options) - set(self.drafters))
+        if unloaded:
+            raise ValueError(f"options given for drafters that are not loaded: {', '.join(unloaded)} "
+                             f"(load them with --drafter NAME)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queue_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")

@@ -66,6 +66,14 @@ def _sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.argmax(p / noise.clamp_min(1e-20)))
 
 
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The target distribution left after a draft drawn from q was rejected: norm(max(0, p - q)).
+    When p <= q everywhere (no mass left) p is kept; the walk then can only stop and sample."""
+    r = (p - q).clamp_min_(0.0)
+    mass = r.sum()
+    return r / mass if mass > 0 else p
+
+
 def verify_sampling(
     tokens: list[int],                     # [n]
     parents: list[int],                    # [n]
@@ -98,10 +106,7 @@ def verify_sampling(
             if qx > 0 and u * qx < px:        # accept with probability min(1, p(x)/q(x))
                 accepted = c
                 break
-            residual = (p - q).clamp_min_(0.0)
-            mass = residual.sum()
-            if mass > 0:
-                p = residual / mass
+            p = residual(p, q)
             removed.append(x)
         if accepted is None:
             return VerifyResult(nodes, [tokens[c] for c in nodes], _sample(p, generator))

@@ -65,13 +65,31 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-draft-tokens-per-step", type=int, default=d["max_draft_tokens_per_step"], metavar="N",
                    help="draft-tree nodes of all sequences together per step; the per-sequence budget shrinks "
                         "under load (default: %(default)s)")
+    s.add_argument("--draft-model", metavar="SOURCE",
+                   help="the draft_model drafter's model: anything --model accepts (same tokenizer as the target), "
+                        "or 'target:N' for the target's first N layers with its norm and LM head (shared weights, "
+                        "no extra memory); default target:<a quarter of its layers>")
+    s.add_argument("--drafter-option", dest="drafter_option", action="append", default=[],
+                   metavar="DRAFTER.KEY=VALUE",
+                   help="an option of a loaded drafter (repeatable), e.g. draft_model.k_config=4,2,2,1, "
+                        "ngram.max_ngram=3, mag.max_tokens=10; values are parsed as int, float, true/false or text")
 
 
 def _engine_config(args: argparse.Namespace):
     from specserve.engine.config import EngineConfig
 
+    from specserve.drafters.base import parse_drafter_options
+
     values = {name: getattr(args, name) for name in ENGINE_DEFAULTS}
     values["drafters"] = tuple(values["drafters"] or ())
+    options = parse_drafter_options(args.drafter_option)
+    if args.draft_model:
+        source = args.draft_model
+        if source.startswith("target:"):
+            options.setdefault("draft_model", {})["draft_layers"] = int(source.split(":", 1)[1])
+        else:
+            options.setdefault("draft_model", {})["draft_model"] = source
+    values["drafter_options"] = options
     return EngineConfig(**values)
 
 
@@ -218,15 +236,34 @@ async def _stream_to_terminal(engine, prompt_ids: list[int], params) -> int:
 # ---- bench and train ----------------------------------------------------------------------------
 # >>> Owned by the benchmark and drafter-training work: replace `_add_bench` / `_add_train` with the real
 # >>> subcommands (keep the signature: register a subparser on `sub`, set_defaults(func=...) returning an
-# >>> exit status). Until then they exist so that `specserve bench|train` answers clearly.
+# >>> exit status). Until then `_not_yet` makes `specserve train` answer clearly.
+
+
+BENCHMARKS = {   # name -> (module with main(argv), what it measures)
+    "spec": ("specserve.bench.spec_decode", "speculative decoding: each drafter vs plain decoding and transformers"),
+    "plain": ("specserve.bench.plain_decode", "plain decoding: our engine vs transformers generate"),
+    "serve": ("specserve.bench.serve_throughput", "server throughput with concurrent streaming clients"),
+}
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (not wired into the CLI yet)",
-                       description="Not wired into the CLI yet; run the modules directly, e.g. "
-                                   "python -m specserve.bench.plain_decode --help or "
-                                   "python -m specserve.bench.serve_throughput --help")
-    p.set_defaults(func=_not_yet("bench", "python -m specserve.bench.plain_decode"))
+    listing = "\n".join(f"  {name:6} {what}" for name, (_, what) in BENCHMARKS.items())
+    p = sub.add_parser(
+        "bench", help="benchmarks: speculative decoding, plain decoding, server throughput",
+        description=f"Run a benchmark; the options after its name are its own.\n\n{listing}\n\n"
+                    "Run 'specserve bench BENCHMARK --help' for a benchmark's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("benchmark", choices=list(BENCHMARKS), metavar="BENCHMARK", help=", ".join(BENCHMARKS))
+    rest = p.add_argument("args", nargs=argparse.REMAINDER, metavar="...", help="the benchmark's own options")
+    rest.required = False   # argparse marks a REMAINDER positional required; an empty rest is fine
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(BENCHMARKS[args.benchmark][0])
+    return int(module.main(args.args) or 0)
 
 
 def _add_train(sub) -> None:

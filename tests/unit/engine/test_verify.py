@@ -3,8 +3,10 @@ multi-candidate speculative sampling, tested statistically on the joint law of t
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from specserve.engine import verify
 from specserve.engine.tree import NO_PARENT
 from specserve.engine.verify import verify_greedy, verify_sampling
 
@@ -76,7 +78,7 @@ def joint_two_tokens(trials: int, deterministic: bool, seed: int = 0) -> tuple[t
             for gk in grandkids[k]:
                 # the target distribution after (k, gk) is irrelevant to the first two tokens
                 tokens.append(gk), parents.append(node), rows_p.append(torch.full((V,), 1.0 / V)), rows_q.append(q2[k])
-        r = verify_sampling(tokens, parents, torch.stack(rows_p), None if deterministic else torch.stack(rows_q), g)
+        r = verify.verify_sampling(tokens, parents, torch.stack(rows_p), None if deterministic else torch.stack(rows_q), g)
         out = r.tokens
         if len(out) == 1:
             out = out + [int(torch.multinomial(p2[out[0]], 1, generator=g))]
@@ -84,14 +86,30 @@ def joint_two_tokens(trials: int, deterministic: bool, seed: int = 0) -> tuple[t
     return counts / trials, p1[:, None] * p2
 
 
+TV_BOUND = 0.035   # sampling noise of 12k trials on 36 outcomes is ~0.02
+
+
 def test_sampling_is_lossless_with_stochastic_multi_candidate_drafts():
     emp, exact = joint_two_tokens(12_000, deterministic=False)
-    assert (emp - exact).abs().sum() / 2 < 0.035   # total variation; a biased walk is far above this
+    assert (emp - exact).abs().sum() / 2 < TV_BOUND
 
 
 def test_sampling_is_lossless_with_deterministic_drafts():
     emp, exact = joint_two_tokens(12_000, deterministic=True, seed=1)
-    assert (emp - exact).abs().sum() / 2 < 0.035
+    assert (emp - exact).abs().sum() / 2 < TV_BOUND
+
+
+@pytest.mark.parametrize("broken", ["no_residual_update", "residual_without_clamp"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_statistical_test_catches_a_wrong_residual_update(monkeypatch, broken, deterministic):
+    """The same test with a deliberately wrong residual rule must fail: it has the power to see it."""
+    wrong = {
+        "no_residual_update": lambda p, q: p,                        # forget the rejected mass
+        "residual_without_clamp": lambda p, q: (p - 0.5 * q).abs() / (p - 0.5 * q).abs().sum(),
+    }[broken]
+    monkeypatch.setattr(verify, "residual", wrong)
+    emp, exact = joint_two_tokens(12_000, deterministic=deterministic, seed=int(deterministic))
+    assert (emp - exact).abs().sum() / 2 > TV_BOUND
 
 
 def test_perfect_drafter_accepts_everything():

@@ -1,0 +1,68 @@
+"""Helpers shared by the benchmark runners: prompt encoding, the transformers reference model and its
+`generate` loop, and a description of the machine a measurement ran on."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """`text` as one user turn in the model's chat template (plain encoding when it has none)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(text, add_special_tokens=True)
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+def build_hf_model(loaded, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """The transformers model of a `LoadedModel` (same weights as our engine), in eval mode."""
+    import transformers
+
+    archs = loaded.hf_config.architectures
+    hf_cls = getattr(transformers, archs[0]) if archs else transformers.LlamaForCausalLM
+    hf = hf_cls(loaded.hf_config)
+    hf.load_state_dict(loaded.state_dict, strict=False)
+    hf.tie_weights()
+    return hf.to(device=device, dtype=dtype).eval()
+
+
+def run_hf(hf, prompts: list[list[int]], max_tokens: int, *, temperature: float = 0.0,
+           seeds: list[int] | None = None, prompt_lookup_num_tokens: int | None = None,
+           pad_token_id: int = 0) -> tuple[int, float, list[list[int]]]:
+    """transformers `generate`, one prompt at a time, exactly `max_tokens` new tokens each (EOS
+    suppressed by `min_new_tokens`). Sampling (temperature > 0) is seeded per prompt from `seeds`
+    and uses no top-k/top-p filter. Returns (new tokens, seconds, new token ids per prompt)."""
+    outs, total, elapsed = [], 0, 0.0
+    kwargs: dict = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=pad_token_id)
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs.update(do_sample=False)
+    if prompt_lookup_num_tokens:
+        kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p], device=hf.device)
+        if temperature > 0:
+            torch.manual_seed(seeds[i] if seeds else i)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        new = out[0, len(p):].tolist()
+        elapsed += time.perf_counter() - t0
+        total += len(new)
+        outs.append(new)
+    return total, elapsed, outs
+
+
+def machine_info(device: torch.device | str = "cpu") -> dict:
+    """Where a measurement ran: platform, CPU, torch threads and the accelerator if any."""
+    device = torch.device(device)
+    info = {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
+            "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "device": str(device)}
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+    return info

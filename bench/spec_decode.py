@@ -1,0 +1,473 @@
+"""Speculative decoding benchmark: every selected drafter against our own plain decoding and against
+transformers `generate` (plain and prompt lookup), per dataset and temperature.
+
+    python -m specserve.bench.spec_decode [--drafters ngram mag draft_model] [--datasets mt_bench humaneval gsm8k]
+        [--num-prompts 10] [--max-tokens 128] [--temperature 0 0.7] [--batch-size 1] [--out bench/results/spec_decode]
+    (or: specserve bench spec ...)
+
+One model load, one engine with every drafter loaded; each request names its drafter ("none" = plain
+decoding). For each dataset x temperature the prompts run in batches of --batch-size requests, and
+each batch runs once per method before the next batch starts (interleaved, so slow drift of the
+machine hits every method alike). Every method generates exactly --max-tokens tokens per prompt (EOS
+ignored; transformers gets `min_new_tokens`); sampling is seeded per prompt. Time is wall-clock from
+adding a batch to its last token, prefill included. The transformers baselines run one prompt at a
+time (its assisted generation supports batch 1 only).
+
+Measures (DESIGN.md §8), per drafter x dataset x temperature:
+  tok/s, speedup = tok/s / our plain tok/s (same run, same prompts), and against HF `generate`;
+  τ = generated tokens / target forwards that produced them (bonus included; plain = 1);
+  accepted drafts per draft step (bonus excluded); α = accepted / drafted tokens;
+  accepted by depth d = fraction of draft steps accepting ≥ d tokens; drafter fallbacks.
+At temperature 0 each drafter's output must equal plain decoding token for token: in float32 a
+difference is a losslessness bug, printed loudly and the exit status is 1.
+
+Writes PREFIX.json (all numbers and the setup), PREFIX.md (the table) and PREFIX.png (speedup and τ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+PLAIN = "none"
+DEFAULT_DRAFTERS = ("ngram", "mag", "draft_model")
+DEFAULT_DATASETS = ("mt_bench", "humaneval", "gsm8k")
+# used for a drafter unless --drafter-option sets that key; a truncated target of 4 layers drafts cheaply
+DEFAULT_DRAFTER_OPTIONS = {"draft_model": {"draft_layers": 4}}
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "spec_decode"
+HF_PROMPT_LOOKUP_TOKENS = 10
+WARMUP_TOKENS = 8
+
+
+# ---- arguments --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default",
+                    help="target model, as `specserve serve --model` (default: %(default)s)")
+    ap.add_argument("--drafters", nargs="+", default=None, metavar="NAME",
+                    help=f"drafters to compare (default: {' '.join(DEFAULT_DRAFTERS)}, those registered)")
+    ap.add_argument("--drafter-option", action="append", default=[], metavar="DRAFTER.OPTION=VALUE",
+                    help="a drafter's option, e.g. draft_model.draft_layers=4 or draft_model.k_config=4,2,2,1 "
+                         f"(repeatable; default: {DEFAULT_DRAFTER_OPTIONS})")
+    ap.add_argument("--datasets", nargs="+", default=list(DEFAULT_DATASETS), metavar="NAME_OR_PATH",
+                    help="dataset names or {id, category, turns} JSONL files (default: %(default)s)")
+    ap.add_argument("--num-prompts", type=int, default=10, metavar="N",
+                    help="prompts per dataset (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=128, metavar="N",
+                    help="tokens generated per prompt by every method (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7], metavar="T",
+                    help="temperatures; 0 = greedy, checked token for token (default: 0 0.7)")
+    ap.add_argument("--batch-size", type=int, default=1, metavar="B",
+                    help="requests decoded together; 1 = one at a time (default: %(default)s)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=8, metavar="N",
+                    help="most draft-tree nodes per sequence per step (default: %(default)s)")
+    ap.add_argument("--max-draft-tokens-per-step", type=int, default=64, metavar="N",
+                    help="draft nodes of the whole batch per step (default: %(default)s)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="float32 makes the greedy check exact (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i (default: %(default)s)")
+    ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baselines")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), metavar="PREFIX",
+                    help="writes PREFIX.json, PREFIX.md and PREFIX.png (default: bench/results/spec_decode)")
+    return ap
+
+
+def select_drafters(requested: list[str] | None, available: list[str]) -> tuple[list[str], list[str]]:
+    """(drafters to run, defaults skipped because they are not registered). Unknown names asked
+    for explicitly are an error; "none" is dropped (plain decoding always runs)."""
+    if requested is None:
+        return [d for d in DEFAULT_DRAFTERS if d in available], [d for d in DEFAULT_DRAFTERS if d not in available]
+    unknown = [d for d in requested if d not in available and d != PLAIN]
+    if unknown:
+        raise SystemExit(f"spec_decode: unknown drafter(s) {', '.join(unknown)}; registered: {', '.join(available)}")
+    return list(dict.fromkeys(d for d in requested if d != PLAIN)), []
+
+
+# ---- running ----------------------------------------------------------------------------------
+
+
+class Tally:
+    """One method's totals over a dataset x temperature cell."""
+
+    def __init__(self):
+        self.num_tokens = 0
+        self.seconds = 0.0
+        self.outputs: list[list[int]] = []
+        self.num_target_forwards = 0
+        self.num_spec_tokens = 0     # generated tokens of requests that report speculation figures
+        self.error: str | None = None
+
+    def add(self, num_tokens: int, seconds: float, outputs: list[list[int]], specs=()) -> None:
+        self.num_tokens += num_tokens
+        self.seconds += seconds
+        self.outputs.extend(outputs)
+        for spec in specs:
+            if spec is not None:
+                self.num_target_forwards += spec.num_target_forwards
+                self.num_spec_tokens += spec.num_generated_tokens
+
+    @property
+    def tok_s(self) -> float | None:
+        return self.num_tokens / self.seconds if self.seconds > 0 and self.error is None else None
+
+
+def run_engine_batch(engine, prompts: list[list[int]], params: list, drafter: str, tag: str):
+    """Decode `prompts` together with `drafter`; (tokens, seconds, outputs, spec figures) in prompt order."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    specs: dict[str, object] = {}
+    t0 = time.perf_counter()
+    for rid, prompt, p in zip(ids, prompts, params):
+        engine.add_request(rid, prompt, p, drafter=drafter)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for d in out.outputs:
+                tokens[out.request_id].extend(d.token_ids)
+            if out.finished:
+                specs[out.request_id] = out.spec
+    seconds = time.perf_counter() - t0
+    outs = [tokens[rid] for rid in ids]
+    return sum(map(len, outs)), seconds, outs, [specs.get(rid) for rid in ids]
+
+
+def stats_snapshot(engine, name: str) -> dict:
+    st = engine.drafter_stats[name]
+    return {k: (list(v) if isinstance(v, list) else v) for k, v in vars(st).items()}
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    delta = {}
+    for k, v in after.items():
+        if isinstance(v, list):
+            old = before[k] + [0] * (len(v) - len(before[k]))
+            delta[k] = [a - b for a, b in zip(v, old)]
+        else:
+            delta[k] = v - before[k]
+    return delta
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def find_mismatches(dataset: str, drafter: str, plain: list[list[int]], outputs: list[list[int]]) -> list[dict]:
+    """Greedy outputs of `drafter` that differ from plain decoding's, each with where they part."""
+    found = []
+    for i, (a, b) in enumerate(zip(plain, outputs)):
+        if a != b:
+            k = first_difference(a, b)
+            found.append({"dataset": dataset, "drafter": drafter, "prompt_index": i, "first_difference_at": k,
+                          "plain": a[k:k + 8], "drafter_output": b[k:k + 8]})
+    return found
+
+
+def mismatch_alarm(mismatches: list[dict], dtype: str) -> str:
+    what = ("LOSSLESSNESS BUG" if dtype == "float32"
+            else f"greedy mismatch (in {dtype} outputs may diverge; check in float32)")
+    bar = "!" * 100
+    lines = [bar, f"!!! {what}: {len(mismatches)} greedy output(s) differ from plain decoding"]
+    lines += [f"!!!   {m['drafter']} on {m['dataset']} prompt {m['prompt_index']}: first difference at token "
+              f"{m['first_difference_at']}: plain {m['plain']} vs {m['drafter_output']}" for m in mismatches]
+    return "\n".join([*lines, bar])
+
+
+def drafter_row(tally: Tally, delta: dict) -> dict:
+    steps, drafted, accepted = delta["num_steps"], delta["num_draft_tokens"], delta["num_accepted_tokens"]
+    return {
+        "tau": tally.num_spec_tokens / tally.num_target_forwards if tally.num_target_forwards else None,
+        "num_target_forwards": tally.num_target_forwards,
+        "num_draft_steps": steps,
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "accepted_per_step": accepted / steps if steps else None,
+        "emitted_per_draft_step": delta["num_emitted_tokens"] / steps if steps else None,
+        "alpha": accepted / drafted if drafted else None,
+        "accepted_by_depth": [n / steps for n in delta["accepted_by_depth"]] if steps else [],
+        "accepted_length_counts": delta["accepted_length_counts"],
+        "num_fallbacks": delta["num_fallbacks"],
+        "draft_time_s": delta["draft_time_s"],
+        "verify_time_s": delta["verify_time_s"],
+    }
+
+
+ROW_FIELDS = ("dataset", "temperature", "method", "kind", "num_prompts", "num_tokens", "seconds", "tok_s",
+              "speedup", "speedup_vs_hf", "tau", "num_target_forwards", "num_draft_steps", "num_draft_tokens",
+              "num_accepted_tokens", "accepted_per_step", "emitted_per_draft_step", "alpha", "accepted_by_depth",
+              "accepted_length_counts", "num_fallbacks", "draft_time_s", "verify_time_s", "greedy_mismatches",
+              "identical_to_plain", "error")
+
+
+def make_row(**values) -> dict:
+    row = dict.fromkeys(ROW_FIELDS)
+    row.update(values)
+    return row
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    import torch
+    import transformers
+
+    from specserve.bench.common import build_hf_model, chat_ids, machine_info, run_hf
+    from specserve.bench.datasets import load_prompts
+    from specserve.drafters.base import available_drafters, parse_drafter_options
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.core import LLMEngine
+    from specserve.engine.loader import load_model
+    from specserve.engine.sampling_params import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    drafters, skipped = select_drafters(args.drafters, available_drafters())
+    for name in skipped:
+        print(f"spec_decode: drafter {name!r} is not registered in this version; skipped", file=sys.stderr)
+    options = {name: dict(opts) for name, opts in DEFAULT_DRAFTER_OPTIONS.items() if name in drafters}
+    for name, opts in parse_drafter_options(args.drafter_option).items():
+        if name not in drafters:
+            print(f"spec_decode: options for {name!r} ignored: it is not among the drafters run", file=sys.stderr)
+        options.setdefault(name, {}).update(opts)
+    options = {name: opts for name, opts in options.items() if name in drafters}
+    methods = [PLAIN, *drafters]
+
+    t_load = time.perf_counter()
+    loaded = load_model(args.model)
+    prompts = {}
+    for ds in args.datasets:
+        label = Path(ds).stem if Path(ds).is_file() else ds
+        prompts[label] = [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, args.num_prompts)]
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    needed = longest + args.max_tokens + args.num_speculative_tokens + 1
+    max_model_len = min(-(-needed // 256) * 256, getattr(loaded.hf_config, "max_position_embeddings", needed))
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch_size,
+                          max_model_len=max_model_len, seed=args.seed, drafters=(PLAIN, *drafters),
+                          drafter_options=options, num_speculative_tokens=args.num_speculative_tokens,
+                          max_draft_tokens_per_step=args.max_draft_tokens_per_step)
+    engine = LLMEngine(config, loaded=loaded)
+    hf = build_hf_model(loaded, engine.device, engine.dtype) if args.hf else None
+    pad_id = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
+    load_s = time.perf_counter() - t_load
+    print(f"spec_decode: {loaded.name} on {engine.device}/{args.dtype}, methods {', '.join(methods)}"
+          f"{' + HF generate/prompt lookup' if hf is not None else ''}, loaded in {load_s:.1f} s", file=sys.stderr)
+
+    def params_for(temperature: float, seeds: list[int], max_tokens: int) -> list:
+        return [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                               seed=s if temperature > 0 else None) for s in seeds]
+
+    # warm-up: every method on the first batch, short, at every temperature
+    first = next(iter(prompts.values()))[:args.batch_size]
+    notes = []
+    hf_pl_sampling = True
+    for t in args.temperature:
+        for m in methods:
+            run_engine_batch(engine, first, params_for(t, list(range(len(first))), WARMUP_TOKENS), m, f"warm-{m}-{t}")
+        if hf is not None:
+            run_hf(hf, first[:1], WARMUP_TOKENS, temperature=t, seeds=[0], pad_token_id=pad_id)
+            try:
+                run_hf(hf, first[:1], WARMUP_TOKENS, temperature=t, seeds=[0], pad_token_id=pad_id,
+                       prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS)
+            except Exception as exc:   # an older transformers may refuse prompt lookup with sampling
+                if t == 0:
+                    raise
+                hf_pl_sampling = False
+                notes.append(f"transformers prompt lookup with sampling failed ({type(exc).__name__}: {exc}); "
+                             "measured greedy only")
+    if hf is not None:
+        notes.append("transformers baselines run one prompt at a time (assisted generation supports batch 1 only)")
+        if hf_pl_sampling and any(t > 0 for t in args.temperature):
+            notes.append("transformers prompt lookup at T>0 samples from the target and keeps matching candidates")
+
+    rows, mismatches = [], []
+    exact = args.dtype == "float32"
+    for ds, ps in prompts.items():
+        for t in args.temperature:
+            greedy = t == 0
+            tallies = {m: Tally() for m in methods}
+            hf_tallies = {"hf_generate": Tally(), "hf_prompt_lookup": Tally()} if hf is not None else {}
+            before = {d: stats_snapshot(engine, d) for d in drafters}
+            for start in range(0, len(ps), args.batch_size):
+                chunk = ps[start:start + args.batch_size]
+                seeds = [args.seed + start + i for i in range(len(chunk))]
+                for m in methods:
+                    n, secs, outs, specs = run_engine_batch(engine, chunk, params_for(t, seeds, args.max_tokens), m,
+                                                            f"{ds}-{t}-{m}-{start}")
+                    tallies[m].add(n, secs, outs, specs)
+                if hf is not None:
+                    hf_tallies["hf_generate"].add(*run_hf(hf, chunk, args.max_tokens, temperature=t, seeds=seeds,
+                                                          pad_token_id=pad_id))
+                    if greedy or hf_pl_sampling:
+                        hf_tallies["hf_prompt_lookup"].add(*run_hf(
+                            hf, chunk, args.max_tokens, temperature=t, seeds=seeds, pad_token_id=pad_id,
+                            prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS))
+                    else:
+                        hf_tallies["hf_prompt_lookup"].error = "sampling unsupported by this transformers"
+            plain = tallies[PLAIN]
+            hf_tok_s = hf_tallies["hf_generate"].tok_s if hf_tallies else None
+
+            def ratio(x, y):
+                return x / y if x is not None and y else None
+
+            base = dict(dataset=ds, temperature=t, num_prompts=len(ps))
+            rows.append(make_row(**base, method=PLAIN, kind="ours_plain", num_tokens=plain.num_tokens,
+                                 seconds=plain.seconds, tok_s=plain.tok_s, speedup=1.0,
+                                 speedup_vs_hf=ratio(plain.tok_s, hf_tok_s), tau=1.0))
+            for d in drafters:
+                tally = tallies[d]
+                row = make_row(**base, method=d, kind="drafter", num_tokens=tally.num_tokens, seconds=tally.seconds,
+                               tok_s=tally.tok_s, speedup=ratio(tally.tok_s, plain.tok_s),
+                               speedup_vs_hf=ratio(tally.tok_s, hf_tok_s),
+                               **drafter_row(tally, stats_delta(before[d], stats_snapshot(engine, d))))
+                if greedy:
+                    bad = find_mismatches(ds, d, plain.outputs, tally.outputs)
+                    row["greedy_mismatches"] = len(bad)
+                    mismatches += bad
+                rows.append(row)
+            for name, tally in hf_tallies.items():
+                row = make_row(**base, method=name, kind=name, num_tokens=tally.num_tokens, seconds=tally.seconds,
+                               tok_s=tally.tok_s, speedup=ratio(tally.tok_s, plain.tok_s),
+                               speedup_vs_hf=ratio(tally.tok_s, hf_tok_s), error=tally.error)
+                if greedy and tally.error is None:
+                    row["identical_to_plain"] = sum(a == b for a, b in zip(plain.outputs, tally.outputs))
+                rows.append(row)
+            summary = ", ".join(
+                f"{r['method']} {fmt(r['tok_s'], '.1f')} tok/s"
+                + (f" (x{fmt(r['speedup'], '.2f')}, τ {fmt(r['tau'], '.2f')})" if r["kind"] == "drafter" else "")
+                for r in rows if r["dataset"] == ds and r["temperature"] == t)
+            print(f"[{ds} T={t:g}] {summary}", file=sys.stderr)
+
+    if mismatches:
+        alarm = mismatch_alarm(mismatches, args.dtype)
+        print(alarm, file=sys.stderr)
+        print(alarm)
+
+    now = datetime.now().astimezone()
+    result = {
+        "meta": {
+            "date": now.date().isoformat(), "datetime": now.isoformat(timespec="seconds"),
+            "machine": machine_info(engine.device),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "command_line": shlex.join(sys.argv),
+            "invocation": shlex.join(["python", "-m", "specserve.bench.spec_decode", *argv]),
+            "model": loaded.name, "model_source": loaded.source, "device": str(engine.device), "dtype": args.dtype,
+            "datasets": list(prompts), "num_prompts": {ds: len(ps) for ds, ps in prompts.items()},
+            "mean_prompt_tokens": {ds: sum(map(len, ps)) / len(ps) for ds, ps in prompts.items()},
+            "max_tokens": args.max_tokens, "temperatures": args.temperature, "batch_size": args.batch_size,
+            "hf_batch_size": 1 if hf is not None else None, "seed": args.seed, "drafters": drafters,
+            "skipped_drafters": skipped, "drafter_options": options,
+            "num_speculative_tokens": args.num_speculative_tokens,
+            "max_draft_tokens_per_step": args.max_draft_tokens_per_step, "max_model_len": max_model_len,
+            "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS if hf is not None else None,
+            "load_seconds": load_s, "notes": notes,
+        },
+        "results": rows,
+        "greedy_mismatches": mismatches,
+        "num_greedy_mismatches": len(mismatches),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path, png_path = (out.with_name(out.name + ext) for ext in (".json", ".md", ".png"))
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown(result)
+    md_path.write_text(table)
+    print(table)
+    if write_chart(result, png_path):
+        print(f"wrote {json_path}, {md_path}, {png_path}", file=sys.stderr)
+    else:
+        print(f"wrote {json_path}, {md_path} (no chart: matplotlib is not installed)", file=sys.stderr)
+    return 1 if mismatches and exact else 0
+
+
+# ---- reporting --------------------------------------------------------------------------------
+
+
+def fmt(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown(result: dict) -> str:
+    meta = result["meta"]
+    m = meta["machine"]
+    lines = [
+        f"## Speculative decoding: {meta['model']} ({meta['device']}, {meta['dtype']}, batch {meta['batch_size']})",
+        "",
+        f"{meta['datetime']}; {m['platform']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch threads"
+        f"{', ' + m['device_name'] if m.get('device_name') else ''}; torch {meta['torch']}, "
+        f"transformers {meta['transformers']}; {meta['max_tokens']} tokens per prompt.",
+        "",
+        f"`{meta['invocation']}`",
+        "",
+        "| method | dataset | T | prompts | tok/s | speedup | vs HF generate | τ | α | accepted/step | fallbacks "
+        "| greedy mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["results"]:
+        method = r["method"] if r["kind"] != "ours_plain" else "plain (none)"
+        if r["error"]:
+            method += f" ({r['error']})"
+        mism = r["greedy_mismatches"]
+        mism = "–" if mism is None else (f"**{mism} ✗**" if mism else "0")
+        lines.append(f"| {method} | {r['dataset']} | {r['temperature']:g} | {r['num_prompts']} "
+                     f"| {fmt(r['tok_s'], '.1f')} "
+                     f"| {fmt(r['speedup'], '.2f')} | {fmt(r['speedup_vs_hf'], '.2f')} | {fmt(r['tau'], '.2f')} "
+                     f"| {fmt(r['alpha'], '.2f')} | {fmt(r['accepted_per_step'], '.2f')} "
+                     f"| {fmt(r['num_fallbacks'], 'd')} | {mism} |")
+    lines += ["", "speedup: tok/s over our plain decoding in the same run; τ: tokens per target forward (bonus "
+              "included); α: accepted / drafted tokens; accepted/step: accepted drafts per draft step."]
+    lines += [f"Note: {n}." for n in meta["notes"]]
+    if result["num_greedy_mismatches"]:
+        lines.append(f"**{result['num_greedy_mismatches']} greedy output(s) differ from plain decoding** "
+                     "(see greedy_mismatches in the JSON).")
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(result: dict, path: Path) -> bool:
+    """Two panels, speedup and τ: one bar per drafter in each dataset x temperature group."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    rows = [r for r in result["results"] if r["kind"] == "drafter"]
+    drafters = list(dict.fromkeys(r["method"] for r in rows))
+    groups = list(dict.fromkeys((r["dataset"], r["temperature"]) for r in rows))
+    fig = Figure(figsize=(max(8.0, 2.0 + 1.6 * len(groups)), 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    width = 0.8 / max(1, len(drafters))
+    for ax, key, title in ((axes[0], "speedup", "speedup over plain decoding"),
+                           (axes[1], "tau", "τ (tokens per target forward)")):
+        for j, d in enumerate(drafters):
+            values = {(r["dataset"], r["temperature"]): r[key] for r in rows if r["method"] == d}
+            xs = [g + (j - (len(drafters) - 1) / 2) * width for g in range(len(groups))]
+            ax.bar(xs, [values.get(g) or 0.0 for g in groups], width, label=d)
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(groups)), [f"{ds}\nT={t:g}" for ds, t in groups])
+        ax.set_title(title)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=max(1, len(drafters)))
+    meta = result["meta"]
+    fig.suptitle(f"{meta['model']}, {meta['device']} {meta['dtype']}, batch {meta['batch_size']}, "
+                 f"{meta['max_tokens']} tokens, {meta['date']}")
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1 or args.num_prompts < 1 or args.max_tokens < 1:
+        raise SystemExit("spec_decode: --batch-size, --num-prompts and --max-tokens must be positive")
+    return run(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The speculative-decoding benchmark harness end to end on the tiny random Llama (numbers are
+checked for shape and sense, never for speed), its option parsing, and its `specserve bench` route."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.bench import spec_decode
+from specserve.server import cli
+
+META_FIELDS = {"date", "datetime", "machine", "torch", "transformers", "command_line", "invocation", "model",
+               "device", "dtype", "datasets", "num_prompts", "max_tokens", "temperatures", "batch_size", "seed",
+               "drafters", "drafter_options", "num_speculative_tokens", "notes"}
+
+
+@pytest.fixture
+def tiny_dataset(tmp_path):
+    rows = [{"id": 1, "category": "coding", "turns": ["def fibonacci(n): return n. def fibonacci(n): return"]},
+            {"id": 2, "category": "qa", "turns": ["What is the capital of France? Paris is the capital"]},
+            {"id": 3, "category": "qa", "turns": ["never read: --num-prompts is 2"]}]
+    path = tmp_path / "tiny_prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_harness_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, capsys):
+    out = tmp_path / "results" / "spec"
+    rc = spec_decode.main(["--model", str(tiny_llama_dir), "--datasets", str(tiny_dataset), "--num-prompts", "2",
+                           "--max-tokens", "8", "--drafters", "ngram", "draft_model",
+                           "--drafter-option", "draft_model.draft_layers=1", "--temperature", "0", "0.7",
+                           "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    meta = result["meta"]
+    assert META_FIELDS <= set(meta)
+    assert meta["drafters"] == ["ngram", "draft_model"]
+    assert meta["drafter_options"] == {"draft_model": {"draft_layers": 1}}
+    assert meta["machine"]["torch_threads"] >= 1 and meta["num_prompts"] == {"tiny_prompts": 2}
+
+    rows = result["results"]
+    assert all(set(r) == set(spec_decode.ROW_FIELDS) for r in rows)
+    cells = {(r["temperature"], r["method"]): r for r in rows}
+    methods = ["none", "ngram", "draft_model", "hf_generate", "hf_prompt_lookup"]
+    assert set(cells) == {(t, m) for t in (0.0, 0.7) for m in methods}
+    for (t, m), r in cells.items():
+        assert r["dataset"] == "tiny_prompts" and r["num_prompts"] == 2
+        assert r["num_tokens"] == 2 * 8, (t, m)          # every method generates exactly max_tokens per prompt
+        assert r["tok_s"] > 0 and r["speedup"] > 0 and r["error"] is None
+    assert cells[(0.0, "none")]["speedup"] == 1.0 and cells[(0.0, "none")]["tau"] == 1.0
+    for t in (0.0, 0.7):
+        for d in ("ngram", "draft_model"):
+            r = cells[(t, d)]
+            assert r["tau"] >= 1.0
+            assert r["alpha"] is None or 0.0 <= r["alpha"] <= 1.0
+            assert r["num_accepted_tokens"] <= r["num_draft_tokens"]
+            assert all(0.0 <= f <= 1.0 for f in r["accepted_by_depth"])
+            assert sum(r["accepted_length_counts"]) == r["num_draft_steps"]
+            assert r["num_fallbacks"] == 0
+            assert r["greedy_mismatches"] == (0 if t == 0 else None)
+    assert cells[(0.0, "draft_model")]["num_draft_steps"] > 0       # the draft model always proposes
+    assert result["num_greedy_mismatches"] == 0 and result["greedy_mismatches"] == []
+    assert cells[(0.0, "hf_generate")]["identical_to_plain"] is not None
+
+    table = out.with_suffix(".md").read_text()
+    assert "| ngram | tiny_prompts | 0 |" in table and "| draft_model | tiny_prompts | 0.7 |" in table
+    assert table in capsys.readouterr().out
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_drafter_selection():
+    available = ["draft_model", "ngram"]
+    assert spec_decode.select_drafters(None, available) == (["ngram", "draft_model"], ["mag"])
+    assert spec_decode.select_drafters(["draft_model", "none", "draft_model"], available) == (["draft_model"], [])
+    with pytest.raises(SystemExit, match="unknown drafter"):
+        spec_decode.select_drafters(["nope"], available)
+
+
+def test_greedy_mismatches_are_found_and_loud():
+    plain = [[1, 2, 3, 4], [5, 6, 7]]
+    assert spec_decode.find_mismatches("ds", "ngram", plain, [[1, 2, 3, 4], [5, 6, 7]]) == []
+    found = spec_decode.find_mismatches("ds", "ngram", plain, [[1, 2, 9, 4], [5, 6, 7]])
+    assert found == [{"dataset": "ds", "drafter": "ngram", "prompt_index": 0, "first_difference_at": 2,
+                      "plain": [3, 4], "drafter_output": [9, 4]}]
+    assert "LOSSLESSNESS BUG" in spec_decode.mismatch_alarm(found, "float32")
+    assert "LOSSLESSNESS BUG" not in spec_decode.mismatch_alarm(found, "bfloat16")
+
+
+def test_cli_routes_bench_spec(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "spec", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--drafter-option" in out and "Speculative decoding benchmark" in out
