@@ -60,8 +60,8 @@ async def one_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) ->
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            elif ttft is None and chunk.get("choices"):
-                ttft = time.perf_counter() - t0
+            elif ttft is None and any(c["delta"].get("content") for c in chunk.get("choices", ())):
+                ttft = time.perf_counter() - t0   # the first token's text (not the opening role chunk)
     return tokens, ttft or 0.0
 
 

@@ -249,25 +249,16 @@ class MaxGramDrafter(Drafter):
         if max_match is not None and max_match < 1:
             raise ValueError("max_match must be >= 1 or None")
         self.max_tokens, self.leftmost, self.max_match = max_tokens, leftmost, max_match
-        self.use_bigram, self.corpus, self.cache_dir = bigram, corpus, cache_dir
-        self.tokenizer = tokenizer
         self.vocab_size = max(getattr(model_config, "vocab_size", 0) or 0,
                               len(tokenizer) if tokenizer is not None else 0)   # table entries
-        self._table: np.ndarray | None = None
-        self._table_loaded = False
+        # built (or read from the cache) now, at load time, so no request waits for it
+        self.bigram: np.ndarray | None = None
+        if bigram and tokenizer is None:
+            logger.warning("mag: no tokenizer given; drafting without the bigram fallback")
+        elif bigram:
+            self.bigram = load_bigram_table(tokenizer, self.vocab_size, corpus, cache_dir)
         # seq_id -> (int32 buffer, number of valid tokens): saves re-converting the whole list every step
         self._buffers: dict[int, tuple[np.ndarray, int]] = {}
-
-    @property
-    def bigram(self) -> np.ndarray | None:
-        """The bigram table, built (or read from the cache) on first use; None when disabled/unavailable."""
-        if not self._table_loaded:
-            self._table_loaded = True
-            if self.use_bigram and self.tokenizer is None:
-                logger.warning("mag: no tokenizer given; drafting without the bigram fallback")
-            elif self.use_bigram:
-                self._table = load_bigram_table(self.tokenizer, self.vocab_size, self.corpus, self.cache_dir)
-        return self._table
 
     def propose(self, seqs, budgets) -> list[TokenTree | None]:
         trees = []
@@ -277,7 +268,7 @@ class MaxGramDrafter(Drafter):
                 trees.append(None)
                 continue
             drafts = max_gram(self._tokens(seq), want, self.leftmost, self.max_match)
-            if not drafts and self.use_bigram:
+            if not drafts and self.bigram is not None:
                 drafts = bigram_chain(self.bigram, seq.token_ids[-1], want)
             trees.append(TokenTree.chain(seq.token_ids[-1], drafts) if drafts else None)
         return trees

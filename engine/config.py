@@ -31,6 +31,7 @@ class EngineConfig:
     num_speculative_tokens: int = 8     # max draft-tree nodes per sequence per step
     max_draft_tokens_per_step: int = 64 # all sequences' draft nodes together per step (adaptive budget)
     drafter_options: dict = field(default_factory=dict)  # drafter name -> its keyword options
+    adaptive_draft_length: bool = True  # per-sequence draft budget follows its acceptance (grow +2 / shrink -1)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

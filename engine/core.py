@@ -23,7 +23,7 @@ from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Request, Sequence, SeqStatus
 from specserve.engine.stats import DrafterStats, EngineStats
-from specserve.engine.tree import TokenTree
+from specserve.engine.tree import TokenTree, tree_depths
 
 _DEFAULT = object()
 NO_DRAFTER = "none"
@@ -60,7 +60,8 @@ class LLMEngine:
         self.cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                              self.dtype, self.device)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.num_speculative_tokens, config.max_draft_tokens_per_step, self.max_model_len)
+                                   config.num_speculative_tokens, config.max_draft_tokens_per_step, self.max_model_len,
+                                   config.adaptive_draft_length)
         self.drafters = self._load_drafters(config.drafters)
         self.default_drafter = config.drafters[0] if config.drafters and config.drafters[0] != NO_DRAFTER else None
         self.drafter_stats: dict[str, DrafterStats] = {name: DrafterStats() for name in self.drafters}
@@ -240,6 +241,7 @@ class LLMEngine:
                 spec.num_accepted_tokens += num_acc
                 stats = self.drafter_stats[seq.drafter]
                 stats.observe(res.tree.num_draft_tokens, num_acc)
+                self.scheduler.observe_acceptance(seq, num_acc, max(tree_depths(res.tree.parents)))
                 stats.verify_time_s += verify_time
                 seqs, results = accepted_by_drafter.setdefault(seq.drafter, ([], []))
                 seqs.append(seq)

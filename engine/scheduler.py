@@ -10,6 +10,11 @@ Speculation budget (adaptive): a decoding sequence with a drafter may add up to
 `max_draft_per_seq` draft-tree nodes, but all such sequences together get at most
 `max_draft_tokens_per_step`, split evenly. As the batch grows each tree shrinks, down to plain
 decoding, so speculation never turns a loaded step into a much larger forward.
+
+Draft length (adaptive, per sequence): a sequence whose drafts keep failing should not pay for
+long ones. After each verification its cap grows by 2 nodes when the whole drafted path was
+accepted and shrinks by 1 (to at least 1) otherwise -- the dynamic rule of transformers'
+assisted generation, applied to the node budget of a tree.
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_draft_per_seq: int = 0, max_draft_tokens_per_step: int = 0, max_model_len: int | None = None):
+                 max_draft_per_seq: int = 0, max_draft_tokens_per_step: int = 0, max_model_len: int | None = None,
+                 adaptive_draft_length: bool = False):
         self.blocks = blocks
+        self.adaptive_draft_length = adaptive_draft_length
         self.max_draft_per_seq = max_draft_per_seq
         self.max_draft_tokens_per_step = max_draft_tokens_per_step
         self.max_model_len = max_model_len
@@ -76,12 +83,22 @@ class Scheduler:
         still produce (one comes free as the bonus) and than its context has room for."""
         if seq.drafter is None or per_seq <= 0:
             return 0
-        left = per_seq
+        left = per_seq if seq.draft_limit is None else min(per_seq, seq.draft_limit)
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
         if self.max_model_len is not None:
             left = min(left, self.max_model_len - len(seq.token_ids) - 1)
         return max(0, left)
+
+    def observe_acceptance(self, seq: Sequence, num_accepted: int, drafted_depth: int) -> None:
+        """A verification accepted `num_accepted` draft tokens of a tree `drafted_depth` deep."""
+        if not self.adaptive_draft_length:
+            return
+        limit = self.max_draft_per_seq if seq.draft_limit is None else seq.draft_limit
+        if num_accepted >= drafted_depth:
+            seq.draft_limit = min(self.max_draft_per_seq, limit + 2)
+        else:
+            seq.draft_limit = max(1, limit - 1)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

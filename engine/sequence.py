@@ -45,6 +45,7 @@ class Sequence:
         self.pending_logprobs: list[TokenLogprob] = []
         self.reported_finished = False
         self.drafter: str | None = request.drafter   # name of the drafter proposing for this sequence
+        self.draft_limit: int | None = None          # its own draft-node cap (adaptive draft length); None = none yet
 
     @property
     def num_output_tokens(self) -> int:

