@@ -15,6 +15,34 @@ from specserve.engine.attention import AttnMetadata, paged_attention_reference
 from specserve.engine.config import ModelConfig
 
 
+def _onednn_linear():
+    """oneDNN's linear (the op torch's own compiler emits for CPU linears), if this torch has it.
+    For the few-row GEMMs of decoding and draft trees it is 2-5x faster than F.linear's BLAS
+    path on the CPU (measured with torch 2.13, fp32: the 49152 x 576 LM head takes 12.6 ms for 1
+    row and 37.6 ms for 3 through F.linear, 5.8 ms and 7.1 ms through oneDNN)."""
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+        if not torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), atol=1e-5):
+            return None
+    except (RuntimeError, NotImplementedError):
+        return None
+    return op
+
+
+_ONEDNN_LINEAR = _onednn_linear()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through oneDNN for 2-D fp32/bf16 inputs on the CPU (see `_onednn_linear`)."""
+    if (_ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dim() == 2
+            and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype):
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 and cast back, as the reference implementation does."""
     xf = x.float()
@@ -70,15 +98,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta: AttnMetadata):
         x = rms_norm(h, self.input_norm, self.eps)
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(x, self.qkv.weight, self.qkv.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = h.shape[0]
         q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         k_cache[meta.slot_mapping] = k
         v_cache[meta.slot_mapping] = v.view(n, self.num_kv_heads, self.head_dim)
-        h = h + self.o(paged_attention_reference(q, k_cache, v_cache, meta, self.scale))
-        gate, up = self.gate_up(rms_norm(h, self.post_attn_norm, self.eps)).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        h = h + linear(paged_attention_reference(q, k_cache, v_cache, meta, self.scale), self.o.weight)
+        gate, up = linear(rms_norm(h, self.post_attn_norm, self.eps), self.gate_up.weight).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, self.down.weight)
 
 
 class LlamaModel(nn.Module):
@@ -115,7 +143,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] logits (fp32)."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     def truncated(self, num_layers: int) -> "LlamaModel":
         """A model made of this one's first `num_layers` layers plus its final norm and LM head,

@@ -142,3 +142,21 @@ def test_custom_mask_rows_see_only_their_ancestors():
         logits = runner.model.compute_logits(runner.model(torch.tensor(new), positions, runner.cache, meta))
     for i, tok in enumerate(new):
         torch.testing.assert_close(logits[i], hf_logits(hf, prefix + [tok])[-1], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 33])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cpu_linear_equals_f_linear(dtype, rows, with_bias):
+    """The CPU linear (oneDNN where available) computes what F.linear computes, for every row count
+    a decode step or a draft tree has; other dtypes and shapes fall back to F.linear."""
+    from specserve.engine.model import linear
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=g).to(dtype)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if with_bias else None
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    tol = 1e-5 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(linear(x, w, b).float(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(linear(x[None], w, b)[0].float(), ref, atol=tol, rtol=tol)   # 3-D: fallback
