@@ -13,8 +13,11 @@ decoding, so speculation never turns a loaded step into a much larger forward.
 
 Draft length (adaptive, per sequence): a sequence whose drafts keep failing should not pay for
 long ones. After each verification its cap grows by 2 nodes when the whole drafted path was
-accepted and shrinks by 1 (to at least 1) otherwise -- the dynamic rule of transformers'
-assisted generation, applied to the node budget of a tree.
+accepted and shrinks by 1 otherwise -- the dynamic rule of transformers' assisted generation,
+applied to the node budget of a tree. A miss at 1 node pauses drafting for that sequence (plain
+decoding) for 2, 4, 8, ... up to MAX_DRAFT_PAUSE steps, after which one node is tried again; an
+accepted draft ends the back-off. So a drafter that cannot predict a sequence (a poor draft
+model, a prompt with nothing to look up) costs it little more than plain decoding.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from dataclasses import dataclass, field
 
 from specserve.engine.kv_cache import BlockManager
 from specserve.engine.sequence import Sequence, SeqStatus
+
+MAX_DRAFT_PAUSE = 32   # steps without a draft, at most, after repeated misses at one node
 
 
 @dataclass
@@ -83,6 +88,9 @@ class Scheduler:
         still produce (one comes free as the bonus) and than its context has room for."""
         if seq.drafter is None or per_seq <= 0:
             return 0
+        if seq.draft_pause > 0:
+            seq.draft_pause -= 1
+            return 0
         left = per_seq if seq.draft_limit is None else min(per_seq, seq.draft_limit)
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
@@ -97,8 +105,13 @@ class Scheduler:
         limit = self.max_draft_per_seq if seq.draft_limit is None else seq.draft_limit
         if num_accepted >= drafted_depth:
             seq.draft_limit = min(self.max_draft_per_seq, limit + 2)
-        else:
-            seq.draft_limit = max(1, limit - 1)
+        elif limit > 1:
+            seq.draft_limit = limit - 1
+        if num_accepted > 0:
+            seq.draft_backoff = 0
+        elif limit <= 1:
+            seq.draft_backoff = min(MAX_DRAFT_PAUSE, max(2, 2 * seq.draft_backoff))
+            seq.draft_pause = seq.draft_backoff
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

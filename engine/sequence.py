@@ -46,6 +46,8 @@ class Sequence:
         self.reported_finished = False
         self.drafter: str | None = request.drafter   # name of the drafter proposing for this sequence
         self.draft_limit: int | None = None          # its own draft-node cap (adaptive draft length); None = none yet
+        self.draft_pause = 0                         # steps left without a draft (back-off after misses)
+        self.draft_backoff = 0                       # length of the last pause
 
     @property
     def num_output_tokens(self) -> int:

@@ -10,8 +10,8 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Request, Sequence, SeqStatus
 
 
-def make_seq(prompt_len: int, rid: str = "r") -> Sequence:
-    req = Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=100), RequestMetrics(0.0))
+def make_seq(prompt_len: int, rid: str = "r", max_tokens: int = 100) -> Sequence:
+    req = Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), RequestMetrics(0.0))
     seq = Sequence(req, 0, req.prompt_token_ids, detokenizer=None, generator=None)
     req.seqs.append(seq)
     return seq
@@ -97,10 +97,11 @@ def test_draft_length_follows_acceptance():
     run_step(sched)                                   # prefill
     assert sched.schedule().draft_budgets == [8]
     limits = []
-    for accepted, depth in [(0, 8), (2, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1), (1, 1), (2, 2), (3, 3)]:
+    for accepted, depth in [(0, 8), (2, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 2), (1, 2), (1, 1), (2, 2), (3, 3)]:
         sched.observe_acceptance(seq, accepted, depth)
         limits.append(seq.draft_limit)
     assert limits == [7, 6, 5, 4, 3, 2, 1, 1, 3, 5, 7]
+    assert seq.draft_pause == 0                       # no miss at one node: never paused
     sched.observe_acceptance(seq, 7, 7)
     assert seq.draft_limit == 8                       # capped at the maximum
     seq.draft_limit = 3
@@ -113,3 +114,35 @@ def test_draft_length_follows_acceptance():
     other = make_seq(5)
     fixed.observe_acceptance(other, 0, 8)
     assert other.draft_limit is None
+
+
+def test_misses_at_one_node_pause_drafting_with_backoff():
+    """A miss with a one-node draft means no draft for 2, then 4, 8, ... (at most MAX_DRAFT_PAUSE)
+    steps; an accepted draft ends the back-off."""
+    from specserve.engine.scheduler import MAX_DRAFT_PAUSE
+
+    sched = Scheduler(BlockManager(256, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
+                      max_draft_tokens_per_step=64, adaptive_draft_length=True)
+    seq = make_seq(5, max_tokens=1000)
+    seq.drafter = "d"
+    sched.add(seq)
+    run_step(sched)
+    seq.draft_limit = 1
+
+    def budgets_until_next_draft() -> list[int]:
+        out = []
+        while True:
+            batch = run_step(sched)
+            out.append(batch.draft_budgets[0])
+            if out[-1]:
+                return out
+
+    pauses = []
+    for _ in range(7):
+        sched.observe_acceptance(seq, 0, 1)
+        pauses.append(len(budgets_until_next_draft()) - 1)
+    assert pauses == [2, 4, 8, 16, 32, 32, 32] and MAX_DRAFT_PAUSE == 32
+    sched.observe_acceptance(seq, 1, 1)               # a hit: the next miss at one node pauses 2 steps again
+    seq.draft_limit = 1
+    sched.observe_acceptance(seq, 0, 1)
+    assert len(budgets_until_next_draft()) - 1 == 2
