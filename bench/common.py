@@ -14,7 +14,10 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     """`text` as one user turn in the model's chat template (plain encoding when it has none)."""
     if not getattr(tokenizer, "chat_template", None):
         return tokenizer.encode(text, add_special_tokens=True)
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    # as the server does: render the template, then encode (transformers 4 and 5 agree on this form)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def build_hf_model(loaded, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):

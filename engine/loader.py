@@ -284,7 +284,7 @@ def _convert_gguf(path: Path, out: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private
-        model.save_pretrained(tmp)  # config.json, generation_config.json, model.safetensors (fp32, tied once)
+        _save_dequantized(model, tmp)
         # legacy_format=False: tokenizer.json only; the "tokenizer.model" it would write is a copy of the whole GGUF
         tokenizer.save_pretrained(tmp, legacy_format=False)
         try:
@@ -295,6 +295,25 @@ def _convert_gguf(path: Path, out: Path) -> None:
             logger.info("another process cached %s first; using its copy", out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_dequantized(model: Any, out: Path) -> None:
+    """config.json, generation_config.json and model.safetensors (fp32, a tied head stored once).
+    Written by hand: transformers >= 5 refuses `save_pretrained` on a model loaded from a GGUF."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
 
 
 def _fix_gguf_tokenizer(tokenizer: Any, path: Path) -> None:

@@ -102,7 +102,7 @@ def verify_sampling(
                     continue   # q has no mass left: this child cannot have been drawn from it
                 q /= total
             qx, px = float(q[x]), float(p[x])
-            u = float(torch.rand((), generator=generator))
+            u = float(torch.rand((), generator=generator, device=p.device))
             if qx > 0 and u * qx < px:        # accept with probability min(1, p(x)/q(x))
                 accepted = c
                 break
