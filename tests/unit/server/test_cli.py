@@ -9,6 +9,13 @@ import pytest
 from specserve.server import cli
 
 
+@pytest.fixture(autouse=True)
+def _no_specserve_env(monkeypatch):
+    """The defaults below are the built-in ones: the caller's SPECSERVE_* variables must not leak in."""
+    for env in cli.ENV_VARS.values():
+        monkeypatch.delenv(env, raising=False)
+
+
 def test_engine_defaults_match_engine_config():
     from specserve.engine.config import EngineConfig
 
@@ -83,3 +90,76 @@ def test_a_command_is_required(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main([])
     assert exc.value.code == 2
+
+
+# ---- environment variables (what the container image and the Kubernetes manifests set) ----------------------------
+
+
+def test_env_defaults_build_the_engine_config(monkeypatch):
+    env = {"SPECSERVE_MODEL": "/models/m", "SPECSERVE_DTYPE": "bfloat16", "SPECSERVE_DEVICE": "cuda:1",
+           "SPECSERVE_HOST": "0.0.0.0", "SPECSERVE_PORT": "9001", "SPECSERVE_MAX_NUM_SEQS": "32",
+           "SPECSERVE_MAX_MODEL_LEN": "2048", "SPECSERVE_KV_CACHE_MEMORY_GIB": "12.5",
+           "SPECSERVE_DRAFTERS": "none, ngram,draft_model", "SPECSERVE_NUM_SPECULATIVE_TOKENS": "6",
+           "SPECSERVE_ADAPTIVE_DRAFT_LENGTH": "false", "SPECSERVE_DRAFT_MODEL": "target:3",
+           "SPECSERVE_DRAFTER_OPTIONS": "draft_model.k_config=4,2,2,1  ngram.max_ngram=3",
+           "SPECSERVE_SERVED_MODEL_NAME": "smol", "SPECSERVE_LOG_LEVEL": "warning"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = cli.build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.served_model_name, args.log_level) == ("0.0.0.0", 9001, "smol", "warning")
+    config = cli._engine_config(args)
+    assert (config.model, config.dtype, config.device, config.max_num_seqs, config.max_model_len,
+            config.kv_cache_memory_gib, config.num_speculative_tokens, config.adaptive_draft_length) == (
+        "/models/m", "bfloat16", "cuda:1", 32, 2048, 12.5, 6, False)
+    assert config.drafters == ("none", "ngram", "draft_model")
+    assert config.drafter_options == {"draft_model": {"k_config": "4,2,2,1", "draft_layers": 3},
+                                      "ngram": {"max_ngram": 3}}
+
+
+def test_flags_override_env(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_PORT", "9001")
+    monkeypatch.setenv("SPECSERVE_MODEL", "/models/env")
+    monkeypatch.setenv("SPECSERVE_DRAFTERS", "ngram,mag")
+    monkeypatch.setenv("SPECSERVE_DRAFTER_OPTIONS", "mag.max_tokens=4")
+    monkeypatch.setenv("SPECSERVE_ADAPTIVE_DRAFT_LENGTH", "0")
+    args = cli.build_parser().parse_args(["serve", "--port", "8080", "--model", "/models/flag", "--drafter", "none",
+                                          "--drafter", "ngram", "--drafter-option", "ngram.max_ngram=2",
+                                          "--adaptive-draft-length"])
+    config = cli._engine_config(args)
+    assert (args.port, config.model, config.adaptive_draft_length) == (8080, "/models/flag", True)
+    # a repeated flag replaces the variable's list, it does not extend it
+    assert config.drafters == ("none", "ngram") and config.drafter_options == {"ngram": {"max_ngram": 2}}
+
+
+def test_empty_env_counts_as_unset(monkeypatch):
+    for env in ("SPECSERVE_PORT", "SPECSERVE_MAX_MODEL_LEN", "SPECSERVE_DRAFTERS", "SPECSERVE_HOST"):
+        monkeypatch.setenv(env, "")
+    args = cli.build_parser().parse_args(["serve"])
+    assert (args.port, args.host, args.max_model_len, args.drafters) == (8000, "127.0.0.1", None, None)
+
+
+def test_engine_env_applies_to_generate(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_MODEL", "/models/m")
+    monkeypatch.setenv("SPECSERVE_DRAFTERS", "ngram")
+    config = cli._engine_config(cli.build_parser().parse_args(["generate", "hi"]))
+    assert (config.model, config.drafters) == ("/models/m", ("ngram",))
+
+
+@pytest.mark.parametrize("env, value, message", [
+    ("SPECSERVE_PORT", "eighty", "SPECSERVE_PORT='eighty': invalid value for --port"),
+    ("SPECSERVE_DTYPE", "fp8", "SPECSERVE_DTYPE='fp8': invalid value for --dtype: expected one of auto"),
+    ("SPECSERVE_ADAPTIVE_DRAFT_LENGTH", "maybe", "SPECSERVE_ADAPTIVE_DRAFT_LENGTH='maybe'"),
+])
+def test_bad_env_values_are_clear_errors(monkeypatch, capsys, env, value, message):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser()
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_help_names_the_variables(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for env in ("SPECSERVE_MODEL", "SPECSERVE_DRAFTERS", "SPECSERVE_PORT", "SPECSERVE_HOST", "SPECSERVE_DTYPE"):
+        assert f"[env: {env}]" in out
