@@ -1,11 +1,16 @@
 """Prometheus metrics of one server (one registry per app, so several apps can share a process).
 
-Request-level values are observed at the edge, from each request's `RequestOutput.metrics`
-timestamps (``time.monotonic()``, stamped by the engine); engine-level values (queue depth, KV
-usage, token counters) are read from ``engine.get_stats()`` at scrape time, so they are current
-even while long requests are still running.
+Request-level values are observed at the edge, from each request's `RequestOutput` (its ``metrics``
+timestamps, ``time.monotonic()`` stamped by the engine, and its ``spec`` block, which names the drafter);
+engine-level values (queue depth, KV usage, token counters, per-drafter speculation counters) are read
+from ``engine.get_stats()`` at scrape time, so they are current even while long requests are still running.
 
-Series (all prefixed ``specserve_``):
+Every series has HELP text; counters end in ``_total``, durations are in seconds (``_seconds``), ratios in
+0..1 (``_ratio``). Labels are bounded: ``status`` takes the five values below, ``drafter`` the loaded
+drafters' names plus ``none`` (plain decoding), ``position`` 1 .. 16 (MAX_POSITION; a tree is never deeper
+than ``--num-speculative-tokens``), ``le`` a fixed bucket list.
+
+Serving series (all prefixed ``specserve_``):
 
 =========================================  =========  =================================================
 name                                       type       meaning
@@ -15,12 +20,14 @@ requests_total{status}                     counter    finished requests; status 
 prompt_tokens_total                        counter    prompt tokens prefilled (recomputation after a
                                                       preemption counts again)
 generation_tokens_total                    counter    tokens generated, every choice included
+request_generation_tokens_total{drafter}   counter    the same tokens, by the drafter of their request
+                                                      (observed at the edge as outputs arrive)
 num_preemptions_total                      counter    sequences preempted for lack of KV blocks
-time_to_first_token_seconds                histogram  arrival -> first generated token
-inter_token_latency_seconds                histogram  gap between a request's token deliveries divided
+time_to_first_token_seconds{drafter}       histogram  arrival -> first generated token
+inter_token_latency_seconds{drafter}       histogram  gap between a request's token deliveries divided
                                                       by the tokens delivered (one sample per token)
-e2e_request_latency_seconds                histogram  arrival -> finished
-request_queue_time_seconds                 histogram  arrival -> first scheduled
+e2e_request_latency_seconds{drafter}       histogram  arrival -> finished
+request_queue_time_seconds{drafter}        histogram  arrival -> first scheduled
 num_requests_running                       gauge      sequences in the running batch
 num_requests_waiting                       gauge      sequences waiting for admission
 kv_cache_usage_ratio                       gauge      fraction of KV blocks in use (0..1)
@@ -30,56 +37,70 @@ model_info{model,max_model_len}            gauge      1, labels describe the ser
 ``status``: ``stop``/``length`` are the finish reason of a completed request (``length`` when any
 choice hit the limit), ``abort`` a request whose client went away, ``rejected`` a 4xx answered
 before generation (bad field, unknown model, prompt too long, queue full), ``error`` a 5xx.
-
-PromQL for a dashboard::
-
-    # throughput (tokens/s) and request rate by outcome
-    rate(specserve_generation_tokens_total[1m])
-    rate(specserve_prompt_tokens_total[1m])
-    sum by (status) (rate(specserve_requests_total[5m]))
-    # error ratio
-    sum(rate(specserve_requests_total{status=~"error|rejected"}[5m])) / sum(rate(specserve_requests_total[5m]))
-    # latency percentiles (p50 / p99 shown; swap the histogram for ITL / e2e / queue time)
-    histogram_quantile(0.5,  sum by (le) (rate(specserve_time_to_first_token_seconds_bucket[5m])))
-    histogram_quantile(0.99, sum by (le) (rate(specserve_time_to_first_token_seconds_bucket[5m])))
-    histogram_quantile(0.99, sum by (le) (rate(specserve_inter_token_latency_seconds_bucket[5m])))
-    # mean time per output token
-    rate(specserve_inter_token_latency_seconds_sum[5m]) / rate(specserve_inter_token_latency_seconds_count[5m])
-    # queue depth and memory pressure
-    specserve_num_requests_running
-    specserve_num_requests_waiting
-    specserve_kv_cache_usage_ratio
-    rate(specserve_num_preemptions_total[5m])
+``drafter`` of the request-level series: the drafter that decoded the request (``none`` for plain
+decoding), so latency can be compared between drafters.
 
 Speculative decoding, per drafter (from ``EngineStats.drafters``; prefix ``specserve_spec_decode_``):
 
 =========================================  =========  =================================================
-verification_steps_total{drafter}          counter    verification steps that carried a draft
+verification_steps_total{drafter}          counter    sequence steps verified with a draft
 draft_tokens_total{drafter}                counter    draft tokens proposed (tree nodes, root excluded)
 accepted_tokens_total{drafter}             counter    draft tokens accepted (bonus excluded)
 emitted_tokens_total{drafter}              counter    tokens committed by those steps (accepted + bonus)
 accepted_tokens_per_position_total         counter    accepted draft tokens at tree depth ``position``
-  {drafter,position}                                  (1 = the first draft token)
-accepted_length{drafter}                   histogram  accepted draft tokens per step (le = 0, 1, 2, ...)
-drafter_fallbacks_total{drafter}           counter    steps where the drafter failed -> plain decoding
+  {drafter,position}                                  (1 = the first draft token), i.e. steps that
+                                                      accepted at least ``position`` tokens
+accepted_length{drafter}                   histogram  accepted draft tokens per step (le = 0, 1, .., 16)
+drafter_fallbacks_total{drafter}           counter    sequence steps where the drafter failed (raised,
+                                                      malformed tree) -> plain decoding; not steps
 draft_time_seconds_total{drafter}          counter    time spent proposing
 verify_time_seconds_total{drafter}         counter    time spent verifying
 =========================================  =========  =================================================
 
-PromQL for speculation, per drafter::
+The Grafana dashboard (``deploy/grafana/specserve.json``) shows, per panel, the PromQL below, where
+``{D}`` stands for ``{drafter=~"$drafter"}`` (its drafter variable: multi-select, "All" = ``.*``) and
+``[R]`` for ``[$__rate_interval]``; ``$__range`` is Grafana's too. ``deploy/prometheus/rules.yml``
+records the per-drafter ones over 1m windows (``drafter:<metric>:<operation>``); docs/observability.md
+has the whole stack.
 
-    # acceptance rate alpha = accepted / drafted
-    sum by (drafter) (rate(specserve_spec_decode_accepted_tokens_total[5m]))
-      / sum by (drafter) (rate(specserve_spec_decode_draft_tokens_total[5m]))
-    # mean accepted length tau (tokens per verification step, bonus included)
-    sum by (drafter) (rate(specserve_spec_decode_emitted_tokens_total[5m]))
-      / sum by (drafter) (rate(specserve_spec_decode_verification_steps_total[5m]))
-    # per-position acceptance: share of steps that accepted at least `position` draft tokens
-    sum by (drafter, position) (rate(specserve_spec_decode_accepted_tokens_per_position_total[5m]))
-      / on (drafter) group_left sum by (drafter) (rate(specserve_spec_decode_verification_steps_total[5m]))
-    # drafter failures per step, draft and verify time per step
-    rate(specserve_spec_decode_drafter_fallbacks_total[5m]) / rate(specserve_spec_decode_verification_steps_total[5m])
-    rate(specserve_spec_decode_draft_time_seconds_total[5m]) / rate(specserve_spec_decode_verification_steps_total[5m])
+    # Acceptance rate alpha = accepted / drafted  (the stat panel: increase(...[$__range]) instead of rate)
+    sum by (drafter) (rate(specserve_spec_decode_accepted_tokens_total{D}[R]))
+      / sum by (drafter) (rate(specserve_spec_decode_draft_tokens_total{D}[R]))
+    # Mean accepted length tau = tokens committed per verification step, bonus included (1 + accepted/steps)
+    sum by (drafter) (rate(specserve_spec_decode_emitted_tokens_total{D}[R]))
+      / sum by (drafter) (rate(specserve_spec_decode_verification_steps_total{D}[R]))
+    # Acceptance by depth: share of steps that accepted at least `position` draft tokens (bar gauge)
+    sum by (drafter, position) (increase(specserve_spec_decode_accepted_tokens_per_position_total{D}[$__range]))
+      / on (drafter) group_left
+    sum by (drafter) (increase(specserve_spec_decode_verification_steps_total{D}[$__range]))
+    # Draft vs accepted tokens/s
+    sum by (drafter) (rate(specserve_spec_decode_draft_tokens_total{D}[R]))
+    sum by (drafter) (rate(specserve_spec_decode_accepted_tokens_total{D}[R]))
+    # Generation tokens/s, per drafter and for the whole server
+    sum by (drafter) (rate(specserve_request_generation_tokens_total{D}[R]))
+    sum(rate(specserve_generation_tokens_total[R]))
+    # Draft and verify time per verification step
+    sum by (drafter) (rate(specserve_spec_decode_draft_time_seconds_total{D}[R]))
+      / sum by (drafter) (rate(specserve_spec_decode_verification_steps_total{D}[R]))
+    sum by (drafter) (rate(specserve_spec_decode_verify_time_seconds_total{D}[R]))
+      / sum by (drafter) (rate(specserve_spec_decode_verification_steps_total{D}[R]))
+    # Time to first token p50 / p95 / p99 (0.5, 0.95, 0.99), and the same for ITL and e2e latency
+    histogram_quantile(0.99, sum by (drafter, le) (rate(specserve_time_to_first_token_seconds_bucket{D}[R])))
+    histogram_quantile(0.99, sum by (drafter, le) (rate(specserve_inter_token_latency_seconds_bucket{D}[R])))
+    histogram_quantile(0.99, sum by (drafter, le) (rate(specserve_e2e_request_latency_seconds_bucket{D}[R])))
+    # Running / waiting requests, KV-cache usage, preemptions
+    sum by (instance) (specserve_num_requests_running)
+    sum by (instance) (specserve_num_requests_waiting)
+    max by (instance) (specserve_kv_cache_usage_ratio)
+    sum by (instance) (rate(specserve_num_preemptions_total[R]))
+    # Drafter fallbacks: failed drafter calls per sequence step that wanted a draft, and per second
+    sum by (drafter) (rate(specserve_spec_decode_drafter_fallbacks_total{D}[R]))
+      / (sum by (drafter) (rate(specserve_spec_decode_drafter_fallbacks_total{D}[R]))
+         + sum by (drafter) (rate(specserve_spec_decode_verification_steps_total{D}[R])))
+    sum by (drafter) (rate(specserve_spec_decode_drafter_fallbacks_total{D}[R]))
+    # Requests by outcome (req/s) and error ratio
+    sum by (status) (rate(specserve_requests_total[R]))
+    sum(rate(specserve_requests_total{status=~"error|rejected"}[R])) / sum(rate(specserve_requests_total[R]))
 """
 
 from __future__ import annotations
@@ -87,7 +108,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -96,8 +117,14 @@ from specserve.engine.outputs import RequestOutput
 if TYPE_CHECKING:
     from specserve.engine.async_engine import AsyncEngine
 
+# no `*_created` gauges beside every counter and histogram (as vLLM does): they double the series for nothing a
+# dashboard uses (process-wide: prometheus_client has no per-registry switch)
+disable_created_metrics()
+
 REQUEST_STATUSES = ("stop", "length", "abort", "rejected", "error")
-ACCEPTED_LENGTH_BUCKETS = 17     # le = 0, 1, ..., 16 accepted draft tokens per step
+NO_DRAFTER = "none"              # the `drafter` label of plain decoding
+MAX_POSITION = 16                # `position` label values: 1 .. MAX_POSITION (deeper acceptances are not split out)
+ACCEPTED_LENGTH_BUCKETS = MAX_POSITION + 1     # le = 0, 1, ..., 16 accepted draft tokens per step, then +Inf
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
@@ -107,11 +134,25 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 
                240.0, 480.0, 960.0)
 
 
+def _core_engine(engine):
+    """The LLMEngine behind an AsyncEngine (None for engines without one, e.g. test doubles)."""
+    return getattr(engine, "engine", None)
+
+
+def _max_position(engine) -> int:
+    """How many `position` series each drafter exports from the start: the tree-depth bound
+    (``--num-speculative-tokens``, a tree never gets deeper than its node budget), capped at MAX_POSITION."""
+    config = getattr(_core_engine(engine), "config", None)
+    depth = getattr(config, "num_speculative_tokens", None)
+    return max(1, min(MAX_POSITION, int(depth))) if isinstance(depth, int) else 1
+
+
 class _EngineStatsCollector(Collector):
     """Reads `engine.get_stats()` at scrape time."""
 
     def __init__(self, engine: "AsyncEngine"):
         self._engine = engine
+        self._max_position = _max_position(engine)
 
     def _families(self, stats) -> list[Metric]:
         def value(name: str) -> float:
@@ -137,11 +178,15 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         stats = self._engine.get_stats()
-        return self._families(stats) + _drafter_families(getattr(stats, "drafters", None) or {})
+        return self._families(stats) + _drafter_families(getattr(stats, "drafters", None) or {}, self._max_position)
 
 
-def _drafter_families(drafters: dict) -> list[Metric]:
-    """Per-drafter speculation counters from `EngineStats.drafters` ({name: DrafterStats})."""
+def _drafter_families(drafters: dict, max_position: int = 1) -> list[Metric]:
+    """Per-drafter speculation counters from `EngineStats.drafters` ({name: DrafterStats}).
+
+    Label sets stay bounded: `drafter` takes the loaded drafters' names; `position` runs 1 .. MAX_POSITION
+    (series 1 .. `max_position` exist from the start, at 0, so `rate()` sees their first increase);
+    the `accepted_length` buckets are fixed (le = 0 .. MAX_POSITION, +Inf)."""
     p = "specserve_spec_decode_"
     steps = CounterMetricFamily(p + "verification_steps", "Verification steps that carried a draft.",
                                 labels=["drafter"])
@@ -152,24 +197,28 @@ def _drafter_families(drafters: dict) -> list[Metric]:
     emitted = CounterMetricFamily(p + "emitted_tokens", "Tokens committed by steps with a draft (accepted + bonus).",
                                   labels=["drafter"])
     by_position = CounterMetricFamily(p + "accepted_tokens_per_position",
-                                      "Draft tokens accepted at each tree depth (position 1 = first draft token).",
+                                      "Draft tokens accepted at each tree depth (position 1 = first draft token; "
+                                      f"positions 1..{MAX_POSITION}), i.e. steps that accepted at least `position`.",
                                       labels=["drafter", "position"])
-    length = HistogramMetricFamily(p + "accepted_length", "Draft tokens accepted per verification step.",
-                                   labels=["drafter"])
-    fallbacks = CounterMetricFamily(p + "drafter_fallbacks", "Steps where the drafter failed and plain decoding "
-                                    "was used instead.", labels=["drafter"])
+    length = HistogramMetricFamily(p + "accepted_length", "Draft tokens accepted per verification step "
+                                   "(bonus token excluded).", labels=["drafter"])
+    fallbacks = CounterMetricFamily(p + "drafter_fallbacks", "Sequence steps where the drafter failed (raised or "
+                                    "returned a malformed tree) and plain decoding was used instead.",
+                                    labels=["drafter"])
     draft_time = CounterMetricFamily(p + "draft_time_seconds", "Time spent proposing drafts.", labels=["drafter"])
-    verify_time = CounterMetricFamily(p + "verify_time_seconds", "Time spent verifying drafts.", labels=["drafter"])
+    verify_time = CounterMetricFamily(p + "verify_time_seconds", "Time spent verifying drafts (a batched "
+                                      "verification counts once per sequence it carried).", labels=["drafter"])
     for name, st in sorted(drafters.items()):
         steps.add_metric([name], st.num_steps)
         draft.add_metric([name], st.num_draft_tokens)
         accepted.add_metric([name], st.num_accepted_tokens)
         emitted.add_metric([name], st.num_emitted_tokens)
-        for depth, count in enumerate(st.accepted_by_depth, start=1):
-            by_position.add_metric([name, str(depth)], count)
+        by_depth = list(st.accepted_by_depth)[:MAX_POSITION]
+        for depth in range(1, max(max_position, len(by_depth)) + 1):
+            by_position.add_metric([name, str(depth)], by_depth[depth - 1] if depth <= len(by_depth) else 0)
         counts = list(st.accepted_length_counts)
         buckets, cumulative = [], 0
-        for k in range(max(ACCEPTED_LENGTH_BUCKETS, len(counts))):   # a fixed set, so quantiles stay comparable
+        for k in range(ACCEPTED_LENGTH_BUCKETS):   # a fixed set, so quantiles stay comparable and `le` bounded
             cumulative += counts[k] if k < len(counts) else 0
             buckets.append((f"{float(k)}", cumulative))
         buckets.append(("+Inf", sum(counts)))
@@ -190,23 +239,37 @@ class ServerMetrics:
                                 "(stop | length | abort | rejected | error).", ["status"], registry=r)
         for status in REQUEST_STATUSES:
             self.requests.labels(status)   # export zeros so rate() works from the first scrape
+        by = ["drafter"]
         self.ttft = Histogram("specserve_time_to_first_token_seconds",
-                              "Time from a request's arrival to its first generated token.",
-                              buckets=TTFT_BUCKETS, registry=r)
+                              "Time from a request's arrival to its first generated token, by the request's "
+                              "drafter (none = plain decoding).", by, buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("specserve_inter_token_latency_seconds",
-                             "Time between a request's token deliveries per token delivered.",
-                             buckets=ITL_BUCKETS, registry=r)
+                             "Time between a request's token deliveries per token delivered (one sample per "
+                             "token), by the request's drafter.", by, buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("specserve_e2e_request_latency_seconds",
-                             "Time from a request's arrival to its end.", buckets=E2E_BUCKETS, registry=r)
+                             "Time from a request's arrival to its end, by the request's drafter.", by,
+                             buckets=E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("specserve_request_queue_time_seconds",
-                                    "Time from a request's arrival to its first scheduling.",
-                                    buckets=TTFT_BUCKETS, registry=r)
+                                    "Time from a request's arrival to its first scheduling, by the request's "
+                                    "drafter.", by, buckets=TTFT_BUCKETS, registry=r)
+        self.request_tokens = Counter("specserve_request_generation_tokens",
+                                      "Tokens generated for requests, all choices included, by the request's "
+                                      "drafter (none = plain decoding).", by, registry=r)
+        core = _core_engine(engine)
+        default = getattr(core, "default_drafter", None)
+        self.default_drafter: str = default if isinstance(default, str) and default else NO_DRAFTER
+        loaded = getattr(engine, "drafter_names", None)
+        self.drafter_labels: list[str] = [NO_DRAFTER, *(loaded if isinstance(loaded, list) else [])]
+        for name in self.drafter_labels:      # zeros for every label a request can take
+            for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.request_tokens):
+                family.labels(name)
         info = Gauge("specserve_model_info", "The served model (value 1).", ["model", "max_model_len"], registry=r)
         info.labels(model_name, str(engine.max_model_len)).set(1)
         r.register(_EngineStatsCollector(engine))
 
-    def track(self) -> "RequestTracker":
-        return RequestTracker(self)
+    def track(self, drafter: str | None = None) -> "RequestTracker":
+        """A tracker for one request; `drafter` is the one it asked for (None: the server default)."""
+        return RequestTracker(self, drafter)
 
     def count(self, status: str) -> None:
         self.requests.labels(status).inc()
@@ -216,32 +279,49 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Observes one request's outputs as they pass the edge; `finish` records its outcome once."""
+    """Observes one request's outputs as they pass the edge; `finish` records its outcome once.
 
-    def __init__(self, metrics: ServerMetrics):
+    The `drafter` label is the drafter that decoded the request, read from its outputs (`out.spec`,
+    None for plain decoding); before the first output it is the requested one, or the server default."""
+
+    def __init__(self, metrics: ServerMetrics, drafter: str | None = None):
         self._m = metrics
+        requested = drafter if drafter in metrics.drafter_labels else None
+        self._drafter = requested or metrics.default_drafter
         self._last_token_time: float | None = None
         self._seen_first = False
+        self._num_generated = 0
         self._finish_reasons: set[str] = set()
         self._done = False
         self._last_output: RequestOutput | None = None
         self._start = time.monotonic()      # stands in for the arrival time until an output arrives
 
+    @property
+    def drafter(self) -> str:
+        return self._drafter
+
     def observe(self, out: RequestOutput) -> None:
+        spec = out.spec
+        self._drafter = spec.drafter if spec is not None and spec.drafter else NO_DRAFTER
+        label = self._drafter
+        if out.num_generated_tokens > self._num_generated:
+            self._m.request_tokens.labels(label).inc(out.num_generated_tokens - self._num_generated)
+            self._num_generated = out.num_generated_tokens
         t = out.metrics
         num_new = max((len(d.token_ids) for d in out.outputs), default=0)
         if num_new and t.last_token_time is not None:
             if not self._seen_first and t.first_token_time is not None:
                 self._seen_first = True
-                self._m.ttft.observe(max(0.0, t.first_token_time - t.arrival_time))
+                self._m.ttft.labels(label).observe(max(0.0, t.first_token_time - t.arrival_time))
                 if t.first_scheduled_time is not None:
-                    self._m.queue_time.observe(max(0.0, t.first_scheduled_time - t.arrival_time))
+                    self._m.queue_time.labels(label).observe(max(0.0, t.first_scheduled_time - t.arrival_time))
                 num_new -= 1        # the first token has no gap before it
                 self._last_token_time = t.first_token_time
             if num_new and self._last_token_time is not None:
                 per_token = max(0.0, t.last_token_time - self._last_token_time) / num_new
+                itl = self._m.itl.labels(label)
                 for _ in range(num_new):
-                    self._m.itl.observe(per_token)
+                    itl.observe(per_token)
             self._last_token_time = max(self._last_token_time or 0.0, t.last_token_time)
         self._finish_reasons.update(d.finish_reason for d in out.outputs if d.finish_reason)
         self._last_output = out
@@ -264,4 +344,4 @@ class RequestTracker:
         out = self._last_output
         arrival = out.metrics.arrival_time if out is not None else self._start
         end = out.metrics.finished_time if out is not None and out.finished else None
-        self._m.e2e.observe(max(0.0, (end or time.monotonic()) - arrival))
+        self._m.e2e.labels(self._drafter).observe(max(0.0, (end or time.monotonic()) - arrival))

@@ -305,7 +305,7 @@ class EngineCall:
         except EngineError as exc:
             raise engine_error(exc, prompt_param) from exc
         raw.state.specserve_tracked = True          # from here on the tracker counts this request's outcome
-        self.tracker: RequestTracker = state.metrics.track()
+        self.tracker: RequestTracker = state.metrics.track(drafter_args.get("drafter"))
 
     def watch(self) -> None:
         if self._watcher is None:

@@ -336,11 +336,13 @@ def test_metrics(client, tiny_server, idle):
     assert delta('specserve_requests_total{status=rejected}') == 1
     assert delta("specserve_generation_tokens_total") == 12
     assert delta("specserve_prompt_tokens_total") == 2 * chat_prompt_len(tiny_server.engine, CHAT)
-    assert delta("specserve_time_to_first_token_seconds_count") == 2
-    assert delta("specserve_e2e_request_latency_seconds_count") == 2
-    assert delta("specserve_inter_token_latency_seconds_count") == 2 * 5
-    assert 0 < delta("specserve_e2e_request_latency_seconds_sum") < 60
-    assert 0 < delta("specserve_time_to_first_token_seconds_sum") <= delta("specserve_e2e_request_latency_seconds_sum")
+    assert delta("specserve_request_generation_tokens_total{drafter=none}") == 12     # plain decoding
+    assert delta("specserve_time_to_first_token_seconds_count{drafter=none}") == 2
+    assert delta("specserve_e2e_request_latency_seconds_count{drafter=none}") == 2
+    assert delta("specserve_inter_token_latency_seconds_count{drafter=none}") == 2 * 5
+    assert 0 < delta("specserve_e2e_request_latency_seconds_sum{drafter=none}") < 60
+    assert 0 < delta("specserve_time_to_first_token_seconds_sum{drafter=none}") <= \
+        delta("specserve_e2e_request_latency_seconds_sum{drafter=none}")
     assert after["specserve_num_requests_running"] == 0 and after["specserve_num_requests_waiting"] == 0
     assert after["specserve_kv_cache_usage_ratio"] == 0
     assert after["specserve_model_info{max_model_len=512,model=tiny}"] == 1
@@ -520,3 +522,12 @@ def test_speculative_drafter_per_request(serve, make_tiny_engine, idle):
             m["specserve_spec_decode_accepted_tokens_total{drafter=ngram}"]
         assert m["specserve_spec_decode_accepted_length_count{drafter=ngram}"] == \
             m["specserve_spec_decode_verification_steps_total{drafter=ngram}"]
+        # request-level series carry the request's drafter: 2 plain and 2 ngram requests of 40 tokens
+        assert m["specserve_request_generation_tokens_total{drafter=none}"] == 40
+        assert m["specserve_request_generation_tokens_total{drafter=ngram}"] == 2 * 40
+        assert m["specserve_time_to_first_token_seconds_count{drafter=ngram}"] == 2
+        assert m["specserve_e2e_request_latency_seconds_count{drafter=none}"] == 1
+        # `position` is bounded by the tree depth (--num-speculative-tokens, 8 by default) and exported from 1 on
+        positions = {k for k in m if k.startswith("specserve_spec_decode_accepted_tokens_per_position_total")}
+        assert positions == {f"specserve_spec_decode_accepted_tokens_per_position_total{{drafter=ngram,position={d}}}"
+                             for d in range(1, 9)}
