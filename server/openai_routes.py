@@ -379,7 +379,19 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Respons
     return await _chat_full(state, body, call, params.n)
 
 
-async def _chat_full(state: ServerState, body: ChatCompletionRequest, call: EngineCall, n: int) -> Response:
+@dataclass
+class _Collected:
+    """A whole non-streamed request: per choice its text, logprobs and how it ended."""
+
+    texts: list[str]
+    logprobs: list[list[TokenLogprob]]
+    finish_reasons: list[str | None]
+    stop_reasons: list[str | int | None]
+    final: RequestOutput | None
+
+
+async def _collect(call: EngineCall, n: int) -> _Collected | None:
+    """Run `call` to its end; None when the client went away meanwhile."""
     texts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
@@ -401,15 +413,22 @@ async def _chat_full(state: ServerState, body: ChatCompletionRequest, call: Engi
     finally:
         await call.close()
     if call.disconnected:
+        return None
+    return _Collected(["".join(t) for t in texts], logprobs, finish, stop_reasons, final)
+
+
+async def _chat_full(state: ServerState, body: ChatCompletionRequest, call: EngineCall, n: int) -> Response:
+    got = await _collect(call, n)
+    if got is None:
         return Response(status_code=499)   # nobody is listening
     choices = [
         ChatCompletionChoice(
-            index=i, message=ChatResponseMessage(content="".join(texts[i])),
-            logprobs=state.renderer.chat_logprobs(logprobs[i]) if body.logprobs else None,
-            finish_reason=finish[i], stop_reason=stop_reasons[i])
+            index=i, message=ChatResponseMessage(content=got.texts[i]),
+            logprobs=state.renderer.chat_logprobs(got.logprobs[i]) if body.logprobs else None,
+            finish_reason=got.finish_reasons[i], stop_reason=got.stop_reasons[i])
         for i in range(n)]
     response = ChatCompletionResponse(id=call.request_id, model=state.model_name, choices=choices,
-                                      usage=_usage(final), speculative=_spec_usage(final))
+                                      usage=_usage(got.final), speculative=_spec_usage(got.final))
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -466,36 +485,18 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
 
 
 async def _completion_full(state: ServerState, body: CompletionRequest, call: EngineCall, n: int) -> Response:
-    texts: list[list[str]] = [[] for _ in range(n)]
-    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    finish: list[str | None] = [None] * n
-    stop_reasons: list[str | int | None] = [None] * n
-    final = None
-    call.watch()
-    try:
-        async for out in call:
-            for d in out.outputs:
-                texts[d.index].append(d.text)
-                if d.logprobs:
-                    logprobs[d.index].extend(d.logprobs)
-                if d.finish_reason:
-                    finish[d.index], stop_reasons[d.index] = d.finish_reason, d.stop_reason
-            final = out
-    except EngineError as exc:
-        call.failed()
-        raise engine_error(exc) from exc
-    finally:
-        await call.close()
-    if call.disconnected:
-        return Response(status_code=499)
+    got = await _collect(call, n)
+    if got is None:
+        return Response(status_code=499)   # nobody is listening
     choices = [
         CompletionChoice(
-            index=i, text="".join(texts[i]),
-            logprobs=state.renderer.completion_logprobs(logprobs[i], 0)[0] if body.logprobs is not None else None,
-            finish_reason=finish[i], stop_reason=stop_reasons[i])
+            index=i, text=got.texts[i],
+            logprobs=(state.renderer.completion_logprobs(got.logprobs[i], 0)[0] if body.logprobs is not None
+                      else None),
+            finish_reason=got.finish_reasons[i], stop_reason=got.stop_reasons[i])
         for i in range(n)]
-    response = CompletionResponse(id=call.request_id, model=state.model_name, choices=choices, usage=_usage(final),
-                                  speculative=_spec_usage(final))
+    response = CompletionResponse(id=call.request_id, model=state.model_name, choices=choices,
+                                  usage=_usage(got.final), speculative=_spec_usage(got.final))
     return JSONResponse(response.model_dump(mode="json"))
 
 
