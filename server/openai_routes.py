@@ -432,8 +432,7 @@ async def _chat_full(state: ServerState, body: ChatCompletionRequest, call: Engi
     return JSONResponse(response.model_dump(mode="json"))
 
 
-async def _chat_stream(state: ServerState, body: ChatCompletionRequest, call: EngineCall,
-                       n: int) -> AsyncIterator[str]:
+def _chat_stream(state: ServerState, body: ChatCompletionRequest, call: EngineCall, n: int) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None,
@@ -441,23 +440,33 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, call: En
         return _sse(ChatCompletionChunk(id=call.request_id, created=created, model=state.model_name,
                                         choices=choices, usage=usage, speculative=speculative).model_dump_json())
 
+    def choice(d) -> ChatChunkChoice:
+        return ChatChunkChoice(
+            index=d.index, delta=ChatDelta(content=d.text if d.text or not d.finish_reason else None),
+            logprobs=state.renderer.chat_logprobs(d.logprobs) if body.logprobs and d.logprobs else None,
+            finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+
+    opening = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(n)]
+    return _stream(call, chunk, choice, body.include_usage, opening)
+
+
+async def _stream(call: EngineCall, chunk, choice, include_usage: bool, opening=()) -> AsyncIterator[str]:
+    """A streamed request's SSE events, chat and completions alike: the `opening` choices, one chunk
+    per delta that carries something, the usage chunk when asked for, then [DONE]. An engine error
+    becomes an error event before [DONE]; a client that went away ends the stream (and the request)."""
     call.watch()
     final = None
     try:
-        for i in range(n):
-            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+        for c in opening:
+            yield chunk([c])
         async for out in call:
             if call.disconnected:
                 return
             for d in out.outputs:
-                if not (d.text or d.finish_reason or d.logprobs):
-                    continue
-                yield chunk([ChatChunkChoice(
-                    index=d.index, delta=ChatDelta(content=d.text if d.text or not d.finish_reason else None),
-                    logprobs=state.renderer.chat_logprobs(d.logprobs) if body.logprobs and d.logprobs else None,
-                    finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+                if d.text or d.finish_reason or d.logprobs:
+                    yield chunk([choice(d)])
             final = out
-        if body.include_usage:
+        if include_usage:
             yield chunk([], usage=_usage(final), speculative=_spec_usage(final))
         yield _sse("[DONE]")
     except EngineError as exc:
@@ -500,7 +509,7 @@ async def _completion_full(state: ServerState, body: CompletionRequest, call: En
     return JSONResponse(response.model_dump(mode="json"))
 
 
-async def _completion_stream(state: ServerState, body: CompletionRequest, call: EngineCall) -> AsyncIterator[str]:
+def _completion_stream(state: ServerState, body: CompletionRequest, call: EngineCall) -> AsyncIterator[str]:
     created = int(time.time())
     offsets: dict[int, int] = {}
 
@@ -509,31 +518,14 @@ async def _completion_stream(state: ServerState, body: CompletionRequest, call: 
         return _sse(CompletionChunk(id=call.request_id, created=created, model=state.model_name,
                                     choices=choices, usage=usage, speculative=speculative).model_dump_json())
 
-    call.watch()
-    final = None
-    try:
-        async for out in call:
-            if call.disconnected:
-                return
-            for d in out.outputs:
-                if not (d.text or d.finish_reason or d.logprobs):
-                    continue
-                logprobs = None
-                if body.logprobs is not None:
-                    logprobs, offsets[d.index] = state.renderer.completion_logprobs(d.logprobs or [],
-                                                                                    offsets.get(d.index, 0))
-                yield chunk([CompletionChoice(index=d.index, text=d.text, logprobs=logprobs,
-                                              finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
-            final = out
-        if body.include_usage:
-            yield chunk([], usage=_usage(final), speculative=_spec_usage(final))
-        yield _sse("[DONE]")
-    except EngineError as exc:
-        call.failed()
-        yield _sse_error(exc)
-        yield _sse("[DONE]")
-    finally:
-        await call.close()
+    def choice(d) -> CompletionChoice:
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs, offsets[d.index] = state.renderer.completion_logprobs(d.logprobs or [], offsets.get(d.index, 0))
+        return CompletionChoice(index=d.index, text=d.text, logprobs=logprobs, finish_reason=d.finish_reason,
+                                stop_reason=d.stop_reason)
+
+    return _stream(call, chunk, choice, body.include_usage)
 
 
 # ---- models and health ------------------------------------------------------------------------
