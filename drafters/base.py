@@ -9,7 +9,10 @@ engine falls back to plain decoding for those sequences for that step and counts
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence as Seq
+from typing import TYPE_CHECKING, Callable, Sequence as Seq
+
+if TYPE_CHECKING:
+    import torch
 
 from specserve.engine.tree import TokenTree
 from specserve.engine.verify import VerifyResult
@@ -23,6 +26,7 @@ class Drafter(ABC):
     nodes (root excluded) the scheduler allows for each sequence this step; 0 means "no draft"."""
 
     name: str = "base"
+    needs_features: bool = False   # True: the engine calls `observe` with the target's hidden states
 
     def start(self, seq) -> None:
         """A sequence joins (after its prompt is known)."""
@@ -31,6 +35,13 @@ class Drafter(ABC):
     def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
         """One tree per sequence rooted at seq.token_ids[-1], at most budgets[i] draft nodes,
         or None for no draft."""
+
+    def observe(self, seqs: Seq, features: Seq[tuple[int, "torch.Tensor"]]) -> None:
+        """Only for `needs_features` drafters, every step a sequence's KV grows (prefill chunks,
+        plain decoding, verification): `features[i] = (start, hidden)` with `hidden[j]` the
+        target's last-layer hidden state (after the final norm, the LM head's input) at position
+        `start + j` of `seqs[i].token_ids`. After a verification these are the root and the
+        accepted path; the bonus token has none yet. A preempted sequence starts again at 0."""
 
     def accept(self, seqs: Seq, results: Seq[VerifyResult]) -> None:
         """What the target accepted for each sequence proposed for this step."""

@@ -166,9 +166,13 @@ class LLMEngine:
             for seq in first:
                 seq.request.metrics.first_scheduled_time = now
             trees = self._propose(batch)
+            feature_idx = {b for b, seq in enumerate(batch.seqs)
+                           if seq.drafter is not None and self.drafters[seq.drafter].needs_features}
             t0 = time.perf_counter()
-            result = self.runner.execute(batch, trees)
+            result = self.runner.execute(batch, trees, feature_idx)
             verify_time = time.perf_counter() - t0
+            if result.features:
+                self._deliver_features(batch, result.features)
             for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
                     self.stats.num_prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
@@ -213,6 +217,19 @@ class LLMEngine:
                 if tree.num_draft_tokens > 0:
                     trees[b] = tree
         return trees
+
+    def _deliver_features(self, batch, features: dict[int, tuple[int, torch.Tensor]]) -> None:
+        """Hand the target's hidden states of this step's new KV entries to the drafters that read
+        them (before `accept`, so a drafter sees the features of the path it is told about)."""
+        groups: dict[str, list[int]] = {}
+        for b in features:
+            groups.setdefault(batch.seqs[b].drafter, []).append(b)
+        for name, idx in groups.items():
+            try:
+                self.drafters[name].observe([batch.seqs[b] for b in idx], [features[b] for b in idx])
+            except Exception:
+                logger.exception("drafter %s failed in observe()", name)
+                self.drafter_stats[name].num_fallbacks += 1
 
     def _tree_problem(self, tree, seq: Sequence, budget: int) -> str | None:
         if not isinstance(tree, TokenTree):

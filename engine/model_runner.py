@@ -38,6 +38,10 @@ class SeqResult:
 @dataclass
 class StepResult:
     results: list[SeqResult] = field(default_factory=list)   # only sequences that got tokens
+    # batch index -> (first position, hidden [n, H]): the target's last-layer hidden states (after the
+    # final norm) of the tokens whose KV entered the cache this step, in position order; only for
+    # the batch indices asked for (drafters that read target features)
+    features: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 def _logprob_entries(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
@@ -61,9 +65,12 @@ class ModelRunner:
         self.block_size = blocks.block_size
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, trees: dict[int, TokenTree] | None = None) -> StepResult:
+    def execute(self, batch: ScheduledBatch, trees: dict[int, TokenTree] | None = None,
+                feature_idx: set[int] | frozenset = frozenset()) -> StepResult:
         """Run one forward. `trees` maps a batch index to the draft tree of that (decode)
-        sequence; its KV blocks must already hold committed length + tree size tokens."""
+        sequence; its KV blocks must already hold committed length + tree size tokens. For the
+        batch indices in `feature_idx` the result carries the hidden states of the tokens that
+        entered the KV cache (prefill chunk, decoded token, or the tree's root + accepted path)."""
         trees = trees or {}
         dev = self.device
         starts = [seq.num_computed_tokens for seq in batch.seqs]
@@ -100,6 +107,10 @@ class ModelRunner:
         hidden = self.model(torch.tensor(ids, dtype=torch.int64).to(dev), positions, self.cache, meta)
 
         result = StepResult()
+        for b in feature_idx:
+            if b not in trees:
+                r0 = meta.cu_query_lens[b]
+                result.features[b] = (starts[b], hidden[r0:r0 + batch.num_tokens[b]].clone())
         if plain_seqs:
             logits = self.model.compute_logits(hidden[torch.tensor(plain_rows, device=dev)])
             params = [seq.params for seq in plain_seqs]
@@ -131,6 +142,9 @@ class ModelRunner:
                     path_rows = [0] + v.accepted_nodes   # committed token i is drawn at row path_rows[i]
                     lps = _logprob_entries(logits[path_rows], v.tokens, seq.params.logprobs)
                 result.results.append(SeqResult(seq, v.tokens, lps, 0, tree, v))
+                if b in feature_idx:
+                    rows = torch.tensor([r0 + i for i in [0] + v.accepted_nodes], device=dev)
+                    result.features[b] = (starts[b], hidden.index_select(0, rows))
                 commits.append((seq, starts[b], [0] + v.accepted_nodes, result.results[-1]))
             new_lens = commit_accepted(self.blocks, self.cache, [c[0].seq_id for c in commits],
                                        [c[1] for c in commits], [c[2] for c in commits])

@@ -215,3 +215,40 @@ def test_failing_drafts_shrink_then_pause(tiny_llama_dir, prompts_and_plain, ada
         assert st.num_steps <= 6 * 14 and st.num_draft_tokens <= 6 * 59
     else:
         assert st.num_draft_tokens / st.num_steps > 8
+
+
+@register("test_feature_recorder")
+class FeatureRecorder(OracleTreeDrafter):
+    """The oracle tree drafter, reading target features: records every hidden state it is given."""
+
+    needs_features = True
+    seen: dict[tuple[int, ...], dict[int, torch.Tensor]] = {}
+
+    def observe(self, seqs, features):
+        for seq, (start, hidden) in zip(seqs, features):
+            rec = self.seen.setdefault(tuple(seq.token_ids[:seq.num_prompt_tokens]), {})
+            for j in range(hidden.shape[0]):
+                rec[start + j] = hidden[j].clone()
+
+
+def test_feature_drafters_get_the_targets_hidden_states_of_every_cached_token(tiny_llama_dir, prompts_and_plain):
+    """Prefill chunks, plain steps and verified paths: the drafter sees, for every position that
+    entered the KV cache, exactly the hidden state a fresh forward over the committed tokens gives."""
+    import transformers
+
+    prompts, plain = prompts_and_plain
+    FeatureRecorder.seen.clear()
+    engine = make_engine(tiny_llama_dir, ["test_feature_recorder"], max_num_batched_tokens=16)
+    got = run_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert got == plain
+    assert engine.get_stats().drafters["test_feature_recorder"].num_accepted_tokens > 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    for i, p in enumerate(prompts):
+        tokens = p + plain[f"r{i}"]
+        rec = FeatureRecorder.seen[tuple(p)]
+        # every token but the last committed one (the bonus: no KV yet) has its features
+        assert sorted(rec) == list(range(len(tokens) - 1))
+        with torch.no_grad():
+            want = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states[-1][0]
+        torch.testing.assert_close(torch.stack([rec[j] for j in range(len(tokens) - 1)]), want,
+                                   atol=2e-5, rtol=1e-4)
