@@ -15,7 +15,13 @@ the target's. Each step, per sequence:
 3. after verification keep only the accepted path's KV.
 
 The tree is cut to the scheduler's budget (level-major order keeps every prefix a valid tree).
-`target_init_width` > 1 is MCSD's target-initialised roots: LOSSY, not implemented here yet.
+
+`target_init_width` = W > 1 is MCSD's target-initialised roots, an explicitly LOSSY opt-in for
+sampling requests (greedy and logprobs requests keep W = 1): every verification ends by drawing W
+tokens from the target instead of one; the first is held back from the client, and the next tree
+is a forest with those W tokens as roots, the k-configuration under each (MCSD+'s (2,4,3,1,1) is
+`target_init_width=2, k_config=4,3,1,1`). Verification keeps the root whose subtree accepted most
+(the first-drawn on ties), which biases the output towards easily drafted text.
 
 The draft model is either loaded from a source (`draft_model=` anything `--model` accepts) or is
 the target's first `draft_layers` layers with its final norm and LM head, sharing the weights.
@@ -33,7 +39,7 @@ from specserve.engine.config import ModelConfig
 from specserve.engine.kv_cache import BlockManager, KVCache, commit_accepted
 from specserve.engine.model import LlamaModel
 from specserve.engine.sampler import SamplingTensors, processed_probs
-from specserve.engine.tree import NO_PARENT, TokenTree, TreeTemplate, tree_depths
+from specserve.engine.tree import NO_PARENT, TokenTree, TreeTemplate, num_roots, tree_depths
 
 
 def parse_k_config(value) -> tuple[int, ...]:
@@ -46,6 +52,12 @@ def parse_k_config(value) -> tuple[int, ...]:
     if not ks or any(k < 1 for k in ks):
         raise ValueError(f"a k-configuration needs positive branching factors, got {value!r}")
     return ks
+
+
+def seq_params_exclude(params) -> bool:
+    """Requests that never get target-initialised roots: greedy ones (lossless by contract) and
+    ones asking for logprobs."""
+    return params.greedy or params.logprobs is not None
 
 
 class _SeqState:
@@ -64,11 +76,13 @@ class DraftModelDrafter(Drafter):
                  max_model_len: int, tokenizer=None, draft_model: str | None = None, draft_layers: int | None = None,
                  k_config="chain:4", num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 8,
                  target_init_width: int = 1, deterministic: bool = False, **_):
-        if target_init_width != 1:
-            raise ValueError("target_init_width > 1 (MCSD target-initialised roots) is lossy and not available yet")
+        if int(target_init_width) < 1:
+            raise ValueError(f"target_init_width must be >= 1, got {target_init_width}")
         self.k_config = parse_k_config(k_config)
         self.deterministic = deterministic
+        self.target_init_width = int(target_init_width)
         self.template = TreeTemplate.from_branching(self.k_config)
+        self.forests = {w: TreeTemplate.forest(w, self.k_config) for w in range(2, self.target_init_width + 1)}
         self.device = device
         if draft_model:
             from specserve.engine.loader import load_model
@@ -84,7 +98,7 @@ class DraftModelDrafter(Drafter):
             layers = draft_layers or max(1, target.num_layers // 4)
             self.model = target.truncated(layers)
             cfg = model_config
-        nodes = self.template.num_nodes
+        nodes = max(t.num_nodes for t in [self.template, *self.forests.values()])
         self.max_model_len = max_model_len
         blocks_per_seq = -(-(max_model_len + nodes) // block_size)
         num_blocks = num_blocks or blocks_per_seq * max_num_seqs
@@ -112,11 +126,15 @@ class DraftModelDrafter(Drafter):
         seqs = [seqs[i] for i in live]
         budgets = [budgets[i] for i in live]
         states = [self.state.setdefault(s.seq_id, _SeqState()) for s in seqs]
-        # the template cut to each budget; level-major so a prefix is a valid tree
-        parents = [list(self.template.parents[:b + 1]) for b in budgets]
+        # the template cut to each budget (level-major so a prefix is a valid tree); a forest over
+        # the held-back token and its alternatives when the target initialised several roots
+        templates = [self.forests.get(1 + len(s.alt_roots), self.template) if s.held_back else self.template
+                     for s in seqs]
+        parents = [list(t.parents[:b + 1]) for t, b in zip(templates, budgets)]
         depths = [tree_depths(p) for p in parents]
-        tokens = [[s.token_ids[-1]] for s in seqs]
-        probs: list[list[torch.Tensor | None]] = [[None] for _ in seqs]
+        roots = [num_roots(p) for p in parents]
+        tokens = [[s.token_ids[-1], *s.alt_roots[:r - 1]] for s, r in zip(seqs, roots)]
+        probs: list[list[torch.Tensor | None]] = [[None] * r for r in roots]
         # top-k children, one-hot q (deterministic drafts) for greedy requests or when asked for;
         # otherwise children drawn from q without replacement (stochastic drafts)
         top_k = [self.deterministic or s.params.greedy for s in seqs]
@@ -140,8 +158,18 @@ class DraftModelDrafter(Drafter):
         for st, chunk in zip(states, chunks):
             st.draft_len += len(chunk)
             st.fed = [True]                       # the root is now in the draft cache
-        frontier_logits = self.model.compute_logits(hidden[last_rows])            # [B, vocab]
-        frontier = [[0] for _ in seqs]            # per sequence: nodes whose children come next
+        root_logits = self.model.compute_logits(hidden[last_rows])               # [B, vocab]
+        frontier = [list(range(r)) for r in roots]  # per sequence: nodes whose children come next
+        # the other target-initialised roots: fed at the root's position, each seeing only the prefix
+        forests = [b for b in range(len(seqs)) if roots[b] > 1]
+        alt_logits = self._feed(seqs, states, parents, tokens, {b: list(range(1, roots[b])) for b in forests})
+        rows, a = [], 0
+        for b in range(len(seqs)):
+            rows.append(root_logits[b:b + 1])
+            if roots[b] > 1:
+                rows.append(alt_logits[a:a + roots[b] - 1])
+                a += roots[b] - 1
+        frontier_logits = torch.cat(rows)
 
         max_depth = max(max(d) for d in depths)
         for depth in range(1, max_depth + 1):
@@ -168,38 +196,16 @@ class DraftModelDrafter(Drafter):
                 for node in level:
                     parent = parents[b][node]
                     f = frontier[b].index(parent)
-                    rank = self.template.ranks[node]
+                    rank = templates[b].ranks[node]
                     tokens[b].append(picks[f][rank])
                     probs[b].append(q[f] if q is not None else None)
             # 2b. feed the new level (unless it is the last) to get the next frontier's logits
-            if depth == max_depth or not any(new_nodes[b] and depth < max(depths[b]) for b in range(len(seqs))):
+            feed = {b: new_nodes[b] for b in range(len(seqs)) if new_nodes[b] and depth < max(depths[b])}
+            if depth == max_depth or not feed:
                 break
-            feed = [b for b in range(len(seqs)) if new_nodes[b] and depth < max(depths[b])]
-            starts, qlens, masks, pos, ids = [], [], [], [], []
-            for b in feed:
-                st, nodes = states[b], new_nodes[b]
-                n_so_far = nodes[-1] + 1                           # tree nodes 0..last of this level
-                starts.append(st.draft_len - 1 + nodes[0])         # node i sits at draft_len - 1 + i
-                qlens.append(len(nodes))
-                mask = torch.zeros(len(nodes), n_so_far, dtype=torch.bool)
-                for r, node in enumerate(nodes):
-                    a = node
-                    while a != NO_PARENT:
-                        mask[r, a] = True
-                        a = parents[b][a]
-                masks.append(mask.to(self.device))
-                pos.extend(st.draft_len - 1 + depth for _ in nodes)
-                ids.extend(tokens[b][n] for n in nodes)
-            _, meta = build_attn_metadata([self.blocks.block_tables[seqs[b].seq_id] for b in feed],
-                                          self.blocks.block_size, starts, qlens, masks, self.device)
-            hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
-                                torch.tensor(pos, dtype=torch.int64, device=self.device), self.cache, meta)
-            frontier_logits = self.model.compute_logits(hidden)
+            frontier_logits = self._feed(seqs, states, parents, tokens, feed)
             for b in range(len(seqs)):
                 frontier[b] = new_nodes[b] if b in feed else []
-                if b in feed:
-                    states[b].fed.extend([False] * (new_nodes[b][0] - len(states[b].fed)))
-                    states[b].fed.extend([True] * len(new_nodes[b]))
 
         for b, i in enumerate(live):
             if len(tokens[b]) > 1:
@@ -207,24 +213,57 @@ class DraftModelDrafter(Drafter):
                 if not top_k[b]:
                     rows = [p if p is not None else torch.zeros(self.vocab, device=self.device) for p in probs[b]]
                     dp = torch.stack(rows)
-                trees[i] = TokenTree(tokens[b], parents[b][:len(tokens[b])], dp)
+                next_roots = 1
+                if self.target_init_width > 1 and not seq_params_exclude(seqs[b].params):
+                    next_roots = self.target_init_width
+                trees[i] = TokenTree(tokens[b], parents[b][:len(tokens[b])], dp, next_roots)
         return trees
 
+    def _feed(self, seqs, states, parents, tokens, feed: dict[int, list[int]]) -> torch.Tensor:
+        """One draft forward over new tree nodes (`feed[b]`: consecutive node indices of sequence
+        b), each attending to the prefix plus its own ancestors in the tree; node i sits at cache
+        position draft_len - 1 + i and RoPE position draft_len - 1 + depth. Logits, rows in order."""
+        if not feed:
+            return torch.empty(0, self.vocab, device=self.device)
+        starts, qlens, masks, pos, ids = [], [], [], [], []
+        for b, nodes in feed.items():
+            st = states[b]
+            depth = tree_depths(parents[b])
+            starts.append(st.draft_len - 1 + nodes[0])
+            qlens.append(len(nodes))
+            mask = torch.zeros(len(nodes), nodes[-1] + 1, dtype=torch.bool)   # over tree nodes 0..last fed
+            for r, node in enumerate(nodes):
+                a = node
+                while a != NO_PARENT:
+                    mask[r, a] = True
+                    a = parents[b][a]
+            masks.append(mask.to(self.device))
+            pos.extend(st.draft_len - 1 + depth[n] for n in nodes)
+            ids.extend(tokens[b][n] for n in nodes)
+            st.fed.extend([False] * (nodes[0] - len(st.fed)))
+            st.fed.extend([True] * len(nodes))
+        _, meta = build_attn_metadata([self.blocks.block_tables[seqs[b].seq_id] for b in feed],
+                                      self.blocks.block_size, starts, qlens, masks, self.device)
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
+                            torch.tensor(pos, dtype=torch.int64, device=self.device), self.cache, meta)
+        return self.model.compute_logits(hidden)
+
     def accept(self, seqs: Seq, results: Seq) -> None:
-        """Keep the draft KV of the accepted nodes that were fed (a prefix of the path)."""
+        """Keep the draft KV of the chosen root and of the accepted nodes that were fed (a prefix
+        of the path); node i sits at draft_len - 1 + i."""
         ids, prefixes, paths = [], [], []
         for seq, res in zip(seqs, results):
             st = self.state.get(seq.seq_id)
             if st is None:
                 continue
-            path = []
+            path = [res.root]
             for node in res.accepted_nodes:
                 if node < len(st.fed) and st.fed[node]:
-                    path.append(node - 1)     # node i (>= 1) sits at draft_len + i - 1
+                    path.append(node)
                 else:
                     break
             ids.append(seq.seq_id)
-            prefixes.append(st.draft_len)
+            prefixes.append(st.draft_len - 1)
             paths.append(path)
         new_lens = commit_accepted(self.blocks, self.cache, ids, prefixes, paths)
         for sid, n in zip(ids, new_lens):

@@ -146,6 +146,9 @@ class LLMEngine:
             return
         for seq in req.seqs:
             if not seq.is_finished:
+                if seq.held_back:   # never promised to the client
+                    seq.token_ids.pop()
+                    seq.held_back, seq.alt_roots = False, []
                 self._finish(seq, "abort")
         self._changed[request_id] = req
 
@@ -236,8 +239,16 @@ class LLMEngine:
             return f"not a TokenTree: {type(tree).__name__}"
         if tree.tokens[0] != seq.token_ids[-1]:
             return "root is not the last committed token"
-        if tree.num_draft_tokens > budget:
-            return f"{tree.num_draft_tokens} draft nodes over the budget of {budget}"
+        if tree.num_nodes - 1 > budget:
+            return f"{tree.num_nodes - 1} nodes after the root, over the budget of {budget}"
+        if tree.num_roots > 1:
+            extra = tree.tokens[1:tree.num_roots]
+            if not seq.held_back or extra != seq.alt_roots[:len(extra)]:
+                return "extra roots are not the target's own samples for this position"
+            if seq.params.logprobs is not None:
+                return "target-initialised roots cannot report logprobs"
+        if tree.next_roots > 1 and (seq.params.greedy or seq.params.logprobs is not None):
+            return "target-initialised roots are for sampling requests without logprobs"
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in tree.tokens):
             return "token id out of the vocabulary"
@@ -264,12 +275,22 @@ class LLMEngine:
                 seqs.append(seq)
                 results.append(res.verify)
             spec.num_target_forwards += 1
-            before = seq.num_output_tokens
-            for k, token in enumerate(res.tokens):
+            before = seq.num_output_tokens - seq.held_back
+            if seq.held_back:   # this step settles the held-back token: the chosen root, or as sampled
+                if res.verify is not None and res.verify.root > 0:
+                    seq.token_ids[-1] = res.tree.tokens[res.verify.root]
+                seq.held_back, seq.alt_roots = False, []
+                self._check_token(seq, seq.token_ids[-1], None)
+            tokens = res.tokens if not seq.is_finished else []
+            for k, token in enumerate(tokens):
+                if k == len(tokens) - 1 and res.verify is not None and res.verify.alternates and self._may_hold(seq):
+                    seq.token_ids.append(token)   # decided by the next verification, streamed then
+                    seq.held_back, seq.alt_roots = True, list(res.verify.alternates)
+                    break
                 self._append_token(seq, token, res.logprobs[k] if res.logprobs else None)
                 if seq.is_finished:
                     break
-            emitted = seq.num_output_tokens - before
+            emitted = seq.num_output_tokens - seq.held_back - before
             spec.num_generated_tokens += emitted
             self.stats.num_generation_tokens_total += emitted
             metrics = seq.request.metrics
@@ -285,11 +306,21 @@ class LLMEngine:
                     logger.exception("drafter %s failed in accept()", name)
                     self.drafter_stats[name].num_fallbacks += 1
 
+    def _may_hold(self, seq: Sequence) -> bool:
+        """A token may be held back only when more tokens can follow it (not the last allowed)."""
+        room = self.max_model_len - len(seq.token_ids) - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return room > 0
+
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
-        """Append one generated token and apply the stop rules in order: EOS, stop token ids,
-        stop strings (via the detokenizer), max_tokens, context length."""
-        params = seq.params
         seq.token_ids.append(token)
+        self._check_token(seq, token, logprob)
+
+    def _check_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        """Emit the generated token that is now last in `seq.token_ids` and apply the stop rules
+        in order: EOS, stop token ids, stop strings (via the detokenizer), max_tokens, context length."""
+        params = seq.params
         seq.pending_token_ids.append(token)
         if logprob is not None:
             seq.pending_logprobs.append(logprob)

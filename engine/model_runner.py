@@ -136,16 +136,17 @@ class ModelRunner:
                 else:
                     st = SamplingTensors.from_params([seq.params] * n, dev)
                     v = verify_sampling(tree.tokens, tree.parents, processed_probs(logits, st),
-                                        tree.draft_probs, seq.generator)
+                                        tree.draft_probs, seq.generator, tree.next_roots)
+                path = [v.root] + v.accepted_nodes   # the nodes whose KV stays, in order
                 lps = None
                 if seq.params.logprobs is not None:
-                    path_rows = [0] + v.accepted_nodes   # committed token i is drawn at row path_rows[i]
+                    path_rows = path                     # committed token i is drawn at row path_rows[i]
                     lps = _logprob_entries(logits[path_rows], v.tokens, seq.params.logprobs)
                 result.results.append(SeqResult(seq, v.tokens, lps, 0, tree, v))
                 if b in feature_idx:
-                    rows = torch.tensor([r0 + i for i in [0] + v.accepted_nodes], device=dev)
+                    rows = torch.tensor([r0 + i for i in path], device=dev)
                     result.features[b] = (starts[b], hidden.index_select(0, rows))
-                commits.append((seq, starts[b], [0] + v.accepted_nodes, result.results[-1]))
+                commits.append((seq, starts[b], path, result.results[-1]))
             new_lens = commit_accepted(self.blocks, self.cache, [c[0].seq_id for c in commits],
                                        [c[1] for c in commits], [c[2] for c in commits])
             for (_, _, _, res), n in zip(commits, new_lens):

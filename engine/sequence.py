@@ -48,6 +48,10 @@ class Sequence:
         self.draft_limit: int | None = None          # its own draft-node cap (adaptive draft length); None = none yet
         self.draft_pause = 0                         # steps left without a draft (back-off after misses)
         self.draft_backoff = 0                       # length of the last pause
+        # MCSD target-initialised roots (lossy opt-in): token_ids[-1] was sampled but is held back
+        # from the client until the next verification has picked it or one of `alt_roots`
+        self.held_back = False
+        self.alt_roots: list[int] = []
 
     @property
     def num_output_tokens(self) -> int:

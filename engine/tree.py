@@ -13,6 +13,11 @@ Example — the template `[[0], [1], [0, 0]]` (paths of child ranks) is
     parent:   -1      0  0  1
     depth:     0      1  1  2
     mask row 3 = {0, 1, 3}     (itself and its ancestors)
+
+**Forests** (MCSD's target-initialised roots, an explicitly lossy opt-in): the first `num_roots`
+nodes may all be roots (parent -1). Node 0 is the last committed token; roots 1.. are other
+samples of the target for that same position, drawn at the previous verification. Every root
+sits at the same position (depth 0) and sees only the prefix and itself.
 """
 
 from __future__ import annotations
@@ -67,6 +72,18 @@ class TreeTemplate:
         return cls.from_choices(paths)
 
     @classmethod
+    def forest(cls, num_roots: int, ks: Sequence[int]) -> "TreeTemplate":
+        """`num_roots` roots, each with the k-configuration `ks` below it, level-major (all roots,
+        then all depth-1 nodes, ...). MCSD's target-initialised (2, 4, 3, 1, 1) is forest(2, (4, 3, 1, 1))."""
+        if num_roots < 1:
+            raise ValueError(f"num_roots must be >= 1, got {num_roots}")
+        if num_roots == 1:
+            return cls.from_branching(ks)
+        full = cls.from_branching((num_roots, *ks))   # a virtual root above the roots, then dropped
+        parents = tuple(NO_PARENT if p <= 0 else p - 1 for p in full.parents[1:])
+        return cls(parents, full.ranks[1:])
+
+    @classmethod
     def chain(cls, length: int) -> "TreeTemplate":
         return cls.from_choices([[0] * d for d in range(1, length + 1)])
 
@@ -83,6 +100,10 @@ class TokenTree:
     tokens: list[int]                         # [n] tokens[0] = root = last committed token
     parents: list[int]                        # [n] parents[0] = NO_PARENT, parents[i] < i
     draft_probs: torch.Tensor | None = None   # [n, vocab] float32 or None
+    # target samples to draw at the end of this tree's verification: 1 = the bonus token (lossless);
+    # W > 1 = MCSD target-initialised roots for the next tree (LOSSY, opt-in): the first sample is
+    # held back from the client until the next verification picks one of the W as the token
+    next_roots: int = 1
 
     def __post_init__(self) -> None:
         validate_parents(self.parents)
@@ -96,8 +117,14 @@ class TokenTree:
         return len(self.tokens)
 
     @property
+    def num_roots(self) -> int:
+        """1, or the number of target-initialised roots of a forest."""
+        return num_roots(self.parents)
+
+    @property
     def num_draft_tokens(self) -> int:
-        return len(self.tokens) - 1
+        """Drafted nodes (roots are the target's own tokens, not drafts)."""
+        return len(self.tokens) - self.num_roots
 
     @classmethod
     def chain(cls, root: int, drafts: Sequence[int], draft_probs: torch.Tensor | None = None) -> "TokenTree":
@@ -109,19 +136,30 @@ class TokenTree:
         return cls([root], [NO_PARENT])
 
 
+def num_roots(parents: Sequence[int]) -> int:
+    n = 0
+    while n < len(parents) and parents[n] == NO_PARENT:
+        n += 1
+    return n
+
+
 def validate_parents(parents: Sequence[int]) -> None:
-    """Raise ValueError unless `parents` is a topologically ordered tree rooted at node 0."""
+    """Raise ValueError unless `parents` is a topologically ordered tree rooted at node 0 (or a
+    forest whose roots are the leading nodes)."""
     if not parents or parents[0] != NO_PARENT:
         raise ValueError("node 0 must be the root (parent -1)")
-    for i, p in enumerate(parents[1:], start=1):
+    for i in range(num_roots(parents), len(parents)):
+        p = parents[i]
         if not 0 <= p < i:
-            raise ValueError(f"node {i} has parent {p}: parents must precede their children")
+            raise ValueError(f"node {i} has parent {p}: parents must precede their children "
+                             f"(only the leading nodes may be roots)")
 
 
 def tree_depths(parents: Sequence[int]) -> list[int]:
     depth = [0] * len(parents)
     for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
+        if parents[i] != NO_PARENT:
+            depth[i] = depth[parents[i]] + 1
     return depth
 
 
@@ -137,14 +175,15 @@ def build_tree_buffers(parents: Sequence[int], device: torch.device | str = "cpu
     validate_parents(parents)
     n = len(parents)
     mask = torch.zeros(n, n, dtype=torch.bool)
-    mask[0, 0] = True
-    for i in range(1, n):
-        mask[i] = mask[parents[i]]
+    for i in range(n):
+        if parents[i] != NO_PARENT:
+            mask[i] = mask[parents[i]]
         mask[i, i] = True
     depths = tree_depths(parents)
     has_child = [False] * n
     for p in parents[1:]:
-        has_child[p] = True
+        if p != NO_PARENT:
+            has_child[p] = True
     paths = []
     for leaf in (i for i in range(n) if not has_child[i]):
         path = [leaf]

@@ -61,3 +61,124 @@ def test_full_depth_draft_model_is_accepted_everywhere(tiny_llama_dir):
     run(eng, [[5, 9, 13, 200, 7]], params)
     st = eng.get_stats().drafters["draft_model"]
     assert st.num_accepted_tokens == st.num_draft_tokens > 0
+
+
+# ---- MCSD target-initialised roots (lossy opt-in) -------------------------------------------------
+
+from specserve.drafters.base import register                          # noqa: E402
+from specserve.drafters.draft_model import DraftModelDrafter          # noqa: E402
+from specserve.engine.attention import build_attn_metadata            # noqa: E402
+
+
+@register("test_ti_recorder")
+class RootRecorder(DraftModelDrafter):
+    """draft_model, recording which root every verification kept."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.roots: list[int] = []
+        self.num_forests = 0
+
+    def propose(self, seqs, budgets):
+        trees = super().propose(seqs, budgets)
+        self.num_forests += sum(1 for t in trees if t is not None and t.num_roots > 1)
+        return trees
+
+    def accept(self, seqs, results):
+        self.roots.extend(r.root for r in results)
+        super().accept(seqs, results)
+
+
+def _kv_of_fresh_prefill(model, cache_like, tokens: list[int]) -> torch.Tensor:
+    from specserve.engine.kv_cache import BlockManager, KVCache
+
+    n = len(tokens)
+    blocks = BlockManager(-(-n // 4), 4)
+    blocks.grow(0, n)
+    cache = KVCache(model.num_layers, blocks.num_blocks, 4, cache_like.kv.shape[3], cache_like.kv.shape[4],
+                    torch.float32, torch.device("cpu"))
+    positions, meta = build_attn_metadata([blocks.block_tables[0]], 4, [0], [n], None, torch.device("cpu"))
+    with torch.inference_mode():
+        model(torch.tensor(tokens), positions, cache, meta)
+    return cache.kv[:, :, blocks.slots(0, 0, n)]
+
+
+def test_target_initialised_roots(tiny_llama_dir):
+    """W = 2 target-initialised roots: sampled requests get forests whose kept root often is not the
+    first-drawn one, nothing held back ever reaches the client before it is decided, both KV caches
+    stay exactly what a fresh prefill of the committed tokens gives, and greedy requests in the
+    same batch stay lossless."""
+    options = {"test_ti_recorder": {"k_config": "2,1", "draft_layers": 1, "target_init_width": 2}}
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (7, 15, 10, 22)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = run(engine_with(tiny_llama_dir), prompts[:2], greedy)
+
+    eng = engine_with(tiny_llama_dir, ["test_ti_recorder"], options)
+    for i, p in enumerate(prompts):
+        params = greedy if i < 2 else SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=i)
+        eng.add_request(f"r{i}", p, params)
+    drafter = eng.drafters["test_ti_recorder"]
+    streamed: dict[str, list[int]] = {}
+    seqs = {r: req.seqs[0] for r, req in eng.requests.items()}
+    checked = False
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            for d in out.outputs:
+                streamed.setdefault(out.request_id, []).extend(d.token_ids)
+        for rid, seq in seqs.items():
+            # the client has seen every output token except a held-back one
+            assert streamed.get(rid, []) == seq.output_token_ids[:seq.num_output_tokens - seq.held_back]
+        sampled = [seqs["r2"], seqs["r3"]]
+        if not checked and all(s.held_back and s.num_output_tokens > 20 for s in sampled) \
+                and not any(s.is_finished for s in sampled):
+            for seq in sampled:
+                n = seq.num_computed_tokens
+                assert n == len(seq.token_ids) - 1
+                ref = _kv_of_fresh_prefill(eng.model, eng.cache, seq.token_ids[:n])
+                torch.testing.assert_close(eng.cache.kv[:, :, eng.blocks.slots(seq.seq_id, 0, n)], ref,
+                                           atol=1e-5, rtol=1e-5)
+                m = drafter.state[seq.seq_id].draft_len
+                assert m >= n - 3
+                ref = _kv_of_fresh_prefill(drafter.model, drafter.cache, seq.token_ids[:m])
+                torch.testing.assert_close(drafter.cache.kv[:, :, drafter.blocks.slots(seq.seq_id, 0, m)], ref,
+                                           atol=1e-5, rtol=1e-5)
+            checked = True
+    assert checked
+    assert {f"{k}/0": streamed[k] for k in ("r0", "r1")} == plain
+    assert all(len(streamed[r]) == 40 for r in ("r2", "r3"))
+    assert drafter.num_forests > 5
+    assert 0 < sum(1 for r in drafter.roots if r > 0)   # the second root was kept at least once
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+def test_target_initialised_roots_respect_stops_and_abort(tiny_llama_dir):
+    """A held-back token never outlives its request: max_tokens is exact, the last token is never
+    held, and an aborted request reports no held-back token in its usage."""
+    options = {"test_ti_recorder": {"k_config": "2", "draft_layers": 2, "target_init_width": 3}}
+    eng = engine_with(tiny_llama_dir, ["test_ti_recorder"], options)
+    for i, n in enumerate((3, 7, 12)):
+        eng.add_request(f"r{i}", [5, 9, 13, 200, 7, 31][: 2 + i],
+                        SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True, seed=i))
+    got = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(t for d in out.outputs for t in d.token_ids)
+            if out.finished:
+                assert out.num_generated_tokens == len(got[out.request_id])
+    assert [len(got[f"r{i}"]) for i in range(3)] == [3, 7, 12]
+    assert eng.drafters["test_ti_recorder"].num_forests > 0
+
+    eng.add_request("a", [5, 9, 13], SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=1))
+    seq = eng.requests["a"].seqs[0]
+    while not seq.held_back:
+        eng.step()
+    eng.abort_request("a")
+    out = eng.step()
+    assert out[0].finished and out[0].num_generated_tokens == seq.num_output_tokens
+    assert not seq.held_back
+
+
+def test_target_init_width_must_be_positive(tiny_llama_dir):
+    with pytest.raises(ValueError, match="target_init_width"):
+        engine_with(tiny_llama_dir, ["draft_model"], {"draft_model": {"target_init_width": 0}})

@@ -62,3 +62,21 @@ def test_published_templates_match_their_recorded_shapes():
         for d in tree_depths(t.parents)[1:]:
             counts[d] = counts.get(d, 0) + 1
         assert [counts[d] for d in sorted(counts)] == entry["nodes_per_depth"], name
+
+
+def test_forest_of_target_initialised_roots():
+    """MCSD+'s (2, 2, 1): two roots, each with 2 children with 1 child each, level-major."""
+    t = TreeTemplate.forest(2, (2, 1))
+    assert t.parents == (NO_PARENT, NO_PARENT, 0, 0, 1, 1, 2, 3, 4, 5)
+    assert t.ranks == (0, 1, 0, 1, 0, 1, 0, 0, 0, 0)
+    assert TreeTemplate.forest(1, (2, 1)) == TreeTemplate.from_branching((2, 1))
+    assert TreeTemplate.forest(2, (4, 3, 1, 1)).num_nodes == 2 + 2 * 40   # the paper's 40 drafts per root
+    buf = build_tree_buffers(t.parents)
+    assert buf.depths.tolist() == [0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
+    assert buf.mask[1].nonzero().flatten().tolist() == [1]            # a root sees only itself (and the prefix)
+    assert buf.mask[9].nonzero().flatten().tolist() == [1, 5, 9]
+    assert buf.paths == [[0, 2, 6], [0, 3, 7], [1, 4, 8], [1, 5, 9]]
+    tree = TokenTree([10, 11, 12, 13], [NO_PARENT, NO_PARENT, 0, 1])
+    assert tree.num_roots == 2 and tree.num_draft_tokens == 2
+    with pytest.raises(ValueError):   # roots must lead
+        TokenTree([10, 11, 12], [NO_PARENT, 0, NO_PARENT])

@@ -119,3 +119,35 @@ def test_perfect_drafter_accepts_everything():
     q = p.roll(1, 0)   # node i was drawn from the target distribution at its parent
     r = verify_sampling(tokens, [NO_PARENT, 0, 1, 2], p, q, g)
     assert r.accepted_nodes == [1, 2, 3]
+
+
+def test_forest_keeps_the_root_with_the_longest_accepted_walk():
+    # roots 0 (token 9) and 1 (token 8); root 0 -> node 2 (3); root 1 -> node 3 (4) -> node 4 (5)
+    tokens, parents = [9, 8, 3, 4, 5], [NO_PARENT, NO_PARENT, 0, 1, 3]
+    r = verify_greedy(tokens, parents, [3, 4, 0, 5, 7])
+    assert (r.root, r.accepted_nodes, r.tokens) == (1, [3, 4], [4, 5, 7])
+    r = verify_greedy(tokens, parents, [3, 4, 1, 0, 7])   # one each: the first-drawn root wins the tie
+    assert (r.root, r.accepted_nodes, r.tokens) == (0, [2], [3, 1])
+    r = verify_greedy(tokens, parents, [0, 0, 0, 0, 0])   # nothing accepted anywhere: the first root
+    assert (r.root, r.tokens) == (0, [0])
+    one_hot = torch.eye(V)
+    probs = torch.stack([one_hot[3], one_hot[4], one_hot[1], one_hot[5], one_hot[2]])
+    r = verify_sampling(tokens, parents, probs, None, torch.Generator().manual_seed(0))
+    assert (r.root, r.accepted_nodes, r.bonus_token) == (1, [3, 4], 2)
+
+
+def test_candidates_for_the_next_roots_are_distinct_and_the_first_is_exact():
+    """num_candidates=W: W distinct tokens from the final p; the first one alone is distributed as p
+    (so holding it back and keeping it is lossless), with fewer when p has less support."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0, 0.0])
+    g = torch.Generator().manual_seed(1)
+    firsts = torch.zeros(V)
+    n = 20000
+    for _ in range(n):
+        r = verify_sampling([0], [NO_PARENT], p[None], None, g, num_candidates=3)
+        drawn = [r.bonus_token, *r.alternates]
+        assert len(drawn) == 3 and len(set(drawn)) == 3 and all(p[t] > 0 for t in drawn)
+        firsts[r.bonus_token] += 1
+    assert (firsts / n - p).abs().sum() / 2 < 0.015
+    r = verify_sampling([0], [NO_PARENT], torch.tensor([[0.0, 1.0, 0, 0, 0, 0]]), None, g, num_candidates=3)
+    assert (r.bonus_token, r.alternates) == (1, [])
