@@ -75,7 +75,7 @@ class DraftModelDrafter(Drafter):
     def __init__(self, *, target: LlamaModel, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, tokenizer=None, draft_model: str | None = None, draft_layers: int | None = None,
                  k_config="chain:4", num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 8,
-                 target_init_width: int = 1, deterministic: bool = False, **_):
+                 target_init_width: int = 1, deterministic: bool = False, prebuilt: LlamaModel | None = None, **_):
         if int(target_init_width) < 1:
             raise ValueError(f"target_init_width must be >= 1, got {target_init_width}")
         self.k_config = parse_k_config(k_config)
@@ -84,7 +84,9 @@ class DraftModelDrafter(Drafter):
         self.template = TreeTemplate.from_branching(self.k_config)
         self.forests = {w: TreeTemplate.forest(w, self.k_config) for w in range(2, self.target_init_width + 1)}
         self.device = device
-        if draft_model:
+        if prebuilt is not None:          # a subclass's own model (e.g. a distilled student)
+            self.model, cfg = prebuilt, prebuilt.cfg
+        elif draft_model:
             from specserve.engine.loader import load_model
 
             loaded = load_model(draft_model)

@@ -3,7 +3,7 @@
     specserve serve    [--model default] [--host 127.0.0.1] [--port 8000] ...   OpenAI-compatible HTTP server
     specserve generate "PROMPT" [--max-tokens 128] [--temperature 0] ...         one prompt, streamed to the terminal
     specserve bench ...                                                          benchmarks (see below)
-    specserve train ...                                                          drafter training (see below)
+    specserve train DRAFTER --out DIR [--model default] [--data default] ...     train a drafter (see below)
 
 Also runnable as ``python -m specserve.server``. The engine (and torch) is imported only when a
 command runs, so ``--help`` stays fast.
@@ -311,9 +311,8 @@ async def _stream_to_terminal(engine, prompt_ids: list[int], params) -> int:
 
 
 # ---- bench and train ----------------------------------------------------------------------------
-# >>> Owned by the benchmark and drafter-training work: replace `_add_bench` / `_add_train` with the real
-# >>> subcommands (keep the signature: register a subparser on `sub`, set_defaults(func=...) returning an
-# >>> exit status). Until then `_not_yet` makes `specserve train` answer clearly.
+# `specserve train` runs specserve.drafters.train.pipeline; the trainers register themselves in
+# specserve.drafters.train (one per trained drafter).
 
 
 BENCHMARKS = {   # name -> (module with main(argv), what it measures)
@@ -343,20 +342,86 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return int(module.main(args.args) or 0)
 
 
+TRAIN_DEFAULTS = dict(model="default", data="default", epochs=3, lr=1e-3, batch_tokens=8192, max_examples=4000,
+                      max_len=512, device="auto", dtype="auto", seed=0, self_distill_max_tokens=256, temperature=0.0,
+                      eval_examples=64, top_k=8, shard_size=256)   # a unit test keeps them equal to the pipeline's
+
+
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train a drafter for the target model (not available yet)",
-                       description="Not available yet: drafter training lands with the trained drafters.")
-    p.set_defaults(func=_not_yet("train", None))
+    d = TRAIN_DEFAULTS
+    p = sub.add_parser(
+        "train", help="train a drafter (medusa, eagle, ...) for the target model",
+        description="Distil a trained drafter from the target: build (or reuse) teacher shards -- the target's "
+                    "hidden states and top-k next tokens over prompt + answer -- from the prompt pool, hold back "
+                    "some examples to measure tau, then run the drafter's trainer and write its checkpoint "
+                    "(model.safetensors + meta.json) to --out.")
+    p.add_argument("drafter", metavar="DRAFTER", help="the drafter to train (an unknown name lists the available ones)")
+    p.add_argument("--model", default=d["model"], help=MODEL_HELP)
+    p.add_argument("--data", default=d["data"], metavar="PATH",
+                   help="prompt pool: a {id, turns, source, output} JSONL file or a folder holding "
+                        "train_prompts.jsonl; 'default' = $SPECSERVE_DATA, else ../shared/data (default: %(default)s)")
+    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint folder to write")
+    p.add_argument("--epochs", type=int, default=d["epochs"], help="(default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (default: %(default)s)")
+    p.add_argument("--batch-tokens", type=int, default=d["batch_tokens"], metavar="N",
+                   help="tokens per training batch, and per target forward when building shards "
+                        "(default: %(default)s)")
+    p.add_argument("--max-examples", type=int, default=d["max_examples"], metavar="N",
+                   help="examples taken from the pool, round-robin over its sources (default: %(default)s)")
+    p.add_argument("--max-len", type=int, default=d["max_len"], metavar="N",
+                   help="tokens per example, prompt + answer (default: %(default)s)")
+    p.add_argument("--device", default=d["device"], help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    p.add_argument("--dtype", default=d["dtype"], choices=("auto", "float32", "bfloat16", "float16"),
+                   help="the target's dtype; auto = float32 on CPU, bfloat16 on CUDA (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d["seed"], help="(default: %(default)s)")
+    p.add_argument("--self-distill", action="store_true",
+                   help="answer the prompts with the target itself (plain decoding through the engine) instead of "
+                        "the pool's reference answers")
+    p.add_argument("--self-distill-max-tokens", type=int, default=d["self_distill_max_tokens"], metavar="N",
+                   help="longest self-distilled answer (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=d["temperature"],
+                   help="sampling temperature of self-distillation; 0 = greedy (default: %(default)s)")
+    p.add_argument("--eval-examples", type=int, default=d["eval_examples"], metavar="N",
+                   help="examples held back (by id) to measure tau and stop early (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=d["top_k"], metavar="K",
+                   help="target next-token candidates kept per token for KL distillation (default: %(default)s)")
+    p.add_argument("--shard-size", type=int, default=d["shard_size"], metavar="N",
+                   help="examples per teacher shard (default: %(default)s)")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help="where teacher shards and self-distilled answers are cached and resumed "
+                        "(default: $SPECSERVE_CACHE/train, else ~/.cache/specserve/train)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the drafter's trainer (repeatable), e.g. num_heads=4; values are parsed as "
+                        "int, float, true/false or text")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
+    p.set_defaults(func=_cmd_train)
 
 
-def _not_yet(command: str, instead: str | None):
-    def run(args: argparse.Namespace) -> int:
-        hint = f"; meanwhile use `{instead}`" if instead else ""
-        print(f"specserve {command}: not available in this version yet{hint}", file=sys.stderr)
+def _cmd_train(args: argparse.Namespace) -> int:
+    from specserve.drafters.train import UnknownTrainerError, get_trainer
+    from specserve.engine.errors import ModelNotFoundError, UnsupportedModelError
+
+    _setup_logging(args.log_level)
+    try:
+        get_trainer(args.drafter)   # before anything heavy is loaded
+    except UnknownTrainerError as exc:
+        print(f"specserve train: error: {exc}", file=sys.stderr)
         return 2
-    return run
+    from specserve.drafters.train.pipeline import options_from_namespace, run_training
 
-# <<< end of bench / train
+    try:
+        options = options_from_namespace(args)
+        out = run_training(args.drafter, options)
+    except (ModelNotFoundError, UnsupportedModelError, FileNotFoundError, ValueError) as exc:
+        print(f"specserve train: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nspecserve train: interrupted (finished teacher shards are kept and reused next time)",
+              file=sys.stderr)
+        return 130
+    print(f"checkpoint written to {out}")
+    return 0
 
 
 # ---- entry point ------------------------------------------------------------------------------

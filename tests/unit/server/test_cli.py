@@ -71,10 +71,47 @@ def test_generate_args():
     assert cli.build_parser().parse_args(["generate", "hi"]).chat is None   # auto: chat when there is a template
 
 
-@pytest.mark.parametrize("command", ["train"])
-def test_placeholder_commands_answer_clearly(command, capsys):
-    assert cli.main([command]) == 2
-    assert "not available" in capsys.readouterr().err
+def test_train_args_become_trainer_options():
+    from specserve.drafters.train.pipeline import options_from_namespace
+
+    args = cli.build_parser().parse_args(
+        ["train", "medusa", "--out", "/ckpt", "--epochs", "5", "--lr", "3e-4", "--batch-tokens", "4096",
+         "--max-examples", "100", "--max-len", "256", "--device", "cpu", "--dtype", "float32", "--seed", "7",
+         "--self-distill", "--eval-examples", "16", "--cache-dir", "/tmp/c", "--option", "num_heads=4",
+         "--option", "full_vocab=true", "--option", "tree=eagle"])
+    assert (args.drafter, args.model, args.data, args.self_distill) == ("medusa", "default", "default", True)
+    options = options_from_namespace(args)
+    assert (options["out"], options["epochs"], options["lr"], options["batch_tokens"], options["max_examples"],
+            options["max_len"], options["device"], options["dtype"], options["seed"], options["eval_examples"],
+            options["cache_dir"]) == ("/ckpt", 5, 3e-4, 4096, 100, 256, "cpu", "float32", 7, 16, "/tmp/c")
+    assert options["data"] is None                     # 'default': the shared data folder
+    assert (options["num_heads"], options["full_vocab"], options["tree"]) == (4, True, "eagle")
+    assert "func" not in options and "option" not in options
+
+
+def test_train_option_errors():
+    from specserve.drafters.train.pipeline import options_from_namespace
+
+    for bad, message in ((["--option", "epochs=3"], "use the command's own flag"), (["--option", "x"], "KEY=VALUE")):
+        args = cli.build_parser().parse_args(["train", "medusa", "--out", "/o", *bad])
+        with pytest.raises(ValueError, match=message):
+            options_from_namespace(args)
+
+
+def test_train_needs_a_drafter_and_an_output(capsys):
+    for argv in (["train"], ["train", "medusa"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_train_defaults_match_the_pipeline():
+    from specserve.drafters.train.pipeline import DEFAULTS
+
+    assert {k: v for k, v in cli.TRAIN_DEFAULTS.items() if k != "data"} == {
+        k: DEFAULTS[k] for k in cli.TRAIN_DEFAULTS if k != "data"}
+    assert cli.TRAIN_DEFAULTS["data"] == "default" and DEFAULTS["data"] is None
 
 
 def test_bench_names_its_benchmarks(capsys):

@@ -1,0 +1,37 @@
+"""`student`: a distilled student draft model (drafters/train/student.py) served through the
+draft-model machinery — SpS chains, MCSD k-configuration trees, target-initialised roots, its own
+paged KV cache. It shares the target's embedding, LM head and RoPE tables by reference; only its
+few decoder layers and final norm come from the checkpoint.
+
+Options: `checkpoint=PATH` (default: the shipped checkpoint for this target, the largest or the
+one with `num_layers=N`), `random_init=true` (the target's first `num_layers` layers, untrained:
+for tests), plus every `draft_model` option (`k_config`, `deterministic`, `target_init_width`).
+"""
+
+from __future__ import annotations
+
+from specserve.drafters.base import register
+from specserve.drafters.draft_model import DraftModelDrafter
+
+
+@register("student")
+class StudentDrafter(DraftModelDrafter):
+    name = "student"
+
+    def __init__(self, *, target, model_config, device, dtype, checkpoint: str | None = None,
+                 num_layers: int | None = None, random_init: bool = False, k_config="chain:4", **kw):
+        from specserve.drafters.train.student import StudentModel, load_student, shipped_checkpoint
+
+        self.meta = None
+        if random_init:
+            student = StudentModel.from_target(target, int(num_layers or 1))
+        else:
+            path = checkpoint or shipped_checkpoint(model_config, target, num_layers)
+            if path is None:
+                raise ValueError("no student checkpoint ships for this target; train one with "
+                                 "`specserve train student --model SOURCE --out DIR` and pass "
+                                 "--drafter-option student.checkpoint=DIR")
+            student, self.meta = load_student(path, model_config=model_config, target=target)
+        model = student.as_draft_model(target, dtype, device)
+        super().__init__(target=target, model_config=model_config, device=device, dtype=dtype,
+                         k_config=k_config, prebuilt=model, **kw)

@@ -1,0 +1,174 @@
+"""What `specserve train DRAFTER` runs: load the target, build (or reuse) the distillation shards,
+split them, call the drafter's registered trainer.
+
+    run_training("medusa", {"model": "default", "data": None, "out": "ckpt/medusa", "epochs": 3, ...})
+
+Shards and self-distilled answers are cached under `cache_dir` (default ``$SPECSERVE_CACHE/train``)
+in folders named by the target's fingerprint and a hash of everything that shapes them, so a
+second run with the same data settings reuses them, and an interrupted build resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from specserve.drafters.train import TrainData, TrainTarget, get_trainer
+from specserve.drafters.train.checkpoint import target_fingerprint
+from specserve.drafters.train.data import (ShardDataset, build_teacher_shards, load_prompt_pool,
+                                           self_distill_examples)
+
+logger = logging.getLogger("specserve")
+
+DEFAULTS: dict[str, Any] = dict(
+    model="default", data=None, out=None, epochs=3, lr=1e-3, batch_tokens=8192, max_examples=4000, max_len=512,
+    device="auto", dtype="auto", seed=0, self_distill=False, self_distill_max_tokens=256, temperature=0.0,
+    eval_examples=64, cache_dir=None, top_k=8, shard_size=256, progress=True,
+)
+
+
+def parse_option_value(text: str) -> Any:
+    """'4' -> 4, '0.5' -> 0.5, 'true'/'false' -> bool, 'none' -> None, else the text."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_options(items) -> dict[str, Any]:
+    """`["num_heads=4", "tree=eagle"]` -> `{"num_heads": 4, "tree": "eagle"}`."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--option expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = parse_option_value(value)
+    return out
+
+
+def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    from specserve.engine.config import EngineConfig
+
+    cfg = EngineConfig(device=device, dtype=dtype)
+    resolved = cfg.resolve_device()
+    return resolved, cfg.resolve_dtype(resolved)
+
+
+def prepare_target(model: str = "default", *, device: str = "auto", dtype: str = "auto",
+                   max_positions: int = 4096, loaded=None) -> TrainTarget:
+    """Load the target (or use `loaded`) as our frozen LlamaModel on `device`/`dtype`."""
+    from specserve.engine.config import ModelConfig
+    from specserve.engine.loader import load_model
+    from specserve.engine.model import LlamaModel
+
+    loaded = loaded or load_model(model)
+    dev, dt = resolve_device_dtype(device, dtype)
+    cfg = ModelConfig.from_hf(loaded.hf_config)
+    max_positions = min(max_positions, cfg.max_position_embeddings)
+    net = LlamaModel.from_state_dict(cfg, loaded.state_dict, max_positions=max_positions, dtype=dt, device=dev)
+    return TrainTarget(loaded=loaded, model=net, model_config=cfg, fingerprint=target_fingerprint(cfg, net),
+                       device=dev, dtype=dt)
+
+
+def _key(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _cache_root(cache_dir) -> Path:
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    from specserve.engine.loader import _cache_root as specserve_cache
+    return specserve_cache(None) / "train"
+
+
+def prepare_data(target: TrainTarget, options: Mapping[str, Any]) -> TrainData:
+    """The prompt pool (balanced), optionally answered by the target itself, turned into teacher
+    shards (built or reused), split into train and held-back by example id."""
+    o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
+    data = o["data"] if o["data"] not in (None, "default") else None
+    examples = load_prompt_pool(data, max_examples=o["max_examples"], seed=o["seed"],
+                                require_output=not o["self_distill"])
+    if not examples:
+        raise ValueError("the prompt pool is empty (no row with a reference answer; try --self-distill)")
+    safe_name = re.sub(r"[^\w.-]+", "_", target.name)
+    root = _cache_root(o["cache_dir"]) / f"{safe_name}-{target.fingerprint}"
+    self_distill = None
+    if o["self_distill"]:
+        from specserve.engine.config import EngineConfig
+        from specserve.engine.core import LLMEngine
+
+        self_distill = {"max_tokens": o["self_distill_max_tokens"], "temperature": o["temperature"],
+                        "seed": o["seed"]}
+        engine = LLMEngine(EngineConfig(model=str(o["model"]), device=str(target.device),
+                                        dtype=str(target.dtype).removeprefix("torch."), max_model_len=o["max_len"],
+                                        max_num_seqs=32, max_num_batched_tokens=2048, seed=o["seed"]),
+                           loaded=target.loaded)
+        cache = root / f"self-distill-{_key([self_distill, [ex.content_hash() for ex in examples]])}.jsonl"
+        examples = self_distill_examples(engine, examples, max_tokens=o["self_distill_max_tokens"],
+                                         temperature=o["temperature"], seed=o["seed"], cache_path=cache,
+                                         progress=o["progress"])
+        del engine
+    shard_key = _key([[ex.content_hash() for ex in examples], o["max_len"], o["top_k"], o["shard_size"]])
+    shard_dir = root / f"shards-{shard_key}"
+    logger.info("teacher shards for %d examples in %s", len(examples), shard_dir)
+    manifest = build_teacher_shards(target.model, target.tokenizer, examples, shard_dir, max_len=o["max_len"],
+                                    shard_size=o["shard_size"], top_k=o["top_k"], device=target.device,
+                                    batch_tokens=o["batch_tokens"], target_name=target.name, progress=o["progress"])
+    if self_distill is not None:
+        manifest["self_distill"] = self_distill
+    if o["eval_examples"] >= manifest["num_examples"]:
+        raise ValueError(f"--eval-examples {o['eval_examples']} leaves nothing to train on "
+                         f"({manifest['num_examples']} examples)")
+    train = ShardDataset(shard_dir, split="train", eval_examples=o["eval_examples"])
+    held_back = ShardDataset(shard_dir, split="eval", eval_examples=o["eval_examples"])
+    return TrainData(shard_dir=shard_dir, manifest=manifest, train=train, held_back=held_back, examples=examples)
+
+
+def run_training(drafter: str, options: Mapping[str, Any], *, target: TrainTarget | None = None) -> Path:
+    """Train `drafter` end to end; returns its checkpoint folder. `options`: see DEFAULTS, plus the
+    drafter's own options (passed through to its trainer)."""
+    trainer = get_trainer(drafter)          # an unknown name fails before anything is loaded
+    o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
+    if not o.get("out"):
+        raise ValueError("an output folder is needed (--out DIR)")
+    torch.manual_seed(o["seed"])
+    target = target or prepare_target(str(o["model"]), device=o["device"], dtype=o["dtype"],
+                                      max_positions=max(o["max_len"], 512))
+    data = prepare_data(target, o)
+    out = Path(o["out"]).expanduser()
+    # trainers see concrete values: the folder, the target's device and dtype ("auto" resolved)
+    o.update(out=out, device=str(target.device), dtype=str(target.dtype).removeprefix("torch."))
+    logger.info("training %s for %s (%d train / %d held-back examples) -> %s", drafter, target.name, len(data.train),
+                len(data.held_back), out)
+    result = trainer(dict(o), target, data)
+    return Path(result) if result is not None else out
+
+
+def options_from_namespace(args) -> dict[str, Any]:
+    """`specserve train` arguments as the options dict trainers get (``--option`` entries merged in)."""
+    values = {k: v for k, v in vars(args).items() if k not in ("func", "option", "command", "drafter", "log_level")}
+    extra = parse_options(getattr(args, "option", None))
+    clash = sorted(set(extra) & set(values))
+    if clash:
+        raise ValueError(f"--option {', '.join(clash)}: use the command's own flag instead")
+    values.update(extra)
+    if values.get("data") == "default":
+        values["data"] = None
+    return values
+
+
+__all__ = ["DEFAULTS", "prepare_target", "prepare_data", "run_training", "options_from_namespace", "parse_options",
+           "resolve_device_dtype"]

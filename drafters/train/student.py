@@ -1,0 +1,273 @@
+"""Distilled student draft models: a few Llama decoder layers that share the target's frozen
+embedding and LM head, initialised from the target's first layers and its final norm, then
+distilled towards the target's next-token distribution.
+
+Served by the `student` drafter (drafters/student.py) through the draft-model machinery: SpS
+chains, MCSD trees, target-initialised roots, its own paged KV cache.
+
+Loss, per trained position t (the answer tokens): cross-entropy of the target's top-k next-token
+distribution (renormalised over its k; the KL to it up to a constant) against the student's softmax
+over a candidate set = the batch's top-k ids plus uniformly drawn negatives. The full 49152-wide
+softmax of the default target would cost the LM head's forward and backward for every position;
+with k = 8 and 2048 negatives the head's cost falls ~20x and the top-k (which carries the mass that
+matters for acceptance) stays exact. `negatives=none` trains on the full vocabulary.
+
+Offline τ (held-back split): for chain drafting of length `gamma` from every trained position,
+1 + the number of leading positions where the student's argmax equals the target's greedy token,
+counted only while the data itself follows the target's greedy path (where it does not, the
+drafter would have been fed different tokens than teacher forcing gives). On self-distilled
+greedy data that condition always holds and the estimate is exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.drafters.train import TrainData, TrainTarget, register_trainer
+from specserve.engine.config import ModelConfig
+from specserve.engine.model import DecoderLayer, LlamaModel, apply_rope, rms_norm
+
+logger = logging.getLogger("specserve")
+
+KIND = "student"
+DEFAULT_NEGATIVES = 2048
+
+
+class StudentModel(nn.Module):
+    """Trainable: `layers` and `norm`. Shared, frozen and never saved: the target's embedding, LM
+    head and RoPE tables (held outside the module's parameters)."""
+
+    def __init__(self, cfg: ModelConfig, num_layers: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self._shared: dict[str, Any] = {}
+
+    @classmethod
+    def from_target(cls, target: LlamaModel, num_layers: int) -> "StudentModel":
+        """The target's first `num_layers` layers and its final norm, copied (then trained)."""
+        if not 1 <= num_layers <= target.num_layers:
+            raise ValueError(f"num_layers must be in [1, {target.num_layers}], got {num_layers}")
+        student = cls(target.cfg, num_layers)
+        ref = target.embed.weight
+        student.to(device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            for mine, theirs in zip(student.layers, target.layers):
+                for (name, p), (_, q) in zip(mine.named_parameters(), theirs.named_parameters()):
+                    p.copy_(q)
+            student.norm.copy_(target.norm)
+        return student.share(target)
+
+    def share(self, target: LlamaModel) -> "StudentModel":
+        self._shared = {"embed": target.embed, "lm_head_weight": target.lm_head_weight,
+                        "rope_cos": target.rope_cos, "rope_sin": target.rope_sin}
+        return self
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self._shared["lm_head_weight"]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.state_dict().items()}
+
+    @classmethod
+    def from_tensors(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> "StudentModel":
+        num_layers = 1 + max(int(k.split(".")[1]) for k in tensors if k.startswith("layers."))
+        student = cls(cfg, num_layers)
+        student.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+        return student
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Dense causal forward for training: [B, T] ids and positions -> [B, T, H] hidden after the
+        norm. Batches are right-padded, so causal attention never lets a real token see padding."""
+        h = self._shared["embed"](input_ids).to(self.norm.dtype)
+        cos = self._shared["rope_cos"][positions].to(h.dtype)
+        sin = self._shared["rope_sin"][positions].to(h.dtype)
+        for layer in self.layers:
+            h = _dense_layer(layer, h, cos, sin)
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+
+    def as_draft_model(self, target: LlamaModel, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+        """A LlamaModel for serving: these layers and norm, the target's embedding, head and RoPE
+        tables by reference."""
+        view = LlamaModel.__new__(LlamaModel)
+        nn.Module.__init__(view)
+        view.cfg = target.cfg
+        view.embed = target.embed
+        view.layers = nn.ModuleList(self.layers).to(device=device, dtype=dtype)
+        view.norm = nn.Parameter(self.norm.detach().to(device=device, dtype=dtype), requires_grad=False)
+        view.lm_head = target.lm_head
+        view.max_positions = target.max_positions
+        view.rope_cos, view.rope_sin = target.rope_cos, target.rope_sin
+        return view.eval().requires_grad_(False)
+
+
+def _dense_layer(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DecoderLayer's maths on a dense [B, T, H] batch with causal SDPA (differentiable; the
+    serving path runs the same weights over the paged cache)."""
+    b, t, _ = h.shape
+    x = rms_norm(h, layer.input_norm, layer.eps)
+    q, k, v = F.linear(x, layer.qkv.weight, layer.qkv.bias).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+    c, s = cos.reshape(b * t, -1), sin.reshape(b * t, -1)
+    q = apply_rope(q.reshape(b * t, layer.num_heads, layer.head_dim), c, s).view(b, t, layer.num_heads, -1)
+    k = apply_rope(k.reshape(b * t, layer.num_kv_heads, layer.head_dim), c, s).view(b, t, layer.num_kv_heads, -1)
+    v = v.view(b, t, layer.num_kv_heads, layer.head_dim)
+    group = layer.num_heads // layer.num_kv_heads
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          is_causal=True, scale=layer.scale)
+    h = h + F.linear(attn.transpose(1, 2).reshape(b, t, -1), layer.o.weight)
+    gate, up = F.linear(rms_norm(h, layer.post_attn_norm, layer.eps), layer.gate_up.weight).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, layer.down.weight)
+
+
+# ---- loss and offline τ -----------------------------------------------------------------------------------------
+
+def candidate_set(topk_ids: torch.Tensor, vocab: int, negatives: int | None,
+                  generator: torch.Generator | None = None) -> torch.Tensor | None:
+    """Sorted unique union of the valid top-k ids and `negatives` uniform draws; None = full vocab."""
+    if negatives is None:
+        return None
+    ids = [topk_ids[topk_ids >= 0].long()]
+    if negatives > 0:
+        ids.append(torch.randint(0, vocab, (negatives,), generator=generator).to(topk_ids.device))
+    return torch.unique(torch.cat(ids))
+
+
+def student_loss(student: StudentModel, batch: dict[str, Any], *, negatives: int | None = DEFAULT_NEGATIVES,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    hidden = student(batch["input_ids"], batch["positions"])                 # [B, T, H]
+    mask = batch["loss_mask"]
+    rows = hidden[mask]                                                      # [N, H]
+    topk_ids, topk_lp = batch["topk_ids"][mask], batch["topk_logprobs"][mask]
+    cands = candidate_set(topk_ids, student.cfg.vocab_size, negatives, generator)
+    w = student.lm_head_weight if cands is None else student.lm_head_weight.index_select(0, cands)
+    logp = F.linear(rows, w.to(rows.dtype)).float().log_softmax(-1)
+    ids = topk_ids.long() if cands is None else torch.searchsorted(cands, topk_ids.long())
+    target = torch.softmax(topk_lp.float(), dim=-1)
+    loss = -(target * logp.gather(1, ids)).sum(-1).mean()
+    top1 = (logp.argmax(-1) == ids[:, 0]).float().mean()
+    return loss, {"top1": float(top1)}
+
+
+@torch.no_grad()
+def estimate_tau(student: StudentModel, batches: Iterable[dict[str, Any]], gamma: int = 4) -> dict[str, float]:
+    """Offline chain τ (see the module docstring) and top-1 agreement on trained positions."""
+    total_tau, count, agree, trained = 0.0, 0, 0, 0
+    was_training = student.training
+    student.eval()
+    for batch in batches:
+        hidden = student(batch["input_ids"], batch["positions"])
+        pred = F.linear(hidden, student.lm_head_weight.to(hidden.dtype)).argmax(-1)     # [B, T]
+        labels, ids, mask = batch["labels"], batch["input_ids"], batch["loss_mask"]
+        hit = (pred == labels) & batch["valid"]
+        follows = torch.zeros_like(hit)
+        follows[:, :-1] = ids[:, 1:] == labels[:, :-1]       # the data continued with the target's own token
+        B, T = hit.shape
+        run = torch.zeros(B, T, dtype=torch.long)
+        alive = torch.ones(B, T, dtype=torch.bool)
+        for j in range(gamma):
+            shifted = torch.zeros_like(hit)
+            shifted[:, :T - j] = hit[:, j:]
+            alive &= shifted
+            run += alive.long()
+            ok = torch.zeros_like(hit)
+            ok[:, :T - j] = follows[:, j:]
+            alive &= ok
+        total_tau += float((1 + run[mask]).sum())
+        count += int(mask.sum())
+        agree += int(hit[mask].sum())
+        trained += int(mask.sum())
+    student.train(was_training)
+    return {"tau": total_tau / max(1, count), "top1": agree / max(1, trained)}
+
+
+# ---- checkpoints --------------------------------------------------------------------------------------------------
+
+def shipped_checkpoint(model_config: ModelConfig, target, num_layers: int | None = None) -> Path | None:
+    """A student checkpoint under drafters/checkpoints/ made for this target (the given size, or the
+    largest shipped)."""
+    from specserve.drafters.train.checkpoint import read_meta, target_fingerprint
+
+    root = Path(__file__).resolve().parent.parent / "checkpoints"
+    found: list[tuple[int, Path]] = []
+    fingerprint = None
+    for meta_file in sorted(root.glob("*/meta.json")) if root.is_dir() else ():
+        try:
+            meta = read_meta(meta_file.parent)
+        except (OSError, ValueError):
+            continue
+        if meta.kind != KIND:
+            continue
+        fingerprint = fingerprint or target_fingerprint(model_config, target)
+        layers = int(meta.hyperparams.get("num_layers", 0))
+        if meta.target_fingerprint == fingerprint and (num_layers is None or layers == num_layers):
+            found.append((layers, meta_file.parent))
+    return max(found)[1] if found else None
+
+
+def load_student(directory, *, model_config: ModelConfig, target) -> tuple[StudentModel, Any]:
+    from specserve.drafters.train.checkpoint import load_checkpoint, target_fingerprint
+
+    tensors, meta = load_checkpoint(directory, kind=KIND, fingerprint=target_fingerprint(model_config, target))
+    return StudentModel.from_tensors(model_config, tensors), meta
+
+
+# ---- the trainer --------------------------------------------------------------------------------------------------
+
+@register_trainer(KIND)
+def train_student(options: dict, target: TrainTarget, data: TrainData) -> Path:
+    """Options: num_layers (default 4), negatives (default 2048; none = full vocabulary), gamma
+    (offline τ chain length, default 4), window (tokens per training row, default 256), plus the
+    loop's (epochs, lr, batch_tokens, max_seconds, ...)."""
+    from specserve.drafters.train.checkpoint import CheckpointMeta, describe_device, save_checkpoint
+    from specserve.drafters.train.loop import TrainConfig, train
+
+    num_layers = int(options.get("num_layers") or 4)
+    negatives = options.get("negatives", DEFAULT_NEGATIVES)
+    negatives = None if negatives in (None, "none") else int(negatives)
+    gamma = int(options.get("gamma") or 4)
+    window = int(options.get("window") or 256)
+    batch_tokens = int(options.get("batch_tokens") or 4096)
+    seed = int(options.get("seed") or 0)
+    fields = ("input_ids", "labels", "topk_ids", "topk_logprobs")
+    device = target.device
+    student = StudentModel.from_target(target.model, num_layers).float().share(target.model)
+    student.train()
+    gen = torch.Generator().manual_seed(seed)
+
+    def epoch_batches(epoch: int):
+        return data.train.batches(batch_tokens, window=window, epoch=epoch, seed=seed, fields=fields, device=device)
+
+    eval_batches = list(data.held_back.batches(batch_tokens, window=window, shuffle=False, fields=fields,
+                                               device=device))
+
+    def loss_fn(module, batch):
+        return student_loss(module, batch, negatives=negatives, generator=gen)
+
+    config = TrainConfig.from_options(options, device=device, seed=seed)
+    t0 = time.perf_counter()
+    result = train(student, loss_fn, epoch_batches, eval_fn=lambda m: estimate_tau(m, eval_batches, gamma),
+                   config=config)
+    final = estimate_tau(student, eval_batches, gamma)
+    meta = CheckpointMeta(
+        kind=KIND, target_name=target.name, target_fingerprint=target.fingerprint,
+        hyperparams={"num_layers": num_layers, "init": f"target layers 0..{num_layers - 1} + final norm",
+                     "negatives": negatives, "window": window, "lr": config.lr, "epochs": config.epochs,
+                     "batch_tokens": batch_tokens, "steps": result.steps, "stop_reason": result.stop_reason},
+        data=data.summary(), train_seconds=round(time.perf_counter() - t0, 1), device=describe_device(device),
+        tau=round(final["tau"], 4),
+        tau_details={"method": f"offline chain of {gamma} on the held-back split (see drafters/train/student.py)",
+                     "top1": round(final["top1"], 4), "held_back_examples": len(data.held_back)})
+    out = Path(options["out"])
+    save_checkpoint(out, student.tensors(), meta)
+    logger.info("student (%d layers): held-back τ %.3f, top-1 %.3f -> %s", num_layers, final["tau"], final["top1"], out)
+    return out
