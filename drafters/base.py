@@ -104,4 +104,4 @@ def parse_drafter_options(items: Seq[str]) -> dict[str, dict]:
 
 
 def _import_builtin() -> None:
-    from specserve.drafters import draft_model, mag, ngram, student  # noqa: F401  (they register themselves)
+    from specserve.drafters import draft_model, mag, medusa, ngram, student  # noqa: F401  (they register themselves)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("specserve")
 
-INFRA_MODULES = {"target", "data", "checkpoint", "loop", "evaluate", "pipeline"}
+INFRA_MODULES = {"target", "data", "checkpoint", "loop", "evaluate", "pipeline", "tree_tuning"}
 
 
 @dataclass

@@ -1,0 +1,199 @@
+"""Medusa-1 drafter: K residual heads over the frozen target's last hidden state.
+
+Each step, per sequence: the heads read h_t, the target's last-layer hidden state of the last
+token that has features (delivered by `observe`: after a verification that is the last accepted
+node, or the root when nothing was accepted; after a prefill the last prompt token). The target's
+own LM head at h_t predicted the token at t+1, which is the bonus token = the tree root; head k
+(k = 1..K) predicts the token at t+1+k, i.e. tree depth k:
+
+    logits_k = LMHead(h_t + SiLU(W_k h_t + b_k))      (the target's LM head, shared by reference)
+
+The tree is Cartesian (Medusa's sparse tree): a node at depth d with rank r carries the r-th most
+likely token of head d, whatever its parent. Trees are deterministic drafts (`draft_probs=None`,
+one-hot q), lossless for greedy and sampling requests alike.
+
+Tree shape: a list of rank paths in *preference order* (each prefix of the list is a tree), cut
+to the scheduler's budget and laid out level-major by `TreeTemplate.from_choices`. The list is,
+in order of precedence: the `tree` option; the tuned order a trained checkpoint carries (chosen
+by greedy expected-accepted-length maximisation on held-back data, see train/tree_tuning.py);
+Medusa's `medusa_mc_sim_7b_63` from the shared trees.json; a built-in order from a generic
+acceptance prior when that file is absent.
+
+All sequences of a step go through one heads matmul and one LM-head matmul.
+
+Options (`--drafter-option medusa.KEY=VALUE`):
+  checkpoint=PATH   a trained checkpoint folder (`specserve train medusa ...`); default: the shipped
+                    checkpoint in drafters/checkpoints/ whose target fingerprint matches
+  tree=SPEC         "auto" (default), a trees.json name, "chain", or a JSON list of rank paths
+  num_heads=K       use only the first K heads (default: all the checkpoint has)
+  random_init=true  FOR TESTS: untrained heads (zero = the target's next-token prediction at every
+                    depth; `init_std` > 0 draws random weights with `seed`)
+  heads=MODULE      (Python API, alias `module`) an in-memory MedusaHeads, e.g. the one being trained
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+
+from specserve.drafters.base import Drafter, register
+from specserve.engine.tree import TokenTree, TreeTemplate, tree_depths
+
+logger = logging.getLogger("specserve")
+
+CHECKPOINTS_DIR = Path(__file__).resolve().parent / "checkpoints"
+
+
+def _prior_order(num_heads: int, nodes: int = 64) -> list[list[int]]:
+    """A fallback tree order from a generic prior: top-1 right 60 % of the time at depth 1, less
+    deeper, rank r about half as likely as rank r-1."""
+    from specserve.drafters.train.tree_tuning import greedy_tree_order
+
+    acc = [[0.6 * 0.85 ** d * 0.45 ** r for r in range(10)] for d in range(num_heads)]
+    return greedy_tree_order(acc, nodes)
+
+
+def parse_tree_option(value, num_heads: int) -> list[list[int]] | None:
+    """The `tree` option as a path list, or None for "auto"."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto", "tuned")):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [list(map(int, p)) for p in value]
+    text = str(value).strip()
+    if text.lower() == "chain":
+        return [[0] * d for d in range(1, num_heads + 1)]
+    if text.startswith("["):
+        return [list(map(int, p)) for p in json.loads(text)]
+    path = Path(text).expanduser()
+    if path.is_file():
+        return [list(map(int, p)) for p in json.loads(path.read_text(encoding="utf-8"))]
+    from specserve.drafters.train.medusa import load_template
+
+    paths = load_template(text)
+    if paths is None:
+        raise ValueError(f"medusa tree {text!r}: not 'auto', 'chain', a JSON path list, a file, or a tree of "
+                         f"trees.json (set SPECSERVE_DATA to the folder holding it)")
+    return paths
+
+
+def find_shipped_checkpoint(fingerprint: str, kind: str = "medusa", root: Path = CHECKPOINTS_DIR) -> Path | None:
+    """A folder under drafters/checkpoints/ holding a `kind` checkpoint for this target."""
+    from specserve.drafters.train.checkpoint import read_meta
+
+    if not root.is_dir():
+        return None
+    for meta_file in sorted(root.glob("*/meta.json")):
+        try:
+            meta = read_meta(meta_file.parent)
+        except (OSError, ValueError):
+            continue
+        if meta.kind == kind and meta.target_fingerprint == fingerprint:
+            return meta_file.parent
+    return None
+
+
+@register("medusa")
+class MedusaDrafter(Drafter):
+    name = "medusa"
+    needs_features = True
+
+    def __init__(self, *, target, model_config, device, dtype, checkpoint: str | None = None, tree=None,
+                 num_heads: int | None = None, random_init: bool = False, init_std: float = 0.0, seed: int = 0,
+                 heads=None, module=None, **_):
+        from specserve.drafters.train.medusa import DEFAULT_NUM_HEADS, MedusaHeads, load_template
+
+        self.target = target                     # its LM head is used by reference, never copied
+        self.device, self.dtype = device, dtype
+        tuned = None
+        heads = heads if heads is not None else module
+        if heads is not None:                    # an in-memory MedusaHeads (tests, the trainer), used as it is
+            self.heads = heads.to(device=device, dtype=dtype)
+        elif random_init:
+            self.heads = MedusaHeads(num_heads or DEFAULT_NUM_HEADS, model_config.hidden_size)
+            if init_std:
+                self.heads.randomize_(float(init_std), int(seed))
+            self.heads = self.heads.to(device=device, dtype=dtype)
+        else:
+            from specserve.drafters.train.checkpoint import load_checkpoint, target_fingerprint
+
+            fingerprint = target_fingerprint(model_config, target)
+            if checkpoint is None:
+                found = find_shipped_checkpoint(fingerprint)
+                if found is None:
+                    raise ValueError(
+                        "the medusa drafter has no checkpoint for this target (none shipped in drafters/checkpoints/ "
+                        f"matches its fingerprint {fingerprint}): train one with `specserve train medusa --model MODEL "
+                        "--data DATA --out DIR` and load it with `--drafter-option medusa.checkpoint=DIR`")
+                checkpoint = str(found)
+            tensors, meta = load_checkpoint(checkpoint, kind="medusa", fingerprint=fingerprint)
+            if tensors["weight"].shape[-1] != model_config.hidden_size:
+                raise ValueError(f"{checkpoint}: heads of width {tensors['weight'].shape[-1]} for a target of "
+                                 f"hidden size {model_config.hidden_size}")
+            self.heads = MedusaHeads.from_tensors(tensors, dtype=dtype, device=device)
+            tuned = (meta.tree or {}).get("choices")
+        self.heads.eval().requires_grad_(False)
+        self.num_heads = self.heads.num_heads if num_heads is None else min(int(num_heads), self.heads.num_heads)
+        order = parse_tree_option(tree, self.num_heads)
+        if order is None:
+            order = tuned or load_template() or _prior_order(self.num_heads)
+        self.order = [list(p) for p in order if 0 < len(p) <= self.num_heads]
+        if not self.order:
+            raise ValueError("the medusa tree has no path within the heads' depth")
+        self._templates: dict[int, tuple[TreeTemplate, list[int], int, int]] = {}
+        self.state: dict[int, tuple[int, torch.Tensor]] = {}    # seq_id -> (position, h at it)
+
+    # ---- trees --------------------------------------------------------------------------------------------------
+
+    def template(self, budget: int) -> tuple[TreeTemplate, list[int], int, int]:
+        """(template, depth of each node, max depth, candidates needed per head) for a budget."""
+        budget = min(budget, len(self.order))
+        if budget not in self._templates:
+            from specserve.drafters.train.medusa import template_prefix
+
+            tpl = TreeTemplate.from_choices(template_prefix(self.order, budget)).truncate(budget + 1)
+            depths = tree_depths(tpl.parents)
+            self._templates[budget] = (tpl, depths, max(depths), max(tpl.ranks) + 1)
+        return self._templates[budget]
+
+    # ---- protocol -----------------------------------------------------------------------------------------------
+
+    def observe(self, seqs: Seq, features: Seq) -> None:
+        for seq, (start, hidden) in zip(seqs, features):
+            n = hidden.shape[0]
+            if n:
+                self.state[seq.seq_id] = (start + n - 1, hidden[n - 1].clone())
+
+    def finish(self, seq) -> None:
+        self.state.pop(seq.seq_id, None)
+
+    @torch.inference_mode()
+    def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
+        trees: list[TokenTree | None] = [None] * len(seqs)
+        live, rows, tpls = [], [], []
+        for i, (seq, budget) in enumerate(zip(seqs, budgets)):
+            st = self.state.get(seq.seq_id)
+            # the features must be those of the token right before the root
+            if budget <= 0 or st is None or st[0] != len(seq.token_ids) - 2:
+                continue
+            live.append(i)
+            rows.append(st[1])
+            tpls.append(self.template(budget))
+        if not live:
+            return trees
+        depth = max(t[2] for t in tpls)
+        width = max(t[3] for t in tpls)
+        h = torch.stack(rows).to(self.heads.weight.dtype)                    # [N, H]
+        out = self.heads(h, depth)                                           # [N, depth, H]
+        logits = self.target.compute_logits(out.reshape(-1, out.shape[-1]))  # [N * depth, vocab]
+        top = logits.topk(width, dim=-1).indices.view(len(live), depth, width).tolist()
+        for j, i in enumerate(live):
+            tpl, depths, _, _ = tpls[j]
+            cand = top[j]
+            tokens = [seqs[i].token_ids[-1]]
+            tokens.extend(cand[depths[n] - 1][tpl.ranks[n]] for n in range(1, tpl.num_nodes))
+            trees[i] = TokenTree(tokens, list(tpl.parents))
+        return trees

@@ -1,0 +1,287 @@
+"""The Medusa drafter: trees built from the heads' top-k per depth, greedy losslessness through the
+engine (untrained and briefly trained heads, staggered arrivals), agreement of the engine's τ with
+the trainer's offline decoding walk (the offsets of heads and features line up), and sampling
+losslessness (joint law of the first two tokens against the exact target law)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+from specserve.drafters import medusa as medusa_module
+from specserve.drafters.base import make_drafter
+from specserve.drafters.medusa import MedusaDrafter, parse_tree_option
+from specserve.drafters.train.medusa import (MedusaExamples, MedusaHeads, chain_tau, fit_medusa, head_ranks,
+                                             sequence_examples)
+from specserve.engine import verify
+from specserve.engine.config import EngineConfig
+from specserve.engine.core import LLMEngine
+from specserve.engine.sampler import SamplingTensors, processed_probs
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.tree import TreeTemplate, build_tree_buffers
+
+assert medusa_module  # registered
+
+
+def make_engine(model_dir, drafters=("medusa",), options=None, **kw) -> LLMEngine:
+    cfg = dict(model=str(model_dir), dtype="float32", device="cpu", max_num_seqs=4, block_size=4,
+               max_num_batched_tokens=64, num_kv_blocks=200, max_model_len=160, drafters=tuple(drafters),
+               drafter_options={"medusa": options} if options is not None else {},
+               num_speculative_tokens=10, max_draft_tokens_per_step=40)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def run_all(engine: LLMEngine, prompts, params, stagger: bool = True) -> dict[str, list[int]]:
+    got: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and (not stagger or step % 2 == 0):
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", p, params)
+        for out in engine.step():
+            for d in out.outputs:
+                got.setdefault(out.request_id, []).extend(d.token_ids)
+        step += 1
+        assert step < 5000
+    return got
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts_and_plain(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, drafters=())
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, engine.model_config.vocab_size, (n,), generator=g).tolist()
+               for n in (6, 19, 11, 33, 4, 25)]
+    return prompts, run_all(engine, prompts, GREEDY)
+
+
+# ---------------------------------------------------------------------------------------------- trees
+
+def _drafter(engine_or_model, model_config, **options) -> MedusaDrafter:
+    return make_drafter("medusa", target=engine_or_model, model_config=model_config, device=torch.device("cpu"),
+                        dtype=torch.float32, max_model_len=160, max_num_seqs=4, **options)
+
+
+def test_tree_tokens_are_the_heads_top_k_by_depth_and_rank(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, drafters=())
+    order = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0]]
+    d = _drafter(engine.model, engine.model_config, random_init=True, init_std=0.1, tree=str(order))
+    seq = SimpleNamespace(seq_id=7, token_ids=[5, 6, 7, 8, 9])
+    h = torch.randn(4, 64)
+    d.observe([seq], [(0, h)])                                   # features of positions 0..3: the root is 4
+    tree, none = d.propose([seq, SimpleNamespace(seq_id=8, token_ids=[1, 2])], [5, 5])
+    assert none is None                                          # no features for that sequence
+    # budget 5: the first five paths of the order, laid out level-major
+    tpl = TreeTemplate.from_choices(order[:5])
+    assert tree.parents == list(tpl.parents) and tree.tokens[0] == 9 and tree.draft_probs is None
+    with torch.no_grad():
+        logits = engine.model.compute_logits(d.heads(h[-1:])[0])        # [K, vocab]
+    top = logits.topk(3, dim=-1).indices
+    depths = build_tree_buffers(tree.parents).depths.tolist()
+    for node in range(1, tree.num_nodes):
+        assert tree.tokens[node] == int(top[depths[node] - 1, tpl.ranks[node]])
+    # a budget beyond the order is the whole order; a stale feature (not right before the root) gives no tree
+    assert d.propose([seq], [50])[0].num_draft_tokens == len(order)
+    seq.token_ids.append(11)
+    assert d.propose([seq], [5]) == [None]
+
+
+def test_tree_options(tiny_llama_dir):
+    assert parse_tree_option("chain", 3) == [[0], [0, 0], [0, 0, 0]]
+    assert parse_tree_option("[[0], [1]]", 3) == [[0], [1]]
+    assert parse_tree_option("auto", 3) is None
+    engine = make_engine(tiny_llama_dir, drafters=())
+    d = _drafter(engine.model, engine.model_config, random_init=True, num_heads=2)
+    assert d.order and all(len(p) <= 2 for p in d.order)        # deeper template paths are dropped
+    tpl = d.template(8)[0]
+    assert tpl.num_nodes == 9
+    with pytest.raises(ValueError):
+        parse_tree_option("no_such_tree_anywhere", 3)
+
+
+# ---------------------------------------------------------------------------------------------- greedy
+
+@pytest.mark.parametrize("options", [{"random_init": True}, {"random_init": True, "init_std": 0.05, "seed": 1}],
+                         ids=["zero-heads", "random-heads"])
+def test_greedy_is_lossless_with_untrained_heads(tiny_llama_dir, prompts_and_plain, options):
+    prompts, plain = prompts_and_plain
+    engine = make_engine(tiny_llama_dir, options=options)
+    assert run_all(engine, prompts, GREEDY) == plain
+    stats = engine.get_stats().drafters["medusa"]
+    assert stats.num_steps > 0 and stats.num_draft_tokens > 0 and stats.num_fallbacks == 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert not engine.drafters["medusa"].state                   # finished sequences dropped
+
+
+def _chat_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+    from specserve.drafters.train.data import render_prompt
+
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over lazy dog hello world capital of France Paris is what".split()
+    return [render_prompt(tokenizer, [" ".join(rng.choice(words) for _ in range(rng.randint(3, 10)))])
+            for _ in range(n)]
+
+
+def _examples(model, prompts, outputs) -> MedusaExamples:
+    """Rows of the target's own greedy answers (features recomputed by teacher forcing)."""
+    from specserve.drafters.train.target import target_features
+
+    seqs = [p + o for p, o in zip(prompts, outputs)]
+    parts = []
+    for p, s, h in zip(prompts, seqs, target_features(model, seqs)):
+        with torch.no_grad():
+            labels = model.compute_logits(h).argmax(-1)
+        assert labels[len(p) - 1:-1].tolist() == s[len(p):]      # greedy answers
+        mask = torch.zeros(len(s), dtype=torch.bool)
+        mask[len(p) - 1:-1] = True
+        parts.append(sequence_examples(h, labels, 4, mask))
+    return MedusaExamples.cat(parts, 4, model.cfg.hidden_size)
+
+
+def train_heads(model_dir, prompts: list[list[int]] | None = None, epochs: int = 4) -> MedusaHeads:
+    """Heads trained for a few seconds on the target's own greedy answers (to chat prompts by default)."""
+    from specserve.drafters.train.loop import TrainConfig
+
+    engine = make_engine(model_dir, drafters=(), max_num_seqs=16, max_num_batched_tokens=512,
+                         num_kv_blocks=1200, max_model_len=256)
+    prompts = prompts or _chat_prompts(engine.tokenizer, 48, seed=0)
+    answers = run_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), stagger=False)
+    ex = _examples(engine.model, prompts, [answers[f"r{i}"] for i in range(len(prompts))])
+    heads, _ = fit_medusa(engine.model, ex, ex.head(0), batch_size=64, num_negatives=None,
+                          config=TrainConfig(epochs=epochs, lr=3e-3, progress=False, patience=None))
+    return heads
+
+
+@pytest.fixture(scope="module")
+def trained_heads(tiny_llama_dir):
+    return train_heads(tiny_llama_dir)
+
+
+def test_greedy_is_lossless_with_trained_heads_and_drafts_get_accepted(tiny_llama_dir, trained_heads):
+    engine = make_engine(tiny_llama_dir, drafters=(), max_model_len=256)
+    prompts = _chat_prompts(engine.tokenizer, 6, seed=1)
+    plain = run_all(engine, prompts, GREEDY)
+    engine = make_engine(tiny_llama_dir, options={"heads": trained_heads}, max_model_len=256)
+    assert run_all(engine, prompts, GREEDY) == plain
+    stats = engine.get_stats().drafters["medusa"]
+    assert stats.num_accepted_tokens > 0.1 * sum(len(v) for v in plain.values())
+    assert len(stats.accepted_by_depth) >= 3                     # deeper heads got accepted too
+
+
+def test_engine_tau_matches_the_offline_walk(tiny_llama_dir, trained_heads):
+    """With a fixed chain of the 4 heads' top-1, the engine's τ is what the trainer's decoding walk
+    over the same greedy answers predicts: the heads read the right features at the right offsets."""
+    engine = make_engine(tiny_llama_dir, drafters=(), max_num_seqs=8, max_num_batched_tokens=512,
+                         num_kv_blocks=800, max_model_len=256)
+    prompts = _chat_prompts(engine.tokenizer, 8, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    plain = run_all(engine, prompts, params, stagger=False)
+    spec = make_engine(tiny_llama_dir, options={"heads": trained_heads, "tree": "chain"}, max_num_seqs=8,
+                       max_num_batched_tokens=512, num_kv_blocks=800, max_model_len=256,
+                       adaptive_draft_length=False, num_speculative_tokens=4, max_draft_tokens_per_step=64)
+    assert run_all(spec, prompts, params, stagger=False) == plain
+    stats = spec.get_stats().drafters["medusa"]
+    engine_tau = (stats.num_accepted_tokens + stats.num_steps) / stats.num_steps
+    ex = _examples(engine.model, prompts, [plain[f"r{i}"] for i in range(len(prompts))])
+    offline = chain_tau(head_ranks(trained_heads, engine.model.lm_head_weight, ex), ex.seq)
+    assert engine_tau > 1.2
+    assert engine_tau == pytest.approx(offline, abs=0.03)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+PROMPT = [7, 100, 42, 9, 250, 31, 7, 100, 42, 9, 250, 31, 7, 100]
+PARAMS = SamplingParams(temperature=1.0, top_k=3, max_tokens=5, ignore_eos=True)
+TRIALS = 1500
+TV_BOUND = 0.06    # E[TV] of 1500 draws over 9 outcomes is about 0.03 (a wrong residual rule gives about 0.15)
+
+
+@pytest.fixture(scope="module")
+def peaky_target(tiny_model_factory, tmp_path_factory):
+    return tiny_model_factory(tmp_path_factory.mktemp("medusa_peaky_target"), initializer_range=0.15, seed=3)
+
+
+@pytest.fixture(scope="module")
+def exact_law(peaky_target) -> dict[tuple[int, int], float]:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(peaky_target, dtype=torch.float32).eval()
+    st = SamplingTensors.from_params([PARAMS], "cpu")
+    law = {}
+    with torch.no_grad():
+        p1 = processed_probs(hf(torch.tensor([PROMPT])).logits[0, -1:], st)[0]
+        for t in p1.nonzero().flatten().tolist():
+            p2 = processed_probs(hf(torch.tensor([PROMPT + [t]])).logits[0, -1:], st)[0]
+            for u in p2.nonzero().flatten().tolist():
+                law[(t, u)] = float(p1[t] * p2[u])
+    return law
+
+
+@pytest.fixture(scope="module")
+def peaky_heads(peaky_target, exact_law):
+    """Heads whose first one learned, at the prompt's last position, the law of the 2nd token (which
+    it drafts without knowing the sampled 1st one): its top candidates cover that token's support,
+    so drafts at the first verification are accepted and rejected often and the residual rule
+    decides the joint law (a draft that never matches could not show a wrong rule)."""
+    from specserve.drafters.train.loop import TrainConfig
+    from specserve.drafters.train.target import target_features
+
+    model = make_engine(peaky_target, drafters=()).model
+    h = target_features(model, [PROMPT])[0][-1]
+    second: dict[int, float] = {}
+    for (_, u), pr in exact_law.items():
+        second[u] = second.get(u, 0.0) + pr
+    g = torch.Generator().manual_seed(0)
+    tokens = list(second)
+    draws = torch.multinomial(torch.tensor([second[u] for u in tokens]), 512, replacement=True, generator=g)
+    targets = torch.full((512, 4), -1, dtype=torch.long)
+    targets[:, 0] = torch.tensor(tokens)[draws]
+    ex = MedusaExamples(h.expand(512, -1).clone(), targets, torch.zeros(512, 0, dtype=torch.long),
+                        torch.arange(512))
+    heads, _ = fit_medusa(model, ex, ex.head(0), batch_size=64, num_negatives=None,
+                          config=TrainConfig(epochs=10, lr=1e-2, progress=False, patience=None))
+    return heads
+
+
+def empirical_law(target_dir, heads) -> tuple[dict[tuple[int, int], float], LLMEngine]:
+    torch.manual_seed(0)
+    engine = LLMEngine(EngineConfig(
+        model=str(target_dir), dtype="float32", device="cpu", max_num_seqs=64, block_size=4,
+        max_num_batched_tokens=1024, num_kv_blocks=2400, max_model_len=64, drafters=("medusa",),
+        drafter_options={"medusa": {"heads": heads}}, num_speculative_tokens=8, max_draft_tokens_per_step=512))
+    counts: dict[tuple[int, int], int] = {}
+    for start in range(0, TRIALS, 500):
+        for i in range(start, start + 500):
+            engine.add_request(f"s{i}", PROMPT, PARAMS)
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for d in out.outputs:
+                    got.setdefault(out.request_id, []).extend(d.token_ids)
+        for toks in got.values():
+            counts[(toks[0], toks[1])] = counts.get((toks[0], toks[1]), 0) + 1
+    return {k: v / TRIALS for k, v in counts.items()}, engine
+
+
+def total_variation(a: dict, b: dict) -> float:
+    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+def test_sampling_follows_the_target_law(peaky_target, peaky_heads, exact_law):
+    emp, engine = empirical_law(peaky_target, peaky_heads)
+    stats = engine.get_stats().drafters["medusa"]
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert total_variation(emp, exact_law) < TV_BOUND
+
+
+def test_a_wrong_residual_update_is_caught(peaky_target, peaky_heads, exact_law, monkeypatch):
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)   # forget the rejected draft's mass
+    emp, _ = empirical_law(peaky_target, peaky_heads)
+    assert total_variation(emp, exact_law) > TV_BOUND
