@@ -104,4 +104,5 @@ def parse_drafter_options(items: Seq[str]) -> dict[str, dict]:
 
 
 def _import_builtin() -> None:
-    from specserve.drafters import draft_model, mag, medusa, ngram, student  # noqa: F401  (they register themselves)
+    from specserve.drafters import (draft_model, eagle, mag, medusa, ngram, parallelspec,  # noqa: F401  (they register themselves)
+                                    student)

@@ -1,0 +1,332 @@
+"""EAGLE-style drafter: one decoder layer predicts the target's next feature, the target's own LM
+head turns features into draft tokens, and a dynamic token tree grows level by level.
+
+The head (`specserve.drafters.train.eagle.EagleHead`): row p reads fc([f_p ‖ e(x_{p+1})]) (f = the
+target's post-norm last-layer feature, e = the target's frozen embedding) and outputs f̂_{p+1};
+the draft distribution after x_{p+1} is softmax(LMHead(f̂_{p+1})) with the target's frozen LM
+head applied directly (post-norm features in, post-norm features out). The embedding and LM head
+are the target's tensors, shared by reference.
+
+Per sequence the drafter keeps its own paged KV cache (one layer) holding **only rows computed
+from the target's real features**: rows 0 .. L-1, row p = (f_p, x_{p+1}). Each step:
+
+1. catch up: the engine delivered (through `observe`) the real features of every token that
+   entered the target's KV since the last step (prefill chunks, plain decodes, the verified root
+   and accepted path). Rows L .. N-2 are computed from them (N = len(token_ids); the root
+   x_{N-1} has no feature yet, it is the token half of the last row). The last row's output
+   f̂_{N-1} gives the root's children. This is also where the previous step's tree rows --
+   computed from *predicted* features -- are overwritten: they are never kept.
+2. grow the tree level by level, one batched forward per level for all sequences: every node
+   chosen for expansion gets a row (f̂ of its parent's row, its own token) at position
+   N-2+depth, attending to the real rows and its expanded ancestors (tree mask); its output f̂
+   gives its top-k children. Expansion is dynamic (EAGLE-2 style): a child's score is its
+   cumulative draft log-probability; each level expands the `width` best nodes of that level
+   (nodes that cannot reach the budget's best are skipped), and the tree sent for verification
+   is the `budget` best nodes overall (an ancestor scores at least as high as its descendants,
+   so the set is a tree), in level-major order, children of a node in rank order.
+3. `accept` only releases the blocks past L: the accepted path's features arrive through
+   `observe` and are caught up at the next step (recomputed from the real features).
+
+Drafts are deterministic (top-k children, one-hot q: `draft_probs=None`), which verification
+accepts losslessly for greedy and sampling requests alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Sequence as Seq
+
+import torch
+
+from specserve.drafters.base import Drafter, register
+from specserve.drafters.train.eagle import EagleHead, load_head, shipped_checkpoint
+from specserve.engine.attention import build_attn_metadata
+from specserve.engine.config import ModelConfig
+from specserve.engine.kv_cache import BlockManager, KVCache
+from specserve.engine.model import LlamaModel, linear, rope_tables
+from specserve.engine.tree import NO_PARENT, TokenTree
+
+logger = logging.getLogger("specserve")
+
+
+class _SeqState:
+    __slots__ = ("kv_len", "pend_start", "pending", "root_feat")
+
+    def __init__(self):
+        self.kv_len = 0                              # L: rows 0..L-1 (real features) are in the drafter's cache
+        self.pend_start = 0                          # position of pending[0]'s first row (== kv_len when in order)
+        self.pending: list[torch.Tensor] = []        # real features not yet turned into rows
+        self.root_feat: torch.Tensor | None = None   # output of row L-1 (f̂ at the root), valid while L == N-1
+
+    def pending_len(self) -> int:
+        return sum(p.shape[0] for p in self.pending)
+
+
+class _Node:
+    __slots__ = ("token", "parent", "depth", "score", "rank", "feat", "row")
+
+    def __init__(self, token: int, parent: int, depth: int, score: float, rank: int):
+        self.token, self.parent, self.depth, self.score, self.rank = token, parent, depth, score, rank
+        self.feat: torch.Tensor | None = None   # output f̂ of this node's row (when expanded)
+        self.row = -1                           # its row among this step's tree rows (when expanded)
+
+
+@register("eagle")
+class EagleDrafter(Drafter):
+    """Options: `checkpoint=PATH` (an eagle checkpoint folder; default: the shipped one for this
+    target), `depth` (max tree depth, 6), `top_k` (children per expanded node, 4), `width` (nodes
+    expanded per level, 4), `draft_vocab` (N > 0: draft from the N most frequent target tokens
+    of the checkpoint's ranking; 0 = the whole vocabulary), `block_size`/`num_blocks` (its KV
+    pool). For tests: `random_init=true` (an untrained head, `init=random` or `init=last`: its
+    decoder layer copied from the target's last one) or `head=` an in-memory EagleHead."""
+
+    name = "eagle"
+    needs_features = True
+
+    def __init__(self, *, target: LlamaModel, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int, max_num_seqs: int = 8, tokenizer=None, checkpoint: str | None = None,
+                 random_init: bool = False, init: str = "random", head: EagleHead | None = None,
+                 depth: int = 6, top_k: int = 4,
+                 width: int = 4, draft_vocab: int = 0, block_size: int = 16, num_blocks: int | None = None, **_):
+        if min(depth, top_k, width) < 1:
+            raise ValueError(f"eagle: depth, top_k and width must be >= 1 (got {depth}, {top_k}, {width})")
+        self.depth, self.top_k, self.width = int(depth), int(top_k), int(width)
+        self.target = target
+        self.device, self.dtype = torch.device(device), dtype
+        self.checkpoint_meta = None
+        if head is None:
+            head = self._load_head(target, model_config, checkpoint, random_init, init)
+        else:   # an in-memory head is read by reference (a trainer's evals see its latest weights) ...
+            p = next(head.parameters())
+            if p.device != self.device or p.dtype != dtype:   # ... unless it must be converted
+                head = copy.deepcopy(head)
+        self.head = head.to(device=self.device, dtype=dtype).eval()
+        # draft_vocab = N: children come from the N tokens the target chose most often in training
+        # (the checkpoint's vocab_rank) through those N rows of the LM head -- the one derived copy
+        # of a frozen target tensor this drafter makes (N x H, e.g. 8192 x 576), because on a CPU
+        # every tree level reads the LM head once and the whole 49k-row head costs as much as a
+        # fifth of the target's forward. Drafts stay deterministic: verification is unchanged.
+        self.sub_ids = self.sub_weight = None
+        vocab = model_config.vocab_size
+        if draft_vocab and 0 < int(draft_vocab) < vocab:
+            if self.head.vocab_rank is None:
+                raise ValueError("eagle: draft_vocab needs a checkpoint with a vocabulary ranking (vocab_rank)")
+            self.sub_ids = self.head.vocab_rank[:int(draft_vocab)].to(self.device)
+            self.sub_weight = target.lm_head_weight.detach().index_select(0, self.sub_ids).contiguous()
+        self.max_rows = max_model_len + self.depth + 1
+        self.rope_cos, self.rope_sin = rope_tables(model_config, self.max_rows, self.device)
+        self.max_tree_rows = self.width * max(0, self.depth - 1)
+        blocks_per_seq = -(-(max_model_len + self.max_tree_rows) // block_size)
+        num_blocks = num_blocks or blocks_per_seq * max_num_seqs
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.cache = KVCache(1, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim,
+                             dtype, self.device)
+        self.state: dict[int, _SeqState] = {}
+
+    def _load_head(self, target, model_config, checkpoint, random_init, init) -> EagleHead:
+        if random_init:
+            return EagleHead.from_target(model_config, target, init=init)
+        path = checkpoint or shipped_checkpoint(model_config, target)
+        if path is None:
+            raise ValueError("eagle: no checkpoint for this target. Train one with `specserve train eagle "
+                             "--model MODEL --out DIR` and load it with --drafter-option eagle.checkpoint=DIR "
+                             "(or eagle.random_init=true for an untrained head, for tests only)")
+        head, meta = load_head(path, model_config=model_config, target=target)
+        self.checkpoint_meta = meta
+        logger.info("eagle: checkpoint %s (trained for %s, tau %s)", path, meta.target_name, meta.tau)
+        return head
+
+    # ---- protocol ---------------------------------------------------------------------------
+
+    def start(self, seq) -> None:
+        self.state[seq.seq_id] = _SeqState()
+
+    def finish(self, seq) -> None:
+        self.state.pop(seq.seq_id, None)
+        self.blocks.free(seq.seq_id)
+
+    def observe(self, seqs: Seq, features: Seq[tuple[int, torch.Tensor]]) -> None:
+        for seq, (start, hidden) in zip(seqs, features):
+            st = self.state.setdefault(seq.seq_id, _SeqState())
+            hidden = hidden.detach().to(self.dtype)
+            end = st.pend_start + st.pending_len()
+            if start < st.kv_len:
+                # features again for rows already computed (preemption: recomputed from 0): redo them
+                st.kv_len = start
+                self.blocks.shrink(seq.seq_id, start)
+                st.pend_start, st.pending = start, [hidden]
+            elif st.pend_start <= start <= end:
+                keep = start - st.pend_start
+                if start < end:   # features again for pending positions: the new ones win
+                    cat = torch.cat(st.pending)
+                    st.pending = [cat[:keep]] if keep else []
+                st.pending.append(hidden)
+            else:   # a gap: the features in between never came; this sequence cannot be drafted for
+                logger.warning("eagle: features of sequence %d jump from %d to %d", seq.seq_id, end, start)
+                st.pend_start, st.pending = start, [hidden]
+            st.root_feat = None
+
+    def accept(self, seqs: Seq, results: Seq) -> None:
+        """The tree rows are never kept: release their blocks (the accepted path's real features
+        came through `observe` and become rows at the next catch-up)."""
+        for seq in seqs:
+            st = self.state.get(seq.seq_id)
+            if st is not None:
+                self.blocks.shrink(seq.seq_id, st.kv_len)
+
+    # ---- catch-up -----------------------------------------------------------------------------
+
+    def _rows(self, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """Rows (feature, token) at `positions` through the head, KV written per `meta` -> f̂."""
+        h = self.head.fuse(feats, self.target.embed(ids))
+        cos = self.rope_cos[positions].to(h.dtype)
+        sin = self.rope_sin[positions].to(h.dtype)
+        k_cache, v_cache = self.cache.layer(0)
+        return self.head.out(self.head.layer(h, cos, sin, k_cache, v_cache, meta))
+
+    @torch.inference_mode()
+    def catch_up(self, seqs: Seq, extra_rows: Seq[int] | None = None) -> list[bool]:
+        """Turn every sequence's pending real features into rows, up to row N-2 (the root's row);
+        afterwards `state.root_feat` = f̂ at the root. Returns, per sequence, whether it is ready to
+        draft (False when its features are missing). `extra_rows` reserves room for tree rows."""
+        extra_rows = extra_rows or [0] * len(seqs)
+        ready, todo = [], []
+        for b, seq in enumerate(seqs):
+            st = self.state.setdefault(seq.seq_id, _SeqState())
+            n_rows = len(seq.token_ids) - 1 - st.kv_len     # rows L .. N-2
+            ok = n_rows >= 0 and st.pend_start == st.kv_len and st.pending_len() >= n_rows
+            ok = ok and (n_rows > 0 or st.root_feat is not None) and len(seq.token_ids) - 1 > 0
+            if ok and not self.blocks.grow(seq.seq_id, len(seq.token_ids) - 1 + extra_rows[b]):
+                logger.warning("eagle: draft KV pool exhausted; no draft for sequence %d", seq.seq_id)
+                ok = False
+            ready.append(ok)
+            if ok and n_rows > 0:
+                todo.append((b, n_rows))
+        if not todo:
+            return ready
+        starts, qlens, ids, feats = [], [], [], []
+        for b, n_rows in todo:
+            seq, st = seqs[b], self.state[seqs[b].seq_id]
+            pend = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
+            starts.append(st.kv_len)
+            qlens.append(n_rows)
+            feats.append(pend[:n_rows])
+            ids.extend(seq.token_ids[st.kv_len + 1:st.kv_len + 1 + n_rows])
+            st.pending = [pend[n_rows:]] if pend.shape[0] > n_rows else []
+        tables = [self.blocks.block_tables[seqs[b].seq_id] for b, _ in todo]
+        positions, meta = build_attn_metadata(tables, self.blocks.block_size, starts, qlens, None, self.device)
+        out = self._rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.cat(feats), positions, meta)
+        for (b, n_rows), end in zip(todo, meta.cu_query_lens[1:]):
+            st = self.state[seqs[b].seq_id]
+            st.kv_len += n_rows
+            st.pend_start = st.kv_len
+            st.root_feat = out[end - 1].clone()
+        return ready
+
+    # ---- drafting -----------------------------------------------------------------------------
+
+    def _children(self, feats: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+        """Top-k (log-probability, token) of the draft distribution after each feature row."""
+        if self.sub_weight is None:
+            logits = self.target.compute_logits(feats)
+        else:
+            logits = linear(feats, self.sub_weight).float()
+        top = logits.log_softmax(-1).topk(k, dim=-1)
+        ids = top.indices if self.sub_ids is None else self.sub_ids[top.indices]
+        return top.values.tolist(), ids.tolist()
+
+    @torch.inference_mode()
+    def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
+        trees: list[TokenTree | None] = [None] * len(seqs)
+        live = [i for i, b in enumerate(budgets) if b > 0]
+        if not live:
+            return trees
+        seqs = [seqs[i] for i in live]
+        budgets = [int(budgets[i]) for i in live]
+        depth = [min(self.depth, b) for b in budgets]
+        width = [min(self.width, b) for b in budgets]
+        top_k = [min(self.top_k, b) for b in budgets]
+        ready = self.catch_up(seqs, [w * max(0, d - 1) for w, d in zip(width, depth)])
+        act = [b for b in range(len(seqs)) if ready[b]]
+        if not act:
+            return trees
+        states = [self.state[s.seq_id] for s in seqs]
+        nodes: list[list[_Node]] = [[] for _ in seqs]       # candidates, in creation order
+        kmax = max(top_k[b] for b in act)
+        scores, toks = self._children(torch.stack([states[b].root_feat for b in act]), kmax)
+        for r, b in enumerate(act):
+            for rank in range(top_k[b]):
+                nodes[b].append(_Node(toks[r][rank], -1, 1, scores[r][rank], rank))
+        fed: list[list[_Node]] = [[] for _ in seqs]         # expanded nodes = this step's tree rows
+        for d in range(1, max(depth[b] for b in act)):
+            expand: dict[int, list[int]] = {}
+            for b in act:
+                if d >= depth[b]:
+                    continue
+                level = [i for i, n in enumerate(nodes[b]) if n.depth == d]
+                level.sort(key=lambda i: -nodes[b][i].score)
+                bar = sorted((n.score for n in nodes[b]), reverse=True)
+                cut = bar[budgets[b] - 1] if len(bar) >= budgets[b] else float("-inf")
+                pick = [i for i in level[:width[b]] if nodes[b][i].score >= cut]
+                if pick:
+                    expand[b] = sorted(pick)
+            if not expand:
+                break
+            # one forward over every sequence's nodes of this level
+            starts, qlens, masks, pos, ids, feats = [], [], [], [], [], []
+            order = sorted(expand)
+            for b in order:
+                st, n_old = states[b], len(fed[b])
+                new = [nodes[b][i] for i in expand[b]]
+                for node in new:
+                    node.row = len(fed[b])
+                    fed[b].append(node)
+                mask = torch.zeros(len(new), len(fed[b]), dtype=torch.bool)
+                for r, node in enumerate(new):
+                    a = node
+                    while True:
+                        mask[r, a.row] = True
+                        if a.parent < 0:
+                            break
+                        a = nodes[b][a.parent]
+                starts.append(st.kv_len + n_old)
+                qlens.append(len(new))
+                masks.append(mask.to(self.device))
+                pos.extend(st.kv_len - 1 + d for _ in new)
+                ids.extend(node.token for node in new)
+                feats.extend(st.root_feat if node.parent < 0 else nodes[b][node.parent].feat for node in new)
+            tables = [self.blocks.block_tables[seqs[b].seq_id] for b in order]
+            _, meta = build_attn_metadata(tables, self.blocks.block_size, starts, qlens, masks, self.device)
+            out = self._rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.stack(feats),
+                             torch.tensor(pos, dtype=torch.int64, device=self.device), meta)
+            kmax = max(top_k[b] for b in order)
+            scores, toks = self._children(out, kmax)
+            r = 0
+            for b in order:
+                for i in expand[b]:
+                    parent = nodes[b][i]
+                    parent.feat = out[r]
+                    for rank in range(top_k[b]):
+                        nodes[b].append(_Node(toks[r][rank], i, d + 1, parent.score + scores[r][rank], rank))
+                    r += 1
+        for b in act:
+            trees[live[b]] = self._select(seqs[b].token_ids[-1], nodes[b], budgets[b])
+        return trees
+
+    @staticmethod
+    def _select(root: int, nodes: list[_Node], budget: int) -> TokenTree:
+        """The `budget` best-scoring candidates (ties: shallower, then older first, so a node never
+        comes before its ancestors), as a level-major tree with children in rank order."""
+        best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:budget]
+        chosen = set(best)
+        out_index = {-1: 0}
+        tokens, parents = [root], [NO_PARENT]
+        for i in sorted(chosen, key=lambda i: (nodes[i].depth, i)):
+            n = nodes[i]
+            if n.parent not in out_index:     # its ancestor fell out (can only be a numerical tie)
+                continue
+            out_index[i] = len(tokens)
+            tokens.append(n.token)
+            parents.append(out_index[n.parent])
+        return TokenTree(tokens, parents)

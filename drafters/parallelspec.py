@@ -1,0 +1,314 @@
+"""ParallelSpec drafter (Xiao et al.): one decoder layer with k learned [MASK] embeddings drafts
+the next k+1 tokens in ONE forward (network and training: drafters/train/parallelspec.py).
+
+Each step, per sequence whose root (the last committed token, no target feature yet) sits at
+position n-1:
+
+1. one drafter forward, batched over the sequences: the real positions not yet in the drafter's
+   KV (the tokens committed since the last step, the root last), each as fc([f_{p-1} ‖ e(x_p)])
+   with the target features delivered by `observe`, followed by the k [MASK] embeddings at
+   positions n .. n+k-1. The chunk is plain causal (the masks come last), so mask i sees the whole
+   real sequence and masks 1..i, exactly the training layout's group;
+2. the root's row and the k mask rows, through the target's frozen LM head (shared by reference),
+   give k+1 distributions: depth d of the draft tree takes the top tokens of distribution d;
+3. the drafter's paged KV keeps the real positions 0..n-2 only: the root is fed again next step
+   (its KV is rewritten then, in case the root changed) and the masks' entries, written after it,
+   are never part of the kept length (they are overwritten by the next real tokens). No tree node
+   ever enters the drafter's KV, so after verification there is nothing to prune: `accept` only
+   returns the blocks past the kept length.
+
+Tree: a list of rank paths in preference order (each prefix a tree), cut to the scheduler's
+budget: the `tree` option; else the order tuned on held-back data and stored in the checkpoint;
+else Medusa's `medusa_mc_sim_7b_63` (the paper reuses its base framework's tree); else a chain.
+A node at depth d with rank r carries the r-th most likely token of distribution d whatever its
+parent (Medusa's Cartesian tree: all depths come from the same pass).
+
+Verification, lossless: trees are deterministic drafts (`draft_probs=None`, one-hot q). Algorithm 1
+of the paper maps onto engine/verify.py as follows: `Select(H)` = the children in rank order (most
+likely first); the ratio p(x)/q(x) with q one-hot is p(x); on rejection p <- norm((p - onehot(x))_+)
+= p with x removed, the exact residual for top-k (not i.i.d.) children, which is the correction the
+digest (§4.8 item 5) asks for; greedy requests accept the child equal to the target's argmax. The
+bonus is drawn from the final p. So greedy output equals plain greedy decoding and sampled output
+follows the target's law.
+
+Options (`--drafter-option parallelspec.KEY=VALUE`):
+  checkpoint=PATH   a trained checkpoint (`specserve train parallelspec ...`); default: the shipped one in
+                    drafters/checkpoints/ whose target fingerprint matches
+  tree=SPEC         "auto" (default), a trees.json name, "chain", or a JSON list of rank paths
+  random_init=true  FOR TESTS: an untrained module (`k`, `seed`); `module=` an in-memory module
+  block_size, num_blocks   the drafter's own paged KV pool
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+
+from specserve.drafters.base import Drafter, register
+from specserve.engine.attention import build_attn_metadata
+from specserve.engine.kv_cache import BlockManager, KVCache
+from specserve.engine.model import linear
+from specserve.engine.tree import TokenTree, TreeTemplate
+
+
+CHECKPOINTS_DIR = Path(__file__).resolve().parent / "checkpoints"
+DEFAULT_TREE = "medusa_mc_sim_7b_63"
+MAX_RANK = 10
+
+
+def _trees_json_paths(name: str) -> list[list[int]] | None:
+    try:
+        from specserve.bench.datasets import data_dir
+
+        trees = json.loads((data_dir() / "trees.json").read_text(encoding="utf-8"))
+        return [list(map(int, p)) for p in trees[name]["paths"]]
+    except (OSError, KeyError, ValueError, ImportError):
+        return None
+
+
+def parse_tree(value, depth: int) -> list[list[int]] | None:
+    """The `tree` option as rank paths in preference order, or None for "auto"."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto", "tuned")):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [list(map(int, p)) for p in value]
+    text = str(value).strip()
+    if text.lower() == "chain":
+        return [[0] * d for d in range(1, depth + 1)]
+    if text.startswith("["):
+        return [list(map(int, p)) for p in json.loads(text)]
+    path = Path(text).expanduser()
+    if path.is_file():
+        return [list(map(int, p)) for p in json.loads(path.read_text(encoding="utf-8"))]
+    paths = _trees_json_paths(text)
+    if paths is None:
+        raise ValueError(f"parallelspec tree {text!r}: not 'auto', 'chain', a JSON path list, a file, or a tree "
+                         f"of trees.json (set SPECSERVE_DATA to the folder holding it)")
+    return paths
+
+
+def prefix_tree(order: Seq[Seq[int]], budget: int) -> list[list[int]]:
+    """The first `budget` nodes of a tree given in preference order: a prefix when every path's
+    parent comes before it, else level-major truncation."""
+    seen: set[tuple[int, ...]] = {()}
+    closed = True
+    for p in order:
+        if tuple(p[:-1]) not in seen:
+            closed = False
+            break
+        seen.add(tuple(p))
+    if closed:
+        return [list(p) for p in order[:budget]]
+    level_major = sorted({tuple(p[:j]) for p in order for j in range(1, len(p) + 1)}, key=lambda p: (len(p), p))
+    return [list(p) for p in level_major[:budget]]
+
+
+def find_shipped_checkpoint(fingerprint: str, kind: str = "parallelspec", root: Path = CHECKPOINTS_DIR) -> Path | None:
+    from specserve.drafters.train.checkpoint import read_meta
+
+    if not root.is_dir():
+        return None
+    for meta_file in sorted(root.glob("*/meta.json")):
+        try:
+            meta = read_meta(meta_file.parent)
+        except (OSError, ValueError):
+            continue
+        if meta.kind == kind and meta.target_fingerprint == fingerprint:
+            return meta_file.parent
+    return None
+
+
+class _SeqState:
+    __slots__ = ("kv_len", "feat_start", "feat")
+
+    def __init__(self):
+        self.kv_len = 0                          # real positions 0..kv_len-1 are final in the drafter's KV
+        self.feat_start = 0                      # target features held for positions feat_start ..
+        self.feat: torch.Tensor | None = None
+
+    @property
+    def feat_end(self) -> int:
+        return self.feat_start + (0 if self.feat is None else self.feat.shape[0])
+
+    def add_features(self, start: int, hidden: torch.Tensor) -> None:
+        end = start + hidden.shape[0]
+        if self.feat is None or start > self.feat_end:          # first features, or a gap: start over there
+            self.feat_start, self.feat = start, hidden
+        elif end <= self.feat_start:                            # old positions (recomputed after preemption)
+            return
+        elif start <= self.feat_start:
+            self.feat = hidden[self.feat_start - start:]
+        else:
+            self.feat = torch.cat([self.feat[:start - self.feat_start], hidden])
+
+    def features(self, lo: int, hi: int) -> torch.Tensor | None:
+        """Features of positions lo..hi-1, or None when some are missing."""
+        if self.feat is None or lo < self.feat_start or hi > self.feat_end:
+            return None
+        return self.feat[lo - self.feat_start:hi - self.feat_start]
+
+    def trim(self, keep_from: int) -> None:
+        if self.feat is not None and keep_from > self.feat_start:
+            cut = min(keep_from, self.feat_end) - self.feat_start
+            self.feat = self.feat[cut:]
+            self.feat_start += cut
+
+
+@register("parallelspec")
+class ParallelSpecDrafter(Drafter):
+    name = "parallelspec"
+    needs_features = True
+
+    def __init__(self, *, target, model_config, device, dtype, max_model_len: int, max_num_seqs: int = 8,
+                 checkpoint: str | None = None, tree=None, random_init: bool = False, k: int = 4, seed: int = 0,
+                 module=None, block_size: int = 16, num_blocks: int | None = None, **_):
+        from specserve.drafters.train.parallelspec import ParallelSpecModule, load_module
+
+        self.device, self.dtype = torch.device(device), dtype
+        max_positions = max_model_len + 64
+        tuned = None
+        if module is not None:                   # an in-memory module (tests, the trainer's evaluation)
+            self.module = module
+        elif random_init:
+            self.module = ParallelSpecModule.random(target, model_config, k=int(k), max_positions=max_positions,
+                                                    seed=int(seed))
+        else:
+            from specserve.drafters.train.checkpoint import target_fingerprint
+
+            fingerprint = target_fingerprint(model_config, target)
+            if checkpoint is None:
+                found = find_shipped_checkpoint(fingerprint)
+                if found is None:
+                    raise ValueError(
+                        "the parallelspec drafter has no checkpoint for this target (none shipped in "
+                        f"drafters/checkpoints/ matches its fingerprint {fingerprint}): train one with "
+                        "`specserve train parallelspec --model MODEL --out DIR` and load it with "
+                        "`--drafter-option parallelspec.checkpoint=DIR`")
+                checkpoint = str(found)
+            self.module, meta = load_module(checkpoint, target, model_config, fingerprint=fingerprint,
+                                            max_positions=max_positions, device=self.device, dtype=dtype)
+            tuned = (meta.tree or {}).get("choices")
+        self.module.eval().requires_grad_(False)
+        self.k = self.module.k
+        depth = self.k + 1
+        order = parse_tree(tree, depth)
+        if order is None:
+            order = tuned or _trees_json_paths(DEFAULT_TREE) or [[0] * d for d in range(1, depth + 1)]
+        order = [p for p in order if 1 <= len(p) <= depth and all(0 <= r < MAX_RANK for r in p)]
+        if not order:
+            raise ValueError("the parallelspec tree has no node within depth k+1 and rank < 10")
+        self.order = order
+        self._templates: dict[int, TreeTemplate] = {}
+        cfg = model_config
+        blocks_per_seq = -(-(max_model_len + self.k + 1) // block_size)
+        num_blocks = num_blocks or blocks_per_seq * max_num_seqs
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.cache = KVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
+        self.state: dict[int, _SeqState] = {}
+
+    # ---- tree shape ---------------------------------------------------------------------------
+
+    def template(self, budget: int) -> TreeTemplate:
+        t = self._templates.get(budget)
+        if t is None:
+            t = TreeTemplate.from_choices(prefix_tree(self.order, budget)).truncate(budget + 1)
+            self._templates[budget] = t
+        return t
+
+    # ---- protocol -----------------------------------------------------------------------------
+
+    def start(self, seq) -> None:
+        self.state[seq.seq_id] = _SeqState()
+
+    def finish(self, seq) -> None:
+        self.state.pop(seq.seq_id, None)
+        self.blocks.free(seq.seq_id)
+
+    def observe(self, seqs: Seq, features: Seq) -> None:
+        for seq, (start, hidden) in zip(seqs, features):
+            self.state.setdefault(seq.seq_id, _SeqState()).add_features(int(start), hidden)
+
+    def accept(self, seqs: Seq, results: Seq) -> None:
+        """Nothing of a tree is in the drafter's KV; return the blocks the masks borrowed."""
+        for seq in seqs:
+            st = self.state.get(seq.seq_id)
+            if st is not None:
+                self.blocks.shrink(seq.seq_id, st.kv_len + 1)
+
+    @torch.inference_mode()
+    def draft_logits(self, seqs: Seq) -> tuple[list[int], torch.Tensor | None]:
+        """One drafter forward for the sequences that have the features it needs: (their indices
+        in `seqs`, logits [len, k+1, vocab] fp32: row 0 at the root, row i at mask i)."""
+        mod, k = self.module, self.k
+        idx, starts, ids, prevs, qlens = [], [], [], [], []
+        H = mod.cfg.hidden_size
+        for i, seq in enumerate(seqs):
+            st = self.state.setdefault(seq.seq_id, _SeqState())
+            n = len(seq.token_ids)
+            start = min(st.kv_len, n - 1)        # the root is always fed again
+            lo = max(start - 1, 0)
+            feats = st.features(lo, n - 1)       # f_{start-1} .. f_{n-2}
+            if feats is None or n < 1:
+                continue
+            if start == 0:
+                feats = torch.cat([torch.zeros(1, H, dtype=feats.dtype, device=feats.device), feats])
+            if not self.blocks.grow(seq.seq_id, n + k):
+                continue
+            idx.append(i)
+            starts.append(start)
+            ids.extend(seq.token_ids[start:n])
+            prevs.append(feats)
+            qlens.append(n - start + k)
+        if not idx:
+            return [], None
+        dev = self.device
+        real = mod.real_inputs(torch.tensor(ids, dtype=torch.int64, device=dev), torch.cat(prevs).to(dev))
+        parts, off = [], 0
+        masks = mod.mask_embed.to(real.dtype)
+        for q in qlens:
+            nr = q - k
+            parts.append(real[off:off + nr])
+            parts.append(masks)
+            off += nr
+        h = torch.cat(parts)
+        tables = [self.blocks.block_tables[seqs[i].seq_id] for i in idx]
+        positions, meta = build_attn_metadata(tables, self.blocks.block_size, starts, qlens, None, dev)
+        k_cache, v_cache = self.cache.layer(0)
+        out = mod.forward_paged(h, positions, k_cache, v_cache, meta)
+        ends = torch.tensor(meta.cu_query_lens[1:], device=dev)
+        rows = (ends[:, None] - (k + 1) + torch.arange(k + 1, device=dev)[None, :]).reshape(-1)
+        logits = linear(out.index_select(0, rows), mod.lm_head_weight).float().view(len(idx), k + 1, -1)
+        for i in idx:
+            seq = seqs[i]
+            st = self.state[seq.seq_id]
+            st.kv_len = len(seq.token_ids) - 1
+            st.trim(st.kv_len - 1)
+        return idx, logits
+
+    def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
+        trees: list[TokenTree | None] = [None] * len(seqs)
+        live = [i for i, b in enumerate(budgets) if b > 0]
+        if not live:
+            return trees
+        got, logits = self.draft_logits([seqs[i] for i in live])
+        if logits is None:
+            return trees
+        max_rank = min(MAX_RANK, logits.shape[-1])
+        top = logits.topk(max_rank, dim=-1).indices.tolist()          # [B, k+1, R]
+        for j, g in enumerate(got):
+            i = live[g]
+            tpl = self.template(int(budgets[i]))
+            depth = [0] * tpl.num_nodes
+            tokens = [seqs[i].token_ids[-1]]
+            for node in range(1, tpl.num_nodes):
+                depth[node] = depth[tpl.parents[node]] + 1
+                rank = tpl.ranks[node]
+                if rank >= max_rank:
+                    break
+                tokens.append(top[j][depth[node] - 1][rank])
+            if len(tokens) > 1:
+                trees[i] = TokenTree(tokens, list(tpl.parents[:len(tokens)]))
+        return trees

@@ -1,0 +1,617 @@
+"""EAGLE-style feature-level drafter: the head, its training loss, its offline τ and its trainer.
+
+The head (`EagleHead`) predicts the target's next last-layer feature from the current one:
+
+    row p:   fc([f_p ‖ e(x_{p+1})])  ->  one decoder layer (the target's shape, causal over the
+             sequence, its own KV cache and RoPE)  ->  RMSNorm  ->  f̂_{p+1}
+    tokens:  softmax(LMHead(f̂_{p+1}))  =  the drafter's distribution of x_{p+2}
+
+`f` are the target's last-layer hidden states **after the final norm** (the LM head's input: what
+the engine hands feature-reading drafters, and what the teacher shards hold). The head predicts
+those post-norm features and the target's frozen LM head is applied to f̂ directly, as EAGLE
+does; unlike EAGLE-1 the head ends with its own RMSNorm (initialised from the target's final
+norm), so that -- like the target, whose last layer is followed by its final norm -- its output is
+already in the feature space it regresses and the LM head reads. Without it the last layer's
+residual stream (RMS in the tens for SmolLM2, against features of RMS ~2 with outlier
+dimensions up to ~50) makes the first thousand steps spent on scale alone. `e` is the target's
+frozen embedding; the embedding and the LM head are the target's own tensors (never saved).
+
+Only `fc` (2H -> H, with bias), the decoder layer and the output norm are trained. `fc` starts as
+[I | I] (the row's input is then f_p + e(x_{p+1})) and the norm as the target's final norm. The
+decoder layer starts freshly initialised (`init=random`, the default) or as a copy of the target's
+last layer (`init=last`): on SmolLM2-135M the copy was clearly worse (held-back chain τ 1.25 vs
+1.38 after the same 84 steps on 51k tokens; a random fc as well: 1.21) -- the last layer is tuned
+to a residual stream of quite another scale and content than f_p + e(x_{p+1}).
+
+Training (teacher forced, answer positions only, EAGLE-1):
+* input f_p + U(-noise, noise) (noise relative to the features' RMS) and x_{p+1};
+* `L = SmoothL1(f̂_{p+1}, f_{p+1}) + 0.1 * CE(target's top-k distribution at p+1, LMHead(f̂_{p+1}))`.
+  The CE is computed over a **candidate set** shared by the batch -- the union of the target's
+  top-k ids at every position of the batch, `negatives` uniformly drawn ids, and the drafter's own
+  full-vocabulary top-16 at 128 random rows of the batch (no grad) -- instead of the full 49k
+  vocabulary: on a CPU the LM head's forward and backward over the whole vocabulary costs more
+  than the decoder layer, while the union of the batch's top-k ids holds every token the target
+  finds plausible there (the hard negatives). The drafter's own top ids are what keeps this
+  honest: without them the held-back accuracy stayed at 0.2 % on SmolLM2 while the training
+  accuracy rose, because a token the drafter wrongly ranked first everywhere was almost never
+  among the uniform draws. The target probabilities are its top-k's, renormalised over the k.
+  Dense layer arithmetic runs for every row (keys and values), the output projection, MLP and
+  norm only for the trained rows.
+
+Offline τ (held-back shards): chains of `tau_steps` drafts simulated for every answer position
+at once, autoregressive on predicted features (step j of chain p reads f̂ of step j-1 and attends
+to the real rows 0..p plus the chain's own earlier predicted rows, as serving does), with the
+data's tokens as inputs; τ = 1 + mean number of leading drafts equal to the target's greedy labels.
+It is exact when the data is the target's own greedy output (self-distillation) and an estimate
+otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.drafters.train import register_trainer
+from specserve.engine.config import ModelConfig
+from specserve.engine.model import DecoderLayer, apply_rope, rms_norm, rope_tables
+
+logger = logging.getLogger("specserve")
+
+KIND = "eagle"
+REG_WEIGHT = 1.0          # SmoothL1 on features (EAGLE)
+INITS = ("random", "last")
+CLS_WEIGHT = 0.1          # distillation through the LM head (EAGLE)
+
+
+# ---- the head -----------------------------------------------------------------------------------------------------
+
+class EagleHead(nn.Module):
+    """fc([feature ‖ token embedding]), one decoder layer of the target's shape, an RMSNorm.
+
+    Serving calls `fuse`, `layer(...)` (the engine's DecoderLayer over a paged KV cache) and `out`;
+    training calls `forward_dense` / `forward_unrolled`, the same arithmetic over padded batches
+    with autograd-friendly ops (`tests/unit/drafters/train/test_eagle_train.py` checks they agree)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.layer = DecoderLayer(cfg)
+        self.norm = nn.Parameter(torch.ones(h))     # output RMSNorm: f̂ lives where the features live
+        self.register_buffer("vocab_rank", None)   # optional: see set_vocab_rank
+
+    # -- construction / state --
+
+    @classmethod
+    def from_target(cls, cfg: ModelConfig, target, init: str = "random", seed: int = 0) -> "EagleHead":
+        """The starting point of training (and the `random_init` head for tests), deterministic:
+        fc = [I | I] with zero bias, the output norm = the target's final norm, and the decoder
+        layer either freshly initialised (`init="random"`, torch's default init under `seed`) or
+        copied from the target's last layer (`init="last"`)."""
+        if init not in INITS:
+            raise ValueError(f"eagle: init must be one of {', '.join(INITS)}, got {init!r}")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            head = cls(cfg)
+        with torch.no_grad():
+            if init == "last":
+                last = target.layers[len(target.layers) - 1]
+                head.layer.load_state_dict({k: v.detach().clone().float() for k, v in last.state_dict().items()})
+            head.norm.copy_(target.norm.detach().float())
+            eye = torch.eye(cfg.hidden_size)
+            head.fc.weight.copy_(torch.cat([eye, eye], dim=1))
+            head.fc.bias.zero_()
+        return head.float()
+
+    def set_vocab_rank(self, rank: torch.Tensor | None) -> None:
+        """Token ids by how often the target chose them on the training data, most frequent first
+        (all of the vocabulary): the serving drafter can restrict its LM head to the first N."""
+        if rank is None:
+            self.vocab_rank = None
+            return
+        rank = rank.detach().to(torch.int64).flatten()
+        if rank.numel() != self.cfg.vocab_size or not torch.equal(rank.sort().values,
+                                                                  torch.arange(self.cfg.vocab_size)):
+            raise ValueError("vocab_rank must be a permutation of the vocabulary")
+        self.vocab_rank = rank
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The trainable tensors (and the vocabulary ranking when set), by name: what a checkpoint holds."""
+        out = {k: v.detach() for k, v in self.state_dict().items()}
+        if "vocab_rank" in out:
+            out["vocab_rank"] = out["vocab_rank"].to(torch.int32)   # half the bytes on disk
+        return out
+
+    @classmethod
+    def from_tensors(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> "EagleHead":
+        head = cls(cfg)
+        tensors = dict(tensors)
+        rank = tensors.pop("vocab_rank", None)
+        expected = set(head.state_dict())
+        missing, unexpected = expected - set(tensors), set(tensors) - expected
+        if missing or unexpected:
+            raise ValueError(f"eagle checkpoint tensors do not fit this target: missing {sorted(missing)}, "
+                             f"unexpected {sorted(unexpected)}")
+        for name, t in head.state_dict().items():
+            if tuple(tensors[name].shape) != tuple(t.shape):
+                raise ValueError(f"eagle checkpoint tensor {name} has shape {tuple(tensors[name].shape)}, "
+                                 f"this target needs {tuple(t.shape)}")
+        head.load_state_dict({k: v.float() for k, v in tensors.items()})
+        head.set_vocab_rank(rank)
+        return head
+
+    def hyperparams(self) -> dict[str, Any]:
+        c = self.cfg
+        return {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_heads": c.num_heads,
+                "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "attention_bias": c.attention_bias,
+                "input": "fc([post-norm feature, token embedding]) + 1 decoder layer + RMSNorm",
+                "output": "post-norm feature; LM head applied directly"}
+
+    # -- shared arithmetic --
+
+    def fuse(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """[..., H] + [..., H] -> [..., H]: the decoder layer's input."""
+        return F.linear(torch.cat([features, token_embeds], dim=-1), self.fc.weight, self.fc.bias)
+
+    def _qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h [B, T, H] -> q [B, heads, T, D], k, v [B, kv_heads, T, D] (RoPE applied; cos/sin [T, D] or [B, T, D])."""
+        L = self.layer
+        x = rms_norm(h, L.input_norm, L.eps)
+        q, k, v = F.linear(x, L.qkv.weight, L.qkv.bias).split([L.q_size, L.kv_size, L.kv_size], dim=-1)
+        b, t = h.shape[:2]
+        q = _rope(q.view(b, t, L.num_heads, L.head_dim), cos, sin)
+        k = _rope(k.view(b, t, L.num_kv_heads, L.head_dim), cos, sin)
+        v = v.view(b, t, L.num_kv_heads, L.head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def out(self, h: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's output -> f̂ (the output RMSNorm)."""
+        return rms_norm(h, self.norm, self.layer.eps)
+
+    def _finish(self, h: torch.Tensor, attn: torch.Tensor, select: torch.Tensor | None = None) -> torch.Tensor:
+        """Residual, output projection, MLP and output norm after attention (attn [B, heads, T, D]).
+        `select` [B, T] bool: only those rows (returned flattened [N, H]) -- the others are needed
+        as keys and values only, so training skips their projection and MLP."""
+        L = self.layer
+        b, _, t, _ = attn.shape
+        attn = attn.transpose(1, 2).reshape(b, t, L.q_size)
+        if select is not None:
+            h, attn = h[select], attn[select]
+        h = h + F.linear(attn, L.o.weight)
+        gate, up = F.linear(rms_norm(h, L.post_attn_norm, L.eps), L.gate_up.weight).chunk(2, dim=-1)
+        return self.out(h + F.linear(F.silu(gate) * up, L.down.weight))
+
+    def _group(self) -> int:
+        return self.layer.num_heads // self.layer.num_kv_heads
+
+    def forward_dense(self, features: torch.Tensor, token_embeds: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, return_kv: bool = False, select: torch.Tensor | None = None):
+        """Teacher-forced rows over padded sequences: features/token_embeds [B, T, H] (row p reads
+        f_p and e(x_{p+1})), cos/sin [T, D] for positions 0..T-1 -> f̂ [B, T, H] (row p = f̂_{p+1}),
+        or [N, H] for the rows of `select` only. Causal: padding at the end of a row never reaches
+        earlier positions."""
+        h = self.fuse(features, token_embeds)
+        q, k, v = self._qkv(h, cos, sin)
+        g = self._group()
+        attn = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                              is_causal=True, scale=self.layer.scale)
+        out = self._finish(h, attn, select)
+        return (out, (k, v)) if return_kv else out
+
+    def forward_unrolled(self, features: torch.Tensor, token_embeds: list[torch.Tensor], cos: torch.Tensor,
+                         sin: torch.Tensor) -> list[torch.Tensor]:
+        """Chains of len(token_embeds) steps for every start row at once (training-time test).
+
+        Step 1 is `forward_dense` over the real features. Step j >= 2 of chain p sits at position
+        p + j - 1, reads (f̂ of its step j-1, token_embeds[j-1][:, p]) and attends to the real rows
+        0..p and to its own rows of steps 2..j -- what the serving drafter sees when it drafts a
+        chain after the real row p. `token_embeds[j-1][:, p]` is the embedding of x_{p+j};
+        cos/sin [T', D] with T' >= T + steps - 1 (positions 0..). Returns the f̂ of every step,
+        each [B, T, H] (row p of step j = the chain's prediction of f_{p+j})."""
+        b, t, _ = features.shape
+        g, scale = self._group(), self.layer.scale
+        out1, (k_real, v_real) = self.forward_dense(features, token_embeds[0], cos[:t], sin[:t], return_kv=True)
+        outs = [out1]
+        k_real, v_real = k_real.repeat_interleave(g, 1), v_real.repeat_interleave(g, 1)   # [B, heads, T, D]
+        causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril_()
+        own_k: list[torch.Tensor] = []
+        own_v: list[torch.Tensor] = []
+        for j in range(2, len(token_embeds) + 1):
+            h = self.fuse(outs[-1], token_embeds[j - 1])
+            q, k, v = self._qkv(h, cos[j - 1:j - 1 + t], sin[j - 1:j - 1 + t])
+            own_k.append(k.repeat_interleave(g, 1))
+            own_v.append(v.repeat_interleave(g, 1))
+            s_real = (q @ k_real.transpose(-1, -2)) * scale                     # [B, heads, T, T]
+            s_real = s_real.masked_fill(~causal, float("-inf"))
+            s_own = torch.stack([(q * kk).sum(-1) for kk in own_k], dim=-1) * scale   # [B, heads, T, j-1]
+            w = torch.softmax(torch.cat([s_real, s_own], dim=-1).float(), dim=-1).to(q.dtype)
+            attn = w[..., :t] @ v_real + (w[..., t:, None] * torch.stack(own_v, dim=-2)).sum(-2)
+            outs.append(self._finish(h, attn))
+        return outs
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, D] with cos/sin [T, D] (or [B, T, D])."""
+    if cos.dim() == 2:
+        return apply_rope(x, cos, sin)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------------
+
+def save_head(directory, head: EagleHead, *, model_config: ModelConfig, target, target_name: str = "",
+              **meta_fields) -> Path:
+    """Write `head` as an eagle checkpoint for `target` (fingerprinted)."""
+    from specserve.drafters.train.checkpoint import CheckpointMeta, save_checkpoint, target_fingerprint
+
+    meta = CheckpointMeta(kind=KIND, target_name=target_name or getattr(target, "name", "") or "target",
+                          target_fingerprint=target_fingerprint(model_config, target),
+                          hyperparams=head.hyperparams(), **meta_fields)
+    return save_checkpoint(directory, head.tensors(), meta)
+
+
+def load_head(directory, *, model_config: ModelConfig, target) -> tuple[EagleHead, Any]:
+    """(head in fp32 on the CPU, meta) of the eagle checkpoint in `directory`; raises
+    CheckpointMismatchError when it was made for another target or is not an eagle checkpoint."""
+    from specserve.drafters.train.checkpoint import load_checkpoint, target_fingerprint
+
+    tensors, meta = load_checkpoint(directory, kind=KIND, fingerprint=target_fingerprint(model_config, target))
+    return EagleHead.from_tensors(model_config, tensors), meta
+
+
+CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+def shipped_checkpoint(model_config: ModelConfig, target, root: Path | None = None) -> Path | None:
+    """The eagle checkpoint under drafters/checkpoints/ (any sub-folder) made for this target, if one is shipped."""
+    from specserve.drafters.train.checkpoint import read_meta, target_fingerprint
+
+    root = CHECKPOINTS_DIR if root is None else Path(root)
+    if not root.is_dir():
+        return None
+    fingerprint = None
+    for meta_file in sorted(root.glob("*/meta.json")):
+        try:
+            meta = read_meta(meta_file.parent)
+        except (OSError, ValueError):
+            continue
+        if meta.kind != KIND:
+            continue
+        fingerprint = fingerprint or target_fingerprint(model_config, target)
+        if meta.target_fingerprint == fingerprint:
+            return meta_file.parent
+    return None
+
+
+# ---- losses -----------------------------------------------------------------------------------------------------
+
+def add_feature_noise(features: torch.Tensor, noise: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """f + U(-a, a) with a = noise x the features' RMS (EAGLE's uniform noise, scaled to the target's
+    feature size so one setting fits any target)."""
+    if noise <= 0:
+        return features
+    rms = features.float().pow(2).mean().sqrt().clamp_min(1e-6)
+    u = torch.rand(features.shape, generator=generator, device=features.device, dtype=torch.float32)
+    return features + ((u * 2 - 1) * (noise * rms)).to(features.dtype)
+
+
+def candidate_ids(topk_ids: torch.Tensor, vocab_size: int, negatives: int,
+                  generator: torch.Generator | None = None, *, pred: torch.Tensor | None = None,
+                  lm_head_weight: torch.Tensor | None = None, probe_rows: int = 128,
+                  probe_k: int = 16) -> torch.Tensor:
+    """The shared candidate set of a batch (sorted, unique): the union of the target's top-k ids,
+    `negatives` uniform draws and -- with `pred` -- the drafter's own full-vocabulary top
+    `probe_k` at `probe_rows` random rows (no grad): the tokens it currently over-rates. Without
+    those, a token the drafter wrongly puts first everywhere is rarely among the uniform draws
+    and never gets pushed down (a sampled softmax's classic failure)."""
+    ids = [topk_ids.reshape(-1).long()]
+    if negatives > 0:
+        ids.append(torch.randint(0, vocab_size, (negatives,), generator=generator, device=topk_ids.device))
+    if pred is not None and lm_head_weight is not None and probe_rows > 0 and pred.shape[0]:
+        with torch.no_grad():
+            rows = torch.randperm(pred.shape[0], generator=generator, device=pred.device)[:probe_rows]
+            logits = F.linear(pred.detach()[rows], lm_head_weight.to(pred.dtype))
+            ids.append(logits.topk(min(probe_k, logits.shape[-1]), dim=-1).indices.reshape(-1))
+    return torch.unique(torch.cat(ids))
+
+
+def distill_loss(pred: torch.Tensor, lm_head_weight: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_logprobs: torch.Tensor, candidates: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of the target's top-k distribution (renormalised over its k) against the
+    drafter's softmax over `candidates` (None = the whole vocabulary). pred [N, H], topk [N, k].
+    Returns (loss, drafter argmax == target argmax per row)."""
+    w = lm_head_weight if candidates is None else lm_head_weight.index_select(0, candidates)
+    logits = F.linear(pred, w.to(pred.dtype)).float()                       # [N, C]
+    logp = logits.log_softmax(-1)
+    ids = topk_ids.long()
+    if candidates is not None:
+        ids = torch.searchsorted(candidates, ids)                            # every top-k id is a candidate
+    target = torch.softmax(topk_logprobs.float(), dim=-1)
+    loss = -(target * logp.gather(1, ids)).sum(-1).mean()
+    return loss, logits.argmax(-1) == ids[:, 0]
+
+
+def eagle_loss(head: EagleHead, batch: dict[str, torch.Tensor], *, embed: nn.Embedding, lm_head_weight: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor], noise: float = 0.1, negatives: int | None = 2048,
+               generator: torch.Generator | None = None, cls_weight: float = CLS_WEIGHT
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The EAGLE loss of one padded batch (`ShardDataset.batches`): `input_ids` [B, T], `hidden`
+    [B, T, H] (the target's post-norm features), `topk_ids`/`topk_logprobs` [B, T, k] (the
+    target's next-token top-k after each position, greedy label first), `loss_mask` [B, T]
+    (`loss_mask[t]`: the token at t+1 is an answer token). Row p (reading f_p and x_{p+1})
+    predicts f_{p+1} and, through the LM head, the token at p+2: it is trained where
+    `loss_mask[p+1]` holds. `negatives=None`: the softmax over the whole vocabulary."""
+    ids, hidden = batch["input_ids"], batch["hidden"]
+    feats = hidden[:, :-1].float()
+    target = hidden[:, 1:].float()
+    mask = batch["loss_mask"][:, 1:].bool()
+    if not bool(mask.any()):
+        zero = head.fc.weight.sum() * 0
+        return zero, {"reg": 0.0, "cls": 0.0, "acc": 0.0}
+    with torch.no_grad():
+        emb = embed(ids[:, 1:]).float()
+    cos, sin = rope
+    t = feats.shape[1]
+    p = head.forward_dense(add_feature_noise(feats, noise, generator), emb, cos[:t], sin[:t], select=mask)
+    f = target[mask]
+    reg = F.smooth_l1_loss(p, f)
+    tk_ids, tk_lp = batch["topk_ids"][:, 1:][mask], batch["topk_logprobs"][:, 1:][mask]
+    cand = None
+    if negatives is not None:
+        cand = candidate_ids(tk_ids, lm_head_weight.shape[0], negatives, generator, pred=p,
+                             lm_head_weight=lm_head_weight)
+    cls, hit = distill_loss(p, lm_head_weight, tk_ids, tk_lp, cand)
+    loss = REG_WEIGHT * reg + cls_weight * cls
+    return loss, {"reg": reg.detach(), "cls": cls.detach(), "acc": hit.float().mean()}
+
+
+# ---- offline τ --------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def chain_matches(head: EagleHead, batch: dict[str, torch.Tensor], *, embed: nn.Embedding,
+                  lm_head_weight: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], steps: int = 5,
+                  max_chains: int | None = None) -> torch.Tensor:
+    """Leading matches (0..steps) of greedy chains drafted after every answer position of a batch.
+
+    Chain p starts after the real row p (root token x_{p+1}); its draft j is argmax LMHead(f̂ of
+    step j), the token at p+j+1, compared with the target's greedy label after position p+j
+    (`topk_ids[..., 0]`). A chain is used when its first draft is an answer token
+    (`loss_mask[p+1]`); a draft whose token is past the answer or the sequence ends the chain.
+    Returns one count per used chain (at most `max_chains`, evenly spread)."""
+    with torch.autocast(batch["hidden"].device.type, enabled=False):   # fp32: bf16 logits tie at the argmax
+        return _chain_matches(head, batch, embed, lm_head_weight, rope, steps, max_chains)
+
+
+def _chain_matches(head, batch, embed, lm_head_weight, rope, steps, max_chains) -> torch.Tensor:
+    ids, hidden = batch["input_ids"], batch["hidden"]
+    labels = batch["topk_ids"][..., 0].long()
+    answer = batch["loss_mask"].bool()          # answer[t]: the token at t+1 is an answer token
+    b, t = ids.shape
+    if t < 2:
+        return torch.zeros(0, dtype=torch.long)
+    n = t - 1                                        # chains p = 0 .. T-2 (x_{p+1} must exist)
+    pad_ids = torch.cat([ids, ids.new_zeros(b, steps)], dim=1)
+    embeds = [embed(pad_ids[:, j:j + n]).float() for j in range(1, steps + 1)]   # e(x_{p+j})
+    cos, sin = rope
+    outs = head.forward_unrolled(hidden[:, :n].float(), embeds, cos, sin)
+    use = answer[:, 1:n + 1]
+    rows = use.nonzero()
+    if max_chains is not None and rows.shape[0] > max_chains:
+        rows = rows[torch.linspace(0, rows.shape[0] - 1, max_chains).long()]
+    bi, pi = rows[:, 0], rows[:, 1]
+    alive = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+    count = torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
+    w = lm_head_weight
+    pad_labels = torch.cat([labels, labels.new_full((b, steps + 1), -1)], dim=1)
+    pad_answer = torch.cat([answer, answer.new_zeros(b, steps + 1)], dim=1)
+    for j, out in enumerate(outs, start=1):
+        pos = pi + j                                 # the position whose label draft j must match
+        valid = alive & pad_answer[bi, pos] & (pos < t)
+        if not bool(valid.any()):
+            break
+        draft = torch.full_like(count, -2)
+        sel = valid.nonzero().flatten()
+        draft[sel] = F.linear(out[bi[sel], pi[sel]].float(), w.float()).argmax(-1)
+        hit = valid & (draft == pad_labels[bi, pos])
+        count += hit.long()
+        alive = hit
+    return count.cpu()
+
+
+def estimate_tau(head: EagleHead, batches: Iterable[dict[str, torch.Tensor]], *, embed, lm_head_weight, rope,
+                 steps: int = 5, max_chains: int = 4096) -> dict[str, float]:
+    """τ = 1 + mean leading matches of `steps`-long chains over held-back batches (see chain_matches)."""
+    counts = []
+    left = max_chains
+    for batch in batches:
+        if left <= 0:
+            break
+        c = chain_matches(head, batch, embed=embed, lm_head_weight=lm_head_weight, rope=rope, steps=steps,
+                          max_chains=left)
+        counts.append(c)
+        left -= c.numel()
+    allc = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.long)
+    if allc.numel() == 0:
+        return {"tau": 1.0, "chains": 0, "acc1": 0.0}
+    return {"tau": 1.0 + float(allc.float().mean()), "chains": int(allc.numel()),
+            "acc1": float((allc >= 1).float().mean())}
+
+
+# ---- vocabulary ranking -----------------------------------------------------------------------------------------
+
+def label_ranking(batches: Iterable[dict[str, torch.Tensor]], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids by how often they are the target's greedy label at trained positions, most
+    frequent first, ties by id; the counts in that order)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for batch in batches:
+        labels = batch["topk_ids"][..., 0][batch["loss_mask"].bool()].long().cpu()
+        counts += torch.bincount(labels[labels >= 0], minlength=vocab_size)[:vocab_size]
+    order = torch.argsort(-counts, stable=True)
+    return order, counts[order]
+
+
+def rank_coverage(rank: torch.Tensor, batches: Iterable[dict[str, torch.Tensor]],
+                  sizes=(2048, 4096, 8192, 16384)) -> dict[int, float]:
+    """Fraction of the (held-back) labels inside the first N ranked tokens, for each N."""
+    pos = torch.empty_like(rank)
+    pos[rank] = torch.arange(rank.numel())
+    found = []
+    for batch in batches:
+        labels = batch["topk_ids"][..., 0][batch["loss_mask"].bool()].long().cpu()
+        found.append(pos[labels[labels >= 0]])
+    found = torch.cat(found) if found else torch.zeros(0, dtype=torch.long)
+    return {n: float((found < n).float().mean()) if found.numel() else 0.0 for n in sizes if n < rank.numel()}
+
+
+# ---- the trainer ------------------------------------------------------------------------------------------------
+
+TRAIN_DEFAULTS = {"epochs": 2, "lr": 1e-3, "betas": (0.9, 0.95), "warmup_ratio": 0.03, "min_lr_ratio": 0.1,
+                  "grad_clip": 0.5, "patience": 2}
+BATCH_TOKENS = 2048        # tokens (rows x padded length) per training batch
+EVAL_CHAINS = 2048         # held-back chains per loop eval
+FINAL_CHAINS = 8192        # held-back chains of the reported τ
+TAU_STEPS = 5
+FIELDS = ("input_ids", "hidden", "topk_ids", "topk_logprobs")
+
+
+def _opt(options: dict, key: str, default):
+    value = options.get(key)
+    return default if value is None else value
+
+
+@dataclass
+class EagleFit:
+    head: EagleHead
+    result: Any
+    rope: tuple[torch.Tensor, torch.Tensor]
+
+
+def fit_eagle(target_model, train_batches: Callable[[int], Iterable] | Iterable, eval_batches: list | None, *,
+              config, noise: float = 0.1, negatives: int | None = 2048, tau_steps: int = TAU_STEPS,
+              eval_chains: int = EVAL_CHAINS, max_len: int = 512, seed: int = 0,
+              head: EagleHead | None = None, cls_weight: float = CLS_WEIGHT, init: str = "random") -> EagleFit:
+    """Train an EagleHead (`EagleHead.from_target(init=...)` unless `head` is given) with the
+    shared loop (`config`: a loop.TrainConfig); `eval_batches` (held-back, in memory) give its τ."""
+    from specserve.drafters.train.loop import train
+
+    cfg = target_model.cfg
+    device = torch.device(config.device)
+    head = (head or EagleHead.from_target(cfg, target_model, init=init, seed=seed)).to(device=device,
+                                                                                      dtype=torch.float32)
+    rope = rope_tables(cfg, max_len + tau_steps + 2, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    embed, lm_head = target_model.embed, target_model.lm_head_weight
+
+    def loss_fn(module, batch):
+        return eagle_loss(module, batch, embed=embed, lm_head_weight=lm_head, rope=rope, noise=noise,
+                          negatives=negatives, generator=gen, cls_weight=cls_weight)
+
+    eval_fn = None
+    if eval_batches:
+        def eval_fn(module):
+            return estimate_tau(module, eval_batches, embed=embed, lm_head_weight=lm_head, rope=rope,
+                                steps=tau_steps, max_chains=eval_chains)
+
+    result = train(head, loss_fn, train_batches, eval_fn=eval_fn, config=config)
+    return EagleFit(head, result, rope)
+
+
+@register_trainer(KIND)
+def train_eagle(options: dict, target, data) -> Path:
+    """`specserve train eagle`: the head trained on the teacher shards' train split (whole
+    examples), early-stopped on the held-back τ, saved in bf16 with the τ of the saved weights
+    and the training labels' vocabulary ranking (for `draft_vocab`). Options besides the loop's
+    (epochs, lr, max_seconds, eval_every, patience, seed, device, ...): train_batch_tokens (2048
+    tokens per batch: small data wants many steps), init (random | last: the decoder layer's
+    start; random measured better on SmolLM2), cls_weight (0.1), noise (0.1 x the features' RMS),
+    negatives (2048 uniform ids added to the batch's top-k union and the drafter's own top ids;
+    `full_vocab=true` for the exact softmax), tau_steps (5), eval_chains (2048 per loop eval),
+    final_chains (8192), engine_tau_prompts (0: how many held-back prompts to also run through
+    the engine with the trained drafter, for the served τ)."""
+    from specserve.drafters.train.checkpoint import CheckpointMeta, describe_device, save_checkpoint
+    from specserve.drafters.train.loop import TrainConfig
+
+    if not options.get("out"):
+        raise ValueError("eagle trainer: no output folder (--out)")
+    start = time.time()
+    seed = int(_opt(options, "seed", 0))
+    noise = float(_opt(options, "noise", 0.1))
+    negatives = None if options.get("full_vocab") else int(_opt(options, "negatives", 2048))
+    tau_steps = int(_opt(options, "tau_steps", TAU_STEPS))
+    batch_tokens = int(_opt(options, "train_batch_tokens", BATCH_TOKENS))
+    eval_tokens = max(batch_tokens, int(_opt(options, "batch_tokens", 8192)))
+    max_len = int(_opt(options, "max_len", 512))
+    init = str(_opt(options, "init", "random"))
+    cls_weight = float(_opt(options, "cls_weight", CLS_WEIGHT))
+    device = target.device
+    config = TrainConfig.from_options({**TRAIN_DEFAULTS, **{k: v for k, v in options.items() if v is not None}},
+                                      device=str(device))
+    train_batches = lambda epoch: data.train.batches(batch_tokens, epoch=epoch, seed=seed, fields=FIELDS,  # noqa: E731
+                                                     device=device)
+    eval_batches = list(data.held_back.batches(eval_tokens, shuffle=False, fields=FIELDS, device=device))
+    if not len(train_batches(0)):
+        raise ValueError("eagle trainer: the train split has no answer position")
+    logger.info("eagle: %d train examples (%d tokens), %d held-back examples", len(data.train),
+                data.train.num_tokens, len(data.held_back))
+    fit = fit_eagle(target.model, train_batches, eval_batches, config=config, noise=noise, negatives=negatives,
+                    tau_steps=tau_steps, eval_chains=int(_opt(options, "eval_chains", EVAL_CHAINS)),
+                    max_len=max_len, seed=seed, init=init, cls_weight=cls_weight)
+    head, result = fit.head, fit.result
+    rank, counts = label_ranking(data.train.batches(eval_tokens, shuffle=False, fields=("topk_ids",)),
+                                 target.model_config.vocab_size)
+    head.set_vocab_rank(rank)
+    coverage = rank_coverage(rank, eval_batches)
+    logger.info("eagle: held-back labels covered by the N most frequent training labels: %s",
+                {n: round(c, 4) for n, c in coverage.items()})
+    with torch.no_grad():   # measure what is saved: bf16 weights
+        for p in head.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    report = estimate_tau(head, eval_batches, embed=target.model.embed, lm_head_weight=target.model.lm_head_weight,
+                          rope=fit.rope, steps=tau_steps, max_chains=int(_opt(options, "final_chains", FINAL_CHAINS)))
+    logger.info("eagle: held-back chain tau %.3f over %d chains (%d steps, %.0f s)", report["tau"], report["chains"],
+                result.steps, time.time() - start)
+    served = None
+    n_prompts = int(_opt(options, "engine_tau_prompts", 0))
+    if n_prompts > 0:
+        served = served_tau(target, head, data.held_back_examples()[:n_prompts])
+        logger.info("eagle: served tau %.3f on %d held-back prompts", served["tau"], served["num_prompts"])
+    meta = CheckpointMeta(
+        kind=KIND, target_name=target.name, target_fingerprint=target.fingerprint,
+        hyperparams={**head.hyperparams(), "noise": noise, "negatives": negatives, "lr": config.lr,
+                     "epochs": config.epochs, "train_batch_tokens": batch_tokens, "steps": result.steps,
+                     "stop_reason": result.stop_reason, "cls_weight": cls_weight,
+                     "init": f"decoder layer: {init}; fc = [I | I]; output norm = the target's final norm"},
+        data=data.summary(), train_seconds=round(time.time() - start, 1), device=describe_device(device),
+        tau=report["tau"],
+        tau_details={"method": f"offline: greedy chains of {tau_steps} drafts after every held-back answer "
+                               "position, autoregressive on predicted features, teacher-forced tokens; "
+                               "1 + mean leading matches with the target's greedy labels",
+                     **report, "served": served, "loop_evals": result.eval_history,
+                     "draft_vocab_coverage": coverage})
+    return Path(save_checkpoint(options["out"], head.tensors(), meta))
+
+
+def served_tau(target, head: EagleHead, prompts, *, max_tokens: int = 64, budget: int = 8) -> dict[str, Any]:
+    """τ of the drafter around `head` through our engine (greedy, held-back prompts)."""
+    from specserve.drafters.train.evaluate import measure_tau
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.core import LLMEngine
+
+    import specserve.drafters.eagle  # noqa: F401  (registers the drafter)
+
+    engine = LLMEngine(EngineConfig(model=target.name, device=str(target.device),
+                                    dtype=str(target.dtype).removeprefix("torch."), max_model_len=1024,
+                                    max_num_seqs=16, drafters=(KIND,), drafter_options={KIND: {"head": head}},
+                                    num_speculative_tokens=budget, adaptive_draft_length=False),
+                       loaded=target.loaded)
+    return measure_tau(engine, prompts, drafter=KIND, max_tokens=max_tokens)

@@ -1,0 +1,231 @@
+"""The ParallelSpec drafter through the engine: greedy output equals plain decoding token for
+token (a batch of prompts of different lengths arriving at different steps), and sampled output
+follows the target's exact law (the joint law of the first two tokens, as in
+tests/unit/engine/test_sampling_lossless.py), with a briefly trained drafter loaded from a
+checkpoint so that drafts are really accepted (and rejected)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.drafters import parallelspec as _register  # noqa: F401  (registers "parallelspec")
+from specserve.drafters.train.parallelspec import IGNORE, ParallelSpecModule, TrainOptions, parallel_loss
+from specserve.engine import verify
+from specserve.engine.config import EngineConfig
+from specserve.engine.core import LLMEngine
+from specserve.engine.sampling_params import SamplingParams
+
+
+def train_checkpoint(model_dir, prompts, out_dir, *, new_tokens=40, steps=20, k=4, lr=2e-2, continuations=None):
+    """A drafter trained for a few steps on the target's own greedy continuations of `prompts`
+    (given, or generated here), memorised, so that its drafts are often right on those prompts;
+    saved as a checkpoint."""
+    from specserve.drafters.train.checkpoint import CheckpointMeta, save_checkpoint
+    from specserve.drafters.train.pipeline import prepare_target
+    from specserve.drafters.train.target import target_features
+    from specserve.engine.loader import load_model
+
+    tgt = prepare_target(loaded=load_model(str(model_dir)), device="cpu", dtype="float32", max_positions=256)
+    model = tgt.model
+    seqs = []
+    for i, p in enumerate(prompts):
+        seq = list(p) + (list(continuations[i]) if continuations is not None else [])
+        for _ in range(new_tokens if continuations is None else 0):
+            seq.append(int(model.compute_logits(target_features(model, [seq])[0][-1:]).argmax()))
+        seqs.append(seq)
+    feats = target_features(model, seqs)
+    B, T = len(seqs), max(map(len, seqs))
+    batch = {"input_ids": torch.zeros(B, T, dtype=torch.int64), "hidden": torch.zeros(B, T, feats[0].shape[1]),
+             "labels": torch.full((B, T), IGNORE), "lengths": torch.tensor([len(s) for s in seqs])}
+    for b, (s, f) in enumerate(zip(seqs, feats)):
+        batch["input_ids"][b, :len(s)] = torch.tensor(s)
+        batch["hidden"][b, :len(s)] = f
+        batch["labels"][b, :len(s)] = model.compute_logits(f).argmax(-1)
+    torch.manual_seed(0)
+    mod = ParallelSpecModule.from_target(model, tgt.model_config, k=k, max_positions=256)
+    opt = torch.optim.AdamW([p for p in mod.parameters() if p.requires_grad], lr=lr)
+    opts = TrainOptions(k=k, variant="medusa", loss_vocab="full")
+    for _ in range(steps):
+        loss, _ = parallel_loss(mod, batch, opts)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    meta = CheckpointMeta(kind="parallelspec", target_name="tiny", target_fingerprint=tgt.fingerprint,
+                          hyperparams={"k": k, "hidden_size": tgt.model_config.hidden_size})
+    return save_checkpoint(out_dir, mod.own_tensors(), meta)
+
+
+def engine_with(model_dir, options=None, **kw) -> LLMEngine:
+    cfg = dict(model=str(model_dir), dtype="float32", device="cpu", max_num_seqs=4, block_size=4,
+               max_num_batched_tokens=64, num_kv_blocks=200, max_model_len=128,
+               drafters=("parallelspec",) if options is not None else (),
+               drafter_options={"parallelspec": options} if options is not None else {},
+               num_speculative_tokens=12, max_draft_tokens_per_step=48)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def run_staggered(engine, prompts, params):
+    """Requests join every other step, so prefills, plain steps and trees share forwards."""
+    got: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 2 == 0:
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", p, params)
+        for out in engine.step():
+            for d in out.outputs:
+                got.setdefault(out.request_id, []).extend(d.token_ids)
+        step += 1
+        assert step < 3000
+    return got
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 320, (n,), generator=g).tolist() for n in (6, 19, 11, 33, 4, 25)]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir, prompts):
+    return run_staggered(engine_with(tiny_llama_dir), prompts,
+                         SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_llama_dir, prompts, plain, tmp_path_factory):
+    return train_checkpoint(tiny_llama_dir, prompts, tmp_path_factory.mktemp("ps_ckpt"),
+                            continuations=[plain[f"r{i}"] for i in range(len(prompts))])
+
+
+@pytest.mark.parametrize("tree", ["auto", "chain", "[[0], [1], [0, 0], [2], [0, 0, 0], [0, 1]]"])
+def test_greedy_is_lossless_with_a_trained_checkpoint(tiny_llama_dir, prompts, plain, checkpoint, tree):
+    engine = engine_with(tiny_llama_dir, {"checkpoint": str(checkpoint), "tree": tree})
+    got = run_staggered(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert got == plain
+    stats = engine.get_stats().drafters["parallelspec"]
+    assert stats.num_fallbacks == 0
+    assert stats.num_steps > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    drafter = engine.drafters["parallelspec"]
+    assert drafter.blocks.num_free_blocks == drafter.blocks.num_blocks and not drafter.state
+
+
+def test_greedy_is_lossless_with_a_random_drafter_and_chunked_prefill(tiny_llama_dir, prompts, plain):
+    """Untrained, k=2 (depth 3), prefill in chunks of 8 tokens, a smaller budget."""
+    engine = engine_with(tiny_llama_dir, {"random_init": True, "k": 2, "seed": 3}, max_num_batched_tokens=8,
+                         num_speculative_tokens=5)
+    got = run_staggered(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert got == plain
+    stats = engine.get_stats().drafters["parallelspec"]
+    assert stats.num_steps > 0 and stats.num_draft_tokens > 0 and stats.num_fallbacks == 0
+
+
+# ---- sampling: the joint law of the first two tokens ---------------------------------------------------------------
+
+PROMPT = [7, 100, 42, 9, 250, 31, 7, 100, 42, 9, 250, 31, 7, 100]
+PARAMS = SamplingParams(temperature=1.0, top_k=3, max_tokens=5, ignore_eos=True)
+TRIALS = 3000
+TV_BOUND = 0.045   # E[TV] of 3000 draws over 9 outcomes is about 0.02
+
+
+@pytest.fixture(scope="module")
+def peaky_target(tiny_model_factory, tmp_path_factory):
+    return tiny_model_factory(tmp_path_factory.mktemp("peaky_target"), initializer_range=0.15, seed=3)
+
+
+@pytest.fixture(scope="module")
+def peaky_checkpoint(peaky_target, tmp_path_factory):
+    return train_checkpoint(peaky_target, [PROMPT], tmp_path_factory.mktemp("ps_peaky"), new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def exact_law(peaky_target) -> dict[tuple[int, int], float]:
+    import transformers
+
+    from specserve.engine.sampler import SamplingTensors, processed_probs
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(peaky_target, dtype=torch.float32).eval()
+    st = SamplingTensors.from_params([PARAMS], "cpu")
+    law = {}
+    with torch.no_grad():
+        p1 = processed_probs(hf(torch.tensor([PROMPT])).logits[0, -1:], st)[0]
+        for t in p1.nonzero().flatten().tolist():
+            p2 = processed_probs(hf(torch.tensor([PROMPT + [t]])).logits[0, -1:], st)[0]
+            for u in p2.nonzero().flatten().tolist():
+                law[(t, u)] = float(p1[t] * p2[u])
+    return law
+
+
+def empirical_law(target_dir, checkpoint, trials=TRIALS):
+    torch.manual_seed(0)
+    engine = LLMEngine(EngineConfig(
+        model=str(target_dir), dtype="float32", device="cpu", max_num_seqs=64, block_size=4,
+        max_num_batched_tokens=1024, num_kv_blocks=2400, max_model_len=64, drafters=("parallelspec",),
+        drafter_options={"parallelspec": {"checkpoint": str(checkpoint), "tree": "[[0], [1], [0, 0], [2]]"}},
+        num_speculative_tokens=8, max_draft_tokens_per_step=512))
+    counts: dict[tuple[int, int], int] = {}
+    for start in range(0, trials, 500):
+        for i in range(start, min(start + 500, trials)):
+            engine.add_request(f"s{i}", PROMPT, PARAMS)
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for d in out.outputs:
+                    got.setdefault(out.request_id, []).extend(d.token_ids)
+        for toks in got.values():
+            counts[(toks[0], toks[1])] = counts.get((toks[0], toks[1]), 0) + 1
+    return {k: v / trials for k, v in counts.items()}, engine
+
+
+def total_variation(a: dict, b: dict) -> float:
+    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+def test_sampling_follows_the_target_law(peaky_target, peaky_checkpoint, exact_law):
+    emp, engine = empirical_law(peaky_target, peaky_checkpoint)
+    stats = engine.get_stats().drafters["parallelspec"]
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert total_variation(emp, exact_law) < TV_BOUND
+
+
+def test_a_wrong_residual_update_is_caught(peaky_target, peaky_checkpoint, exact_law, monkeypatch):
+    """The same run with a residual that forgets the rejected draft: the bound must then fail
+    (the test has the power to see a broken one-hot residual: TV about 0.11 against 0.02; 1000
+    trials are enough for that gap)."""
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
+    emp, _ = empirical_law(peaky_target, peaky_checkpoint, trials=1000)
+    assert total_variation(emp, exact_law) > TV_BOUND
+
+
+def test_feature_buffer_keeps_contiguous_positions_across_steps_and_preemption():
+    from specserve.drafters.parallelspec import _SeqState
+
+    st = _SeqState()
+    rows = torch.arange(20.0)[:, None]
+    st.add_features(0, rows[0:8])                 # prefill chunk
+    st.add_features(8, rows[8:12])                # next chunk
+    assert torch.equal(st.features(3, 12), rows[3:12])
+    st.trim(10)                                   # the drafter consumed positions < 10
+    assert st.features(9, 12) is None and torch.equal(st.features(10, 12), rows[10:12])
+    st.add_features(11, rows[11:14] + 100)        # verification rewrites from the root on
+    assert torch.equal(st.features(10, 14), torch.cat([rows[10:11], rows[11:14] + 100]))
+    st.add_features(0, rows[0:4])                 # preempted: recomputed from 0; old rows are ignored
+    assert torch.equal(st.features(10, 14), torch.cat([rows[10:11], rows[11:14] + 100]))
+    st.add_features(4, rows[4:16])                # ... until the recomputation reaches the kept ones
+    assert torch.equal(st.features(10, 16), rows[10:16])
+    assert st.features(10, 17) is None            # never invents missing positions
+
+
+def test_tree_order_cuts_to_the_budget():
+    from specserve.drafters.parallelspec import parse_tree, prefix_tree
+
+    order = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0]]
+    assert prefix_tree(order, 3) == [[0], [0, 0], [1]]
+    assert parse_tree("chain", 3) == [[0], [0, 0], [0, 0, 0]]
+    assert parse_tree("auto", 3) is None
+    not_closed = [[0, 0], [0], [1]]                # a parent after its child: level-major cut instead
+    assert prefix_tree(not_closed, 2) == [[0], [1]]
