@@ -1,4 +1,5 @@
-"""Greedy losslessness of every built-in drafter on the embedded SmolLM2-135M (fp32): a batch of
+"""Greedy losslessness of every built-in drafter (the trained ones with their shipped checkpoints)
+on the embedded SmolLM2-135M (fp32): a batch of
 chat prompts of different lengths, arriving at different steps, decodes exactly the tokens plain
 decoding gives, with one engine serving all drafters side by side (per-request choice)."""
 
@@ -19,7 +20,7 @@ PROMPTS = [
     "List three colours of the rainbow, then list them again in reverse order.",
     "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
 ]
-DRAFTERS = ("ngram", "mag", "draft_model")
+DRAFTERS = ("ngram", "mag", "draft_model", "student", "medusa", "eagle", "parallelspec")   # trained ones: shipped checkpoints
 
 
 def run_staggered(engine: LLMEngine, prompts: list[list[int]], drafter: str) -> list[list[int]]:
