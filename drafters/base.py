@@ -75,7 +75,7 @@ def make_drafter(name: str, **kwargs) -> Drafter:
     return _REGISTRY[name](**kwargs)
 
 
-def _option_value(text: str):
+def parse_option_value(text: str):
     """'4' -> 4, '0.5' -> 0.5, 'true'/'false' -> bool, 'none' -> None, anything else stays text."""
     low = text.strip().lower()
     if low in ("true", "false"):
@@ -99,7 +99,7 @@ def parse_drafter_options(items: Seq[str]) -> dict[str, dict]:
         key, eq, value = rest.partition("=")
         if not (name and dot and key and eq):
             raise ValueError(f"drafter option {item!r} is not DRAFTER.KEY=VALUE")
-        options.setdefault(name.strip(), {})[key.strip().replace("-", "_")] = _option_value(value.strip())
+        options.setdefault(name.strip(), {})[key.strip().replace("-", "_")] = parse_option_value(value.strip())
     return options
 
 

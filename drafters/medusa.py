@@ -57,8 +57,9 @@ def _prior_order(num_heads: int, nodes: int = 64) -> list[list[int]]:
     return greedy_tree_order(acc, nodes)
 
 
-def parse_tree_option(value, num_heads: int) -> list[list[int]] | None:
-    """The `tree` option as a path list, or None for "auto"."""
+def parse_tree_option(value, num_heads: int, drafter: str = "medusa") -> list[list[int]] | None:
+    """The `tree` option as a path list, or None for "auto" (shared by the drafters whose trees
+    are rank paths over per-depth distributions: medusa, parallelspec)."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto", "tuned")):
         return None
     if isinstance(value, (list, tuple)):
@@ -75,7 +76,7 @@ def parse_tree_option(value, num_heads: int) -> list[list[int]] | None:
 
     paths = load_template(text)
     if paths is None:
-        raise ValueError(f"medusa tree {text!r}: not 'auto', 'chain', a JSON path list, a file, or a tree of "
+        raise ValueError(f"{drafter} tree {text!r}: not 'auto', 'chain', a JSON path list, a file, or a tree of "
                          f"trees.json (set SPECSERVE_DATA to the folder holding it)")
     return paths
 

@@ -41,7 +41,6 @@ Options (`--drafter-option parallelspec.KEY=VALUE`):
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -60,34 +59,16 @@ MAX_RANK = 10
 
 
 def _trees_json_paths(name: str) -> list[list[int]] | None:
-    try:
-        from specserve.bench.datasets import data_dir
+    from specserve.drafters.train.medusa import load_template
 
-        trees = json.loads((data_dir() / "trees.json").read_text(encoding="utf-8"))
-        return [list(map(int, p)) for p in trees[name]["paths"]]
-    except (OSError, KeyError, ValueError, ImportError):
-        return None
+    return load_template(name)
 
 
 def parse_tree(value, depth: int) -> list[list[int]] | None:
     """The `tree` option as rank paths in preference order, or None for "auto"."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto", "tuned")):
-        return None
-    if isinstance(value, (list, tuple)):
-        return [list(map(int, p)) for p in value]
-    text = str(value).strip()
-    if text.lower() == "chain":
-        return [[0] * d for d in range(1, depth + 1)]
-    if text.startswith("["):
-        return [list(map(int, p)) for p in json.loads(text)]
-    path = Path(text).expanduser()
-    if path.is_file():
-        return [list(map(int, p)) for p in json.loads(path.read_text(encoding="utf-8"))]
-    paths = _trees_json_paths(text)
-    if paths is None:
-        raise ValueError(f"parallelspec tree {text!r}: not 'auto', 'chain', a JSON path list, a file, or a tree "
-                         f"of trees.json (set SPECSERVE_DATA to the folder holding it)")
-    return paths
+    from specserve.drafters.medusa import parse_tree_option
+
+    return parse_tree_option(value, depth, "parallelspec")
 
 
 def prefix_tree(order: Seq[Seq[int]], budget: int) -> list[list[int]]:

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
+from specserve.drafters.base import parse_option_value
 from specserve.drafters.train import TrainData, TrainTarget, get_trainer
 from specserve.drafters.train.checkpoint import target_fingerprint
 from specserve.drafters.train.data import (ShardDataset, build_teacher_shards, load_prompt_pool,
@@ -31,21 +32,6 @@ DEFAULTS: dict[str, Any] = dict(
     device="auto", dtype="auto", seed=0, self_distill=False, self_distill_max_tokens=256, temperature=0.0,
     eval_examples=64, cache_dir=None, top_k=8, shard_size=256, progress=True,
 )
-
-
-def parse_option_value(text: str) -> Any:
-    """'4' -> 4, '0.5' -> 0.5, 'true'/'false' -> bool, 'none' -> None, else the text."""
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def parse_options(items) -> dict[str, Any]:
