@@ -79,6 +79,8 @@ CASES = {
     "draft_model top-k tree, deterministic": ("draft_model", {"k_config": "3,2,1", "draft_layers": 1,
                                                               "deterministic": True}),
     "ngram deterministic tree": ("ngram", {"max_ngram": 2, "max_matches": 3}),
+    "student MCSD tree (its own layers, the target's embedding and head)": (
+        "student", {"random_init": True, "num_layers": 1, "k_config": "3,2,1"}),
 }
 POWERFUL = [c for c in CASES if not c.startswith("ngram")]
 
