@@ -234,6 +234,8 @@ def test_select_keeps_the_best_scoring_ancestor_closed_set():
 def test_no_checkpoint_says_how_to_train_one(tiny_llama_dir):
     with pytest.raises(ValueError, match="specserve train eagle"):
         make_engine(tiny_llama_dir, ["eagle"])
+    with pytest.raises(ValueError, match="vocab_rank"):                 # draft_vocab needs a trained ranking
+        make_engine(tiny_llama_dir, ["eagle"], {"eagle": {"random_init": True, "draft_vocab": 100}})
 
 
 # ---- sampling ---------------------------------------------------------------------------------
