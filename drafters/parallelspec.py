@@ -88,18 +88,10 @@ def prefix_tree(order: Seq[Seq[int]], budget: int) -> list[list[int]]:
 
 
 def find_shipped_checkpoint(fingerprint: str, kind: str = "parallelspec", root: Path = CHECKPOINTS_DIR) -> Path | None:
-    from specserve.drafters.train.checkpoint import read_meta
+    from specserve.drafters.train.checkpoint import find_shipped
 
-    if not root.is_dir():
-        return None
-    for meta_file in sorted(root.glob("*/meta.json")):
-        try:
-            meta = read_meta(meta_file.parent)
-        except (OSError, ValueError):
-            continue
-        if meta.kind == kind and meta.target_fingerprint == fingerprint:
-            return meta_file.parent
-    return None
+    found = find_shipped(kind, fingerprint, root)
+    return found[0][1] if found else None
 
 
 class _SeqState:

@@ -194,6 +194,25 @@ def load_checkpoint(directory: str | os.PathLike, *, kind: str | None = None, fi
     return tensors, meta
 
 
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+def find_shipped(kind: str, fingerprint: str, root: str | os.PathLike | None = None) -> list[tuple[CheckpointMeta, Path]]:
+    """(meta, folder) of every `kind` checkpoint made for the target with `fingerprint` among the
+    sub-folders of `root` (default: the checkpoints shipped in drafters/checkpoints/), by folder name.
+    Folders without a readable meta.json are passed over."""
+    root = SHIPPED_DIR if root is None else Path(root)
+    found = []
+    for meta_file in sorted(root.glob("*/meta.json")) if root.is_dir() else ():
+        try:
+            meta = read_meta(meta_file.parent)
+        except (OSError, ValueError):
+            continue
+        if meta.kind == kind and meta.target_fingerprint == fingerprint:
+            found.append((meta, meta_file.parent))
+    return found
+
+
 def describe_device(device: str | torch.device) -> str:
     """'cuda: NVIDIA H100 80GB HBM3', 'cpu' ... for CheckpointMeta.device."""
     device = torch.device(device)

@@ -274,23 +274,10 @@ CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 def shipped_checkpoint(model_config: ModelConfig, target, root: Path | None = None) -> Path | None:
     """The eagle checkpoint under drafters/checkpoints/ (any sub-folder) made for this target, if one is shipped."""
-    from specserve.drafters.train.checkpoint import read_meta, target_fingerprint
+    from specserve.drafters.train.checkpoint import find_shipped, target_fingerprint
 
-    root = CHECKPOINTS_DIR if root is None else Path(root)
-    if not root.is_dir():
-        return None
-    fingerprint = None
-    for meta_file in sorted(root.glob("*/meta.json")):
-        try:
-            meta = read_meta(meta_file.parent)
-        except (OSError, ValueError):
-            continue
-        if meta.kind != KIND:
-            continue
-        fingerprint = fingerprint or target_fingerprint(model_config, target)
-        if meta.target_fingerprint == fingerprint:
-            return meta_file.parent
-    return None
+    found = find_shipped(KIND, target_fingerprint(model_config, target), CHECKPOINTS_DIR if root is None else root)
+    return found[0][1] if found else None
 
 
 # ---- losses -----------------------------------------------------------------------------------------------------

@@ -195,23 +195,12 @@ def estimate_tau(student: StudentModel, batches: Iterable[dict[str, Any]], gamma
 def shipped_checkpoint(model_config: ModelConfig, target, num_layers: int | None = None) -> Path | None:
     """A student checkpoint under drafters/checkpoints/ made for this target (the given size, or the
     largest shipped)."""
-    from specserve.drafters.train.checkpoint import read_meta, target_fingerprint
+    from specserve.drafters.train.checkpoint import find_shipped, target_fingerprint
 
-    root = Path(__file__).resolve().parent.parent / "checkpoints"
-    found: list[tuple[int, Path]] = []
-    fingerprint = None
-    for meta_file in sorted(root.glob("*/meta.json")) if root.is_dir() else ():
-        try:
-            meta = read_meta(meta_file.parent)
-        except (OSError, ValueError):
-            continue
-        if meta.kind != KIND:
-            continue
-        fingerprint = fingerprint or target_fingerprint(model_config, target)
-        layers = int(meta.hyperparams.get("num_layers", 0))
-        if meta.target_fingerprint == fingerprint and (num_layers is None or layers == num_layers):
-            found.append((layers, meta_file.parent))
-    return max(found)[1] if found else None
+    sizes = [(int(meta.hyperparams.get("num_layers", 0)), path)
+             for meta, path in find_shipped(KIND, target_fingerprint(model_config, target))]
+    sizes = [(n, path) for n, path in sizes if num_layers is None or n == int(num_layers)]
+    return max(sizes)[1] if sizes else None
 
 
 def load_student(directory, *, model_config: ModelConfig, target) -> tuple[StudentModel, Any]:
