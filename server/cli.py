@@ -342,7 +342,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return int(module.main(args.args) or 0)
 
 
-TRAIN_DEFAULTS = dict(model="default", data="default", epochs=3, lr=1e-3, batch_tokens=8192, max_examples=4000,
+TRAIN_DEFAULTS = dict(model="default", data="default", epochs=None, lr=None, batch_tokens=8192, max_examples=4000,
                       max_len=512, device="auto", dtype="auto", seed=0, self_distill_max_tokens=256, temperature=0.0,
                       eval_examples=64, top_k=8, shard_size=256)   # a unit test keeps them equal to the pipeline's
 
@@ -361,8 +361,8 @@ def _add_train(sub) -> None:
                    help="prompt pool: a {id, turns, source, output} JSONL file or a folder holding "
                         "train_prompts.jsonl; 'default' = $SPECSERVE_DATA, else ../shared/data (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint folder to write")
-    p.add_argument("--epochs", type=int, default=d["epochs"], help="(default: %(default)s)")
-    p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=d["epochs"], help="(default: the drafter's trainer's own)")
+    p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (default: the drafter's trainer's own)")
     p.add_argument("--batch-tokens", type=int, default=d["batch_tokens"], metavar="N",
                    help="tokens per training batch, and per target forward when building shards "
                         "(default: %(default)s)")

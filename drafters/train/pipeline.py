@@ -28,7 +28,7 @@ from specserve.drafters.train.data import (ShardDataset, build_teacher_shards, l
 logger = logging.getLogger("specserve")
 
 DEFAULTS: dict[str, Any] = dict(
-    model="default", data=None, out=None, epochs=3, lr=1e-3, batch_tokens=8192, max_examples=4000, max_len=512,
+    model="default", data=None, out=None, epochs=None, lr=None, batch_tokens=8192, max_examples=4000, max_len=512,
     device="auto", dtype="auto", seed=0, self_distill=False, self_distill_max_tokens=256, temperature=0.0,
     eval_examples=64, cache_dir=None, top_k=8, shard_size=256, progress=True,
 )
@@ -100,7 +100,7 @@ def prepare_data(target: TrainTarget, options: Mapping[str, Any]) -> TrainData:
                         "seed": o["seed"]}
         engine = LLMEngine(EngineConfig(model=str(o["model"]), device=str(target.device),
                                         dtype=str(target.dtype).removeprefix("torch."), max_model_len=o["max_len"],
-                                        max_num_seqs=32, max_num_batched_tokens=2048, seed=o["seed"]),
+                                        max_num_seqs=64, max_num_batched_tokens=2048, seed=o["seed"]),
                            loaded=target.loaded)
         cache = root / f"self-distill-{_key([self_distill, [ex.content_hash() for ex in examples]])}.jsonl"
         examples = self_distill_examples(engine, examples, max_tokens=o["self_distill_max_tokens"],
