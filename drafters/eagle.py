@@ -30,11 +30,11 @@ from the target's real features**: rows 0 .. L-1, row p = (f_p, x_{p+1}). Each s
 Drafts are deterministic (top-k children, one-hot q: `draft_probs=None`), which verification
 accepts losslessly for greedy and sampling requests alike.
 
-Cost on a CPU: every tree level reads the LM head once (49152 x 576 for SmolLM2: 113 MB). Measured
-single-threaded (SmolLM2-135M, budget 8): a propose takes 39 ms with the whole head against 86 ms
-for the target's verification step; `draft_vocab=8192` (children from the 8192 tokens the target
-chose most often in training, 92 % of held-back labels) takes 10.5 ms. That option keeps a
-derived copy of those LM-head rows (19 MB), so it is off by default (`DEFAULT_DRAFT_VOCAB`).
+Cost on a CPU: every tree level reads the LM head. Measured single-threaded (SmolLM2-135M,
+budget 8): a propose takes 39 ms with the whole head (49152 x 576) against 86 ms for the target's
+verification step, 10.5 ms with the default draft vocabulary (the 8192 tokens the target chose
+most often in training, 92 % of held-back labels; see drafters.draft_vocab; `draft_vocab=0` for
+the whole vocabulary).
 """
 
 from __future__ import annotations
@@ -46,16 +46,15 @@ from typing import Sequence as Seq
 import torch
 
 from specserve.drafters.base import Drafter, register
+from specserve.drafters.draft_vocab import DraftVocab
 from specserve.drafters.train.eagle import EagleHead, load_head, shipped_checkpoint
 from specserve.engine.attention import build_attn_metadata
 from specserve.engine.config import ModelConfig
 from specserve.engine.kv_cache import BlockManager, KVCache
-from specserve.engine.model import LlamaModel, linear, rope_tables
+from specserve.engine.model import LlamaModel, rope_tables
 from specserve.engine.tree import NO_PARENT, TokenTree
 
 logger = logging.getLogger("specserve")
-
-DEFAULT_DRAFT_VOCAB = 0   # 0: draft over the whole vocabulary through the target's LM head (shared)
 
 
 class _SeqState:
@@ -85,7 +84,7 @@ class EagleDrafter(Drafter):
     """Options: `checkpoint=PATH` (an eagle checkpoint folder; default: the shipped one for this
     target), `depth` (max tree depth, 6), `top_k` (children per expanded node, 4), `width` (nodes
     expanded per level, 4), `draft_vocab` (N > 0: draft from the N most frequent target tokens
-    of the checkpoint's ranking; 0 = the whole vocabulary), `block_size`/`num_blocks` (its KV
+    of the checkpoint's ranking, default 8192; 0 = the whole vocabulary), `block_size`/`num_blocks` (its KV
     pool). For tests: `random_init=true` (an untrained head, `init=random` or `init=last`: its
     decoder layer copied from the target's last one) or `head=` an in-memory EagleHead."""
 
@@ -110,22 +109,9 @@ class EagleDrafter(Drafter):
             if p.device != self.device or p.dtype != dtype:   # ... unless it must be converted
                 head = copy.deepcopy(head)
         self.head = head.to(device=self.device, dtype=dtype).eval()
-        # draft_vocab = N: children come from the N tokens the target chose most often in training
-        # (the checkpoint's vocab_rank) through those N rows of the LM head -- the one derived copy
-        # of a frozen target tensor this drafter makes (N x H, e.g. 8192 x 576), because on a CPU
-        # every tree level reads the LM head once (see the module docstring). Drafts stay
-        # deterministic: verification is unchanged.
-        self.sub_ids = self.sub_weight = None
-        vocab = model_config.vocab_size
-        explicit = draft_vocab is not None
-        draft_vocab = int(DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab)
-        if 0 < draft_vocab < vocab and self.head.vocab_rank is None:
-            if explicit:
-                raise ValueError("eagle: draft_vocab needs a checkpoint with a vocabulary ranking (vocab_rank)")
-            draft_vocab = 0        # a head without a ranking (random_init, in-memory): the whole vocabulary
-        if 0 < draft_vocab < vocab:
-            self.sub_ids = self.head.vocab_rank[:draft_vocab].to(self.device)
-            self.sub_weight = target.lm_head_weight.detach().index_select(0, self.sub_ids).contiguous()
+        # draft tokens come from the checkpoint's most frequent target tokens (see drafters.draft_vocab)
+        self.vocab = DraftVocab(target.lm_head_weight, self.head.vocab_rank, draft_vocab, drafter="eagle",
+                                full_logits=target.compute_logits)
         self.max_rows = max_model_len + self.depth + 1
         self.rope_cos, self.rope_sin = rope_tables(model_config, self.max_rows, self.device)
         self.max_tree_rows = self.width * max(0, self.depth - 1)
@@ -240,13 +226,8 @@ class EagleDrafter(Drafter):
 
     def _children(self, feats: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
         """Top-k (log-probability, token) of the draft distribution after each feature row."""
-        if self.sub_weight is None:
-            logits = self.target.compute_logits(feats)
-        else:
-            logits = linear(feats, self.sub_weight).float()
-        top = logits.log_softmax(-1).topk(k, dim=-1)
-        ids = top.indices if self.sub_ids is None else self.sub_ids[top.indices]
-        return top.values.tolist(), ids.tolist()
+        top = self.vocab.logits(feats).log_softmax(-1).topk(k, dim=-1)
+        return top.values.tolist(), self.vocab.token_ids(top.indices).tolist()
 
     @torch.inference_mode()
     def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:

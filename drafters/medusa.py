@@ -26,6 +26,8 @@ Options (`--drafter-option medusa.KEY=VALUE`):
                     checkpoint in drafters/checkpoints/ whose target fingerprint matches
   tree=SPEC         "auto" (default), a trees.json name, "chain", or a JSON list of rank paths
   num_heads=K       use only the first K heads (default: all the checkpoint has)
+  draft_vocab=N     draft from the N tokens the target chose most often in training (default 8192
+                    when the checkpoint has that ranking; 0 = the whole vocabulary; drafters.draft_vocab)
   random_init=true  FOR TESTS: untrained heads (zero = the target's next-token prediction at every
                     depth; `init_std` > 0 draws random weights with `seed`)
   heads=MODULE      (Python API, alias `module`) an in-memory MedusaHeads, e.g. the one being trained
@@ -41,6 +43,7 @@ from typing import Sequence as Seq
 import torch
 
 from specserve.drafters.base import Drafter, register
+from specserve.drafters.draft_vocab import DraftVocab
 from specserve.engine.tree import TokenTree, TreeTemplate, tree_depths
 
 logger = logging.getLogger("specserve")
@@ -96,7 +99,7 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, *, target, model_config, device, dtype, checkpoint: str | None = None, tree=None,
                  num_heads: int | None = None, random_init: bool = False, init_std: float = 0.0, seed: int = 0,
-                 heads=None, module=None, **_):
+                 draft_vocab: int | None = None, heads=None, module=None, **_):
         from specserve.drafters.train.medusa import DEFAULT_NUM_HEADS, MedusaHeads, load_template
 
         self.target = target                     # its LM head is used by reference, never copied
@@ -129,6 +132,8 @@ class MedusaDrafter(Drafter):
             self.heads = MedusaHeads.from_tensors(tensors, dtype=dtype, device=device)
             tuned = (meta.tree or {}).get("choices")
         self.heads.eval().requires_grad_(False)
+        self.vocab = DraftVocab(target.lm_head_weight, getattr(self.heads, "vocab_rank", None), draft_vocab,
+                                drafter="medusa", full_logits=target.compute_logits)
         self.num_heads = self.heads.num_heads if num_heads is None else min(int(num_heads), self.heads.num_heads)
         order = parse_tree_option(tree, self.num_heads)
         if order is None:
@@ -181,8 +186,8 @@ class MedusaDrafter(Drafter):
         width = max(t[3] for t in tpls)
         h = torch.stack(rows).to(self.heads.weight.dtype)                    # [N, H]
         out = self.heads(h, depth)                                           # [N, depth, H]
-        logits = self.target.compute_logits(out.reshape(-1, out.shape[-1]))  # [N * depth, vocab]
-        top = logits.topk(width, dim=-1).indices.view(len(live), depth, width).tolist()
+        logits = self.vocab.logits(out.reshape(-1, out.shape[-1]))           # [N * depth, draft vocab]
+        top = self.vocab.token_ids(logits.topk(width, dim=-1).indices).view(len(live), depth, width).tolist()
         for j, i in enumerate(live):
             tpl, depths, _, _ = tpls[j]
             cand = top[j]

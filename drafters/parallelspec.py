@@ -35,6 +35,8 @@ Options (`--drafter-option parallelspec.KEY=VALUE`):
   checkpoint=PATH   a trained checkpoint (`specserve train parallelspec ...`); default: the shipped one in
                     drafters/checkpoints/ whose target fingerprint matches
   tree=SPEC         "auto" (default), a trees.json name, "chain", or a JSON list of rank paths
+  draft_vocab=N     draft from the N tokens the target chose most often in training (default 8192
+                    when the checkpoint has that ranking; 0 = the whole vocabulary; drafters.draft_vocab)
   random_init=true  FOR TESTS: an untrained module (`k`, `seed`); `module=` an in-memory module
   block_size, num_blocks   the drafter's own paged KV pool
 """
@@ -47,9 +49,9 @@ from typing import Sequence as Seq
 import torch
 
 from specserve.drafters.base import Drafter, register
+from specserve.drafters.draft_vocab import DraftVocab
 from specserve.engine.attention import build_attn_metadata
 from specserve.engine.kv_cache import BlockManager, KVCache
-from specserve.engine.model import linear
 from specserve.engine.tree import TokenTree, TreeTemplate
 
 
@@ -137,7 +139,8 @@ class ParallelSpecDrafter(Drafter):
 
     def __init__(self, *, target, model_config, device, dtype, max_model_len: int, max_num_seqs: int = 8,
                  checkpoint: str | None = None, tree=None, random_init: bool = False, k: int = 4, seed: int = 0,
-                 module=None, block_size: int = 16, num_blocks: int | None = None, **_):
+                 module=None, draft_vocab: int | None = None, block_size: int = 16, num_blocks: int | None = None,
+                 **_):
         from specserve.drafters.train.parallelspec import ParallelSpecModule, load_module
 
         self.device, self.dtype = torch.device(device), dtype
@@ -165,6 +168,8 @@ class ParallelSpecDrafter(Drafter):
                                             max_positions=max_positions, device=self.device, dtype=dtype)
             tuned = (meta.tree or {}).get("choices")
         self.module.eval().requires_grad_(False)
+        self.vocab = DraftVocab(self.module.lm_head_weight, getattr(self.module, "vocab_rank", None), draft_vocab,
+                                drafter="parallelspec")
         self.k = self.module.k
         depth = self.k + 1
         order = parse_tree(tree, depth)
@@ -214,7 +219,8 @@ class ParallelSpecDrafter(Drafter):
     @torch.inference_mode()
     def draft_logits(self, seqs: Seq) -> tuple[list[int], torch.Tensor | None]:
         """One drafter forward for the sequences that have the features it needs: (their indices
-        in `seqs`, logits [len, k+1, vocab] fp32: row 0 at the root, row i at mask i)."""
+        in `seqs`, logits [len, k+1, draft vocabulary] fp32 (see `self.vocab`): row 0 at the root, row i at
+        mask i)."""
         mod, k = self.module, self.k
         idx, starts, ids, prevs, qlens = [], [], [], [], []
         H = mod.cfg.hidden_size
@@ -253,7 +259,7 @@ class ParallelSpecDrafter(Drafter):
         out = mod.forward_paged(h, positions, k_cache, v_cache, meta)
         ends = torch.tensor(meta.cu_query_lens[1:], device=dev)
         rows = (ends[:, None] - (k + 1) + torch.arange(k + 1, device=dev)[None, :]).reshape(-1)
-        logits = linear(out.index_select(0, rows), mod.lm_head_weight).float().view(len(idx), k + 1, -1)
+        logits = self.vocab.logits(out.index_select(0, rows)).view(len(idx), k + 1, -1)
         for i in idx:
             seq = seqs[i]
             st = self.state[seq.seq_id]
@@ -270,7 +276,7 @@ class ParallelSpecDrafter(Drafter):
         if logits is None:
             return trees
         max_rank = min(MAX_RANK, logits.shape[-1])
-        top = logits.topk(max_rank, dim=-1).indices.tolist()          # [B, k+1, R]
+        top = self.vocab.token_ids(logits.topk(max_rank, dim=-1).indices).tolist()   # [B, k+1, R]
         for j, g in enumerate(got):
             i = live[g]
             tpl = self.template(int(budgets[i]))

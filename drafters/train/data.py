@@ -666,3 +666,40 @@ class ShardDataset:
         return {"split": self.split, "num_examples": len(self.items), "num_tokens": self.num_tokens,
                 "sources": dict(sorted(counts.items())), "held_back": len(self.held_back),
                 "shards_build_key": self.manifest.get("build_key")}
+
+
+# ---- the target's label frequencies (the draft vocabulary of head-based drafters) ----------------------------------
+
+def label_ranking(batches: Iterable[dict[str, torch.Tensor]], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids by how often they are the target's greedy label at trained positions, most
+    frequent first, ties by id; the counts in that order)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for batch in batches:
+        labels = batch["topk_ids"][..., 0][batch["loss_mask"].bool()].long().cpu()
+        counts += torch.bincount(labels[labels >= 0], minlength=vocab_size)[:vocab_size]
+    order = torch.argsort(-counts, stable=True)
+    return order, counts[order]
+
+
+def rank_coverage(rank: torch.Tensor, batches: Iterable[dict[str, torch.Tensor]],
+                  sizes=(2048, 4096, 8192, 16384)) -> dict[int, float]:
+    """Fraction of the (held-back) labels inside the first N ranked tokens, for each N."""
+    pos = torch.empty_like(rank)
+    pos[rank] = torch.arange(rank.numel())
+    found = []
+    for batch in batches:
+        labels = batch["topk_ids"][..., 0][batch["loss_mask"].bool()].long().cpu()
+        found.append(pos[labels[labels >= 0]])
+    found = torch.cat(found) if found else torch.zeros(0, dtype=torch.long)
+    return {n: float((found < n).float().mean()) if found.numel() else 0.0 for n in sizes if n < rank.numel()}
+
+
+def draft_vocab_ranking(train: "ShardDataset", held_back: "ShardDataset | None", vocab_size: int, *,
+                        batch_tokens: int = 8192) -> tuple[torch.Tensor, dict[int, float]]:
+    """(the train split's label ranking, the share of held-back labels each draft-vocabulary size
+    covers): what head-based drafters save with their weights (see drafters.draft_vocab)."""
+    rank, _ = label_ranking(train.batches(batch_tokens, shuffle=False, fields=("topk_ids",)), vocab_size)
+    coverage = {}
+    if held_back is not None and len(held_back):
+        coverage = rank_coverage(rank, held_back.batches(batch_tokens, shuffle=False, fields=("topk_ids",)))
+    return rank, coverage

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.drafters.train import register_trainer
+from specserve.drafters.train.data import draft_vocab_ranking
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import DecoderLayer, apply_rope, rms_norm, rope_tables
 
@@ -117,11 +118,9 @@ class EagleHead(nn.Module):
         if rank is None:
             self.vocab_rank = None
             return
-        rank = rank.detach().to(torch.int64).flatten()
-        if rank.numel() != self.cfg.vocab_size or not torch.equal(rank.sort().values,
-                                                                  torch.arange(self.cfg.vocab_size)):
-            raise ValueError("vocab_rank must be a permutation of the vocabulary")
-        self.vocab_rank = rank
+        from specserve.drafters.draft_vocab import check_rank
+
+        self.vocab_rank = check_rank(rank.detach().cpu(), self.cfg.vocab_size)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The trainable tensors (and the vocabulary ranking when set), by name: what a checkpoint holds."""
@@ -436,30 +435,6 @@ def estimate_tau(head: EagleHead, batches: Iterable[dict[str, torch.Tensor]], *,
 
 # ---- vocabulary ranking -----------------------------------------------------------------------------------------
 
-def label_ranking(batches: Iterable[dict[str, torch.Tensor]], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids by how often they are the target's greedy label at trained positions, most
-    frequent first, ties by id; the counts in that order)."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for batch in batches:
-        labels = batch["topk_ids"][..., 0][batch["loss_mask"].bool()].long().cpu()
-        counts += torch.bincount(labels[labels >= 0], minlength=vocab_size)[:vocab_size]
-    order = torch.argsort(-counts, stable=True)
-    return order, counts[order]
-
-
-def rank_coverage(rank: torch.Tensor, batches: Iterable[dict[str, torch.Tensor]],
-                  sizes=(2048, 4096, 8192, 16384)) -> dict[int, float]:
-    """Fraction of the (held-back) labels inside the first N ranked tokens, for each N."""
-    pos = torch.empty_like(rank)
-    pos[rank] = torch.arange(rank.numel())
-    found = []
-    for batch in batches:
-        labels = batch["topk_ids"][..., 0][batch["loss_mask"].bool()].long().cpu()
-        found.append(pos[labels[labels >= 0]])
-    found = torch.cat(found) if found else torch.zeros(0, dtype=torch.long)
-    return {n: float((found < n).float().mean()) if found.numel() else 0.0 for n in sizes if n < rank.numel()}
-
-
 # ---- the trainer ------------------------------------------------------------------------------------------------
 
 TRAIN_DEFAULTS = {"epochs": 2, "lr": 1e-3, "betas": (0.9, 0.95), "warmup_ratio": 0.03, "min_lr_ratio": 0.1,
@@ -554,10 +529,9 @@ def train_eagle(options: dict, target, data) -> Path:
                     tau_steps=tau_steps, eval_chains=int(_opt(options, "eval_chains", EVAL_CHAINS)),
                     max_len=max_len, seed=seed, init=init, cls_weight=cls_weight)
     head, result = fit.head, fit.result
-    rank, counts = label_ranking(data.train.batches(eval_tokens, shuffle=False, fields=("topk_ids",)),
-                                 target.model_config.vocab_size)
+    rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size,
+                                         batch_tokens=eval_tokens)
     head.set_vocab_rank(rank)
-    coverage = rank_coverage(rank, eval_batches)
     logger.info("eagle: held-back labels covered by the N most frequent training labels: %s",
                 {n: round(c, 4) for n, c in coverage.items()})
     with torch.no_grad():   # measure what is saved: bf16 weights

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.drafters.train import register_trainer, tree_tuning
+from specserve.drafters.train.data import draft_vocab_ranking
 
 logger = logging.getLogger("specserve")
 
@@ -77,6 +78,7 @@ class MedusaHeads(nn.Module):
         self.num_heads, self.hidden_size = num_heads, hidden_size
         self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size, dtype=dtype, device=device))
+        self.vocab_rank: torch.Tensor | None = None   # the training labels' ranking (drafters.draft_vocab)
 
     def forward(self, h: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """[N, H] -> [N, k, H] for the first k = num_heads (default all) heads, one matmul."""
@@ -93,7 +95,10 @@ class MedusaHeads(nn.Module):
         return h.unsqueeze(1) + F.silu(y.view(h.shape[0], k, H))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"weight": self.weight.detach(), "bias": self.bias.detach()}
+        out = {"weight": self.weight.detach(), "bias": self.bias.detach()}
+        if self.vocab_rank is not None:
+            out["vocab_rank"] = self.vocab_rank.to(torch.int32)      # half the bytes on disk
+        return out
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype, device) -> "MedusaHeads":
@@ -104,6 +109,8 @@ class MedusaHeads(nn.Module):
         with torch.no_grad():
             heads.weight.copy_(w)
             heads.bias.copy_(b)
+        if tensors.get("vocab_rank") is not None:
+            heads.vocab_rank = tensors["vocab_rank"].to(torch.int64)
         return heads
 
     def randomize_(self, std: float, seed: int = 0) -> "MedusaHeads":
@@ -523,6 +530,7 @@ def train_medusa(options: dict, target, data) -> Path:
     with torch.no_grad():   # measure what is saved: bf16 weights
         heads.weight.copy_(heads.weight.to(torch.bfloat16).float())
         heads.bias.copy_(heads.bias.to(torch.bfloat16).float())
+    heads.vocab_rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size)
     report = evaluate(heads, target.model.lm_head_weight, eval_ex, template, tuned_nodes=tuned_nodes, seed=seed)
     order = report.pop("tuned_order")
     tau = report["tau_tuned"].get(eval_budget) if eval_budget in report["tau_tuned"] else report["tau_chain"]
@@ -552,7 +560,7 @@ def train_medusa(options: dict, target, data) -> Path:
                                "target's greedy token in each head's full-vocabulary logits (tuned tree chosen "
                                "on half of the sequences, walked on the other half)",
                      "budget": eval_budget, **report,
-                     "loop_evals": result.eval_history},
+                     "loop_evals": result.eval_history, "draft_vocab_coverage": coverage},
         tree={"choices": order, "order": "greedy expected accepted length (each prefix is a tree)",
               "acc": report["acc"]})
     out = save_checkpoint(options["out"], heads.state_tensors(), meta)

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.drafters.train import register_trainer
+from specserve.drafters.train.data import draft_vocab_ranking
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import DecoderLayer, apply_rope, rms_norm, rope_tables
 
@@ -186,6 +187,7 @@ class ParallelSpecModule(nn.Module):
         self.__dict__["lm_head_weight"] = lm_head_weight
         self.max_positions = max_positions
         self.hyper: dict[str, Any] = {}              # facts about the init, for checkpoint metadata
+        self.vocab_rank: torch.Tensor | None = None  # the training labels' ranking (drafters.draft_vocab)
         # fp32 RoPE tables kept out of .to(dtype) (plain attributes, like the frozen tensors)
         self.__dict__["rope_cos"], self.__dict__["rope_sin"] = rope_tables(cfg, max_positions, embed_weight.device)
 
@@ -240,7 +242,10 @@ class ParallelSpecModule(nn.Module):
 
     def own_tensors(self) -> dict[str, torch.Tensor]:
         """What a checkpoint stores (the frozen target tensors are not in it)."""
-        return {n: t.detach() for n, t in self.state_dict().items()}
+        out = {n: t.detach() for n, t in self.state_dict().items()}
+        if self.vocab_rank is not None:
+            out["vocab_rank"] = self.vocab_rank.to(torch.int32)      # half the bytes on disk
+        return out
 
     # -- pieces shared by training and serving --
 
@@ -701,6 +706,7 @@ def load_module(checkpoint_dir, target, cfg: ModelConfig, *, fingerprint: str | 
     from specserve.drafters.train.checkpoint import load_checkpoint
 
     tensors, meta = load_checkpoint(checkpoint_dir, kind=KIND, fingerprint=fingerprint)
+    rank = tensors.pop("vocab_rank", None)
     hp = meta.hyperparams
     if hp.get("hidden_size", cfg.hidden_size) != cfg.hidden_size:
         raise ValueError(f"{checkpoint_dir}: hidden size {hp.get('hidden_size')} does not match the target's "
@@ -711,6 +717,7 @@ def load_module(checkpoint_dir, target, cfg: ModelConfig, *, fingerprint: str | 
     dt = dtype if dtype is not None else target.embed.weight.dtype
     mod.load_state_dict({n: t.to(dev, dt) for n, t in tensors.items()}, strict=True)
     mod.to(device=dev, dtype=dt)
+    mod.vocab_rank = None if rank is None else rank.to(torch.int64)
     return mod.eval().requires_grad_(False), meta
 
 
@@ -800,6 +807,7 @@ def train_parallelspec(options: dict, target, data) -> "Path":
     module, result = fit_parallelspec(target.model, target.model_config, train_batches, eval_batches, opts, config,
                                       template=template, max_positions=max_len + opts.k + 64)
     _trained_dtype_roundtrip(module)
+    module.vocab_rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size)
     all_eval = _load_batches(data.held_back, real_tokens, None, epoch=0, seed=config.seed, shuffle=False, device=dev)
     ranks = held_back_ranks(module, all_eval)
     report = rank_report(ranks, template, tuned_nodes=opts.tuned_nodes, seed=config.seed)
@@ -823,7 +831,8 @@ def train_parallelspec(options: dict, target, data) -> "Path":
                                "among the k+1 parallel outputs' full-vocabulary candidates at every anchor whose "
                                "k+1 labels exist; tau_chain = 1 + mean leading top-1 hits; tree taus = 1 + longest "
                                "matching path (tuned tree chosen on one half of the anchors, measured on the other)",
-                     "budget": opts.eval_budget, **report, "served": served, "loop_evals": result.eval_history},
+                     "budget": opts.eval_budget, **report, "served": served, "loop_evals": result.eval_history,
+                     "draft_vocab_coverage": coverage},
         tree={"choices": order, "order": "greedy expected accepted length on held-back ranks (each prefix is a tree)"})
     return Path(save_checkpoint(options["out"], module.own_tensors(), meta))
 

@@ -10,7 +10,8 @@ import torch
 
 import specserve.drafters.eagle  # noqa: F401  (registers "eagle" until base._import_builtin lists it)
 from specserve.drafters.eagle import EagleDrafter, _Node
-from specserve.drafters.train.eagle import EagleHead, fit_eagle, label_ranking
+from specserve.drafters.train.data import label_ranking
+from specserve.drafters.train.eagle import EagleHead, fit_eagle
 from specserve.drafters.train.loop import TrainConfig
 from specserve.drafters.train.target import target_features, target_topk
 from specserve.engine.config import EngineConfig
@@ -108,8 +109,8 @@ def test_greedy_is_lossless_and_drafts_are_accepted(tiny_llama_dir, prompts_and_
     drafter = engine.drafters["eagle"]
     assert drafter.head is trained_head                     # an in-memory head is used by reference
     if "draft_vocab" in shape:                              # drafts come from the 100 most frequent labels
-        assert drafter.sub_weight.shape == (100, 64)
-        assert set(drafter.sub_ids.tolist()) == set(trained_head.vocab_rank[:100].tolist())
+        assert drafter.vocab.weight.shape == (100, 64)
+        assert set(drafter.vocab.ids.tolist()) == set(trained_head.vocab_rank[:100].tolist())
     assert drafter.blocks.num_free_blocks == drafter.blocks.num_blocks and not drafter.state
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 

@@ -5,6 +5,7 @@ losslessness (joint law of the first two tokens against the exact target law).""
 
 from __future__ import annotations
 
+import copy
 import random
 from types import SimpleNamespace
 
@@ -95,6 +96,33 @@ def test_tree_tokens_are_the_heads_top_k_by_depth_and_rank(tiny_llama_dir):
     assert d.propose([seq], [5]) == [None]
 
 
+def test_draft_vocab_restricts_tree_tokens_to_the_ranked_ones(tiny_llama_dir, tmp_path):
+    """With a ranking and draft_vocab=N, each depth's candidates are the heads' top tokens among
+    the first N ranked ones; the ranking travels with a checkpoint's tensors."""
+    engine = make_engine(tiny_llama_dir, drafters=())
+    vocab_size = engine.model_config.vocab_size
+    heads = MedusaHeads(4, 64).randomize_(0.1, seed=3)
+    heads.vocab_rank = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(2))
+    loaded = MedusaHeads.from_tensors(heads.state_tensors(), dtype=torch.float32, device="cpu")
+    assert torch.equal(loaded.vocab_rank, heads.vocab_rank)
+    order = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0]]
+    d = _drafter(engine.model, engine.model_config, heads=loaded, draft_vocab=20, tree=str(order))
+    allowed = heads.vocab_rank[:20]
+    seq = SimpleNamespace(seq_id=1, token_ids=[5, 6, 7, 8, 9])
+    h = torch.randn(4, 64)
+    d.observe([seq], [(0, h)])
+    tree = d.propose([seq], [6])[0]
+    with torch.no_grad():
+        logits = engine.model.compute_logits(loaded(h[-1:])[0])[:, allowed]     # [K, 20]
+    top = allowed[logits.topk(3, dim=-1).indices]
+    depths = build_tree_buffers(tree.parents).depths.tolist()
+    tpl = TreeTemplate.from_choices(order)
+    for node in range(1, tree.num_nodes):
+        assert tree.tokens[node] == int(top[depths[node] - 1, tpl.ranks[node]])
+    with pytest.raises(ValueError, match="vocab_rank"):          # no ranking: an explicit size is refused
+        _drafter(engine.model, engine.model_config, random_init=True, draft_vocab=20)
+
+
 def test_tree_options(tiny_llama_dir):
     assert parse_tree_option("chain", 3) == [[0], [0, 0], [0, 0, 0]]
     assert parse_tree_option("[[0], [1]]", 3) == [[0], [1]]
@@ -175,6 +203,20 @@ def test_greedy_is_lossless_with_trained_heads_and_drafts_get_accepted(tiny_llam
     stats = engine.get_stats().drafters["medusa"]
     assert stats.num_accepted_tokens > 0.1 * sum(len(v) for v in plain.values())
     assert len(stats.accepted_by_depth) >= 3                     # deeper heads got accepted too
+
+
+def test_greedy_is_lossless_with_a_draft_vocabulary(tiny_llama_dir, trained_heads):
+    heads = copy.deepcopy(trained_heads)
+    engine = make_engine(tiny_llama_dir, drafters=(), max_model_len=256)
+    prompts = _chat_prompts(engine.tokenizer, 4, seed=2)
+    plain = run_all(engine, prompts, GREEDY)
+    counts = torch.bincount(torch.tensor([t for v in plain.values() for t in v]),
+                            minlength=engine.model_config.vocab_size)
+    heads.vocab_rank = torch.argsort(-counts, stable=True)      # the target's own output tokens first
+    engine = make_engine(tiny_llama_dir, options={"heads": heads, "draft_vocab": 32}, max_model_len=256)
+    assert run_all(engine, prompts, GREEDY) == plain
+    assert engine.drafters["medusa"].vocab.size == 32
+    assert engine.get_stats().drafters["medusa"].num_accepted_tokens > 0
 
 
 def test_engine_tau_matches_the_offline_walk(tiny_llama_dir, trained_heads):

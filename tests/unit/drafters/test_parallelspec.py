@@ -17,7 +17,8 @@ from specserve.engine.core import LLMEngine
 from specserve.engine.sampling_params import SamplingParams
 
 
-def train_checkpoint(model_dir, prompts, out_dir, *, new_tokens=40, steps=20, k=4, lr=2e-2, continuations=None):
+def train_checkpoint(model_dir, prompts, out_dir, *, new_tokens=40, steps=20, k=4, lr=2e-2, continuations=None,
+                     vocab_rank=None):
     """A drafter trained for a few steps on the target's own greedy continuations of `prompts`
     (given, or generated here), memorised, so that its drafts are often right on those prompts;
     saved as a checkpoint."""
@@ -51,6 +52,7 @@ def train_checkpoint(model_dir, prompts, out_dir, *, new_tokens=40, steps=20, k=
         opt.zero_grad()
         loss.backward()
         opt.step()
+    mod.vocab_rank = vocab_rank
     meta = CheckpointMeta(kind="parallelspec", target_name="tiny", target_fingerprint=tgt.fingerprint,
                           hyperparams={"k": k, "hidden_size": tgt.model_config.hidden_size})
     return save_checkpoint(out_dir, mod.own_tensors(), meta)
@@ -112,6 +114,33 @@ def test_greedy_is_lossless_with_a_trained_checkpoint(tiny_llama_dir, prompts, p
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     drafter = engine.drafters["parallelspec"]
     assert drafter.blocks.num_free_blocks == drafter.blocks.num_blocks and not drafter.state
+
+
+def test_greedy_is_lossless_with_a_draft_vocabulary(tiny_llama_dir, prompts, plain, tmp_path):
+    """A checkpoint carrying the target's label ranking: drafts come from its first N tokens only
+    (checked on the trees), and the output is still plain decoding's."""
+    vocab_size = 320
+    counts = torch.bincount(torch.tensor([t for v in plain.values() for t in v]), minlength=vocab_size)
+    rank = torch.argsort(-counts, stable=True)
+    ckpt = train_checkpoint(tiny_llama_dir, prompts, tmp_path / "ps", vocab_rank=rank,
+                            continuations=[plain[f"r{i}"] for i in range(len(prompts))])
+    engine = engine_with(tiny_llama_dir, {"checkpoint": str(ckpt), "draft_vocab": 24})
+    drafter = engine.drafters["parallelspec"]
+    assert torch.equal(drafter.module.vocab_rank, rank) and drafter.vocab.size == 24
+    allowed = set(rank[:24].tolist())
+    proposed = []
+    real_propose = drafter.propose
+
+    def spy(seqs, budgets):
+        trees = real_propose(seqs, budgets)
+        proposed.extend(t.tokens[1:] for t in trees if t is not None)
+        return trees
+
+    drafter.propose = spy
+    got = run_staggered(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert got == plain
+    assert proposed and all(set(p) <= allowed for p in proposed)
+    assert engine.get_stats().drafters["parallelspec"].num_accepted_tokens > 0
 
 
 def test_greedy_is_lossless_with_a_random_drafter_and_chunked_prefill(tiny_llama_dir, prompts, plain):

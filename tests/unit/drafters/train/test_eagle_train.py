@@ -151,7 +151,7 @@ def test_trainer_writes_a_checkpoint_that_round_trips(tiny_target, tiny_data, tm
     assert rank is not None and sorted(rank.tolist()) == list(range(cfg.vocab_size))
     small = EagleDrafter(target=model, model_config=cfg, device=torch.device("cpu"), dtype=torch.float32,
                          max_model_len=64, checkpoint=str(out), draft_vocab=50)
-    assert torch.equal(small.sub_ids, rank[:50])
+    assert torch.equal(small.vocab.ids, rank[:50])
     assert shipped_checkpoint(cfg, model, root=tmp_path) == out
     monkeypatch.setattr("specserve.drafters.train.eagle.CHECKPOINTS_DIR", tmp_path)
     found = EagleDrafter(target=model, model_config=cfg, device=torch.device("cpu"), dtype=torch.float32,

@@ -225,6 +225,10 @@ def test_trainer_checkpoint_round_trip_and_refusal(tiny_setup, tmp_path, tiny_ll
     drafter = make_drafter("medusa", checkpoint=str(out), **kwargs)
     assert drafter.order == order                          # the tuned tree is used
     assert torch.equal(drafter.heads.weight, tensors["weight"].float())
+    vocab = target.model_config.vocab_size                  # the training labels' ranking travels with it
+    assert sorted(tensors["vocab_rank"].tolist()) == list(range(vocab))
+    assert torch.equal(drafter.heads.vocab_rank, tensors["vocab_rank"].long())
+    assert make_drafter("medusa", checkpoint=str(out), draft_vocab=50, **kwargs).vocab.size == 50
     assert drafter.target.lm_head_weight is target.model.lm_head_weight   # shared, not copied
     assert make_drafter("medusa", checkpoint=str(out), tree="chain", **kwargs).order == [[0], [0, 0], [0, 0, 0],
                                                                                          [0, 0, 0, 0]]
