@@ -34,6 +34,7 @@ from typing import Sequence as Seq
 import torch
 
 from specserve.drafters.base import Drafter, register
+from specserve.drafters.draft_vocab import DraftVocab
 from specserve.engine.attention import build_attn_metadata
 from specserve.engine.config import ModelConfig
 from specserve.engine.kv_cache import BlockManager, KVCache, commit_accepted
@@ -75,7 +76,8 @@ class DraftModelDrafter(Drafter):
     def __init__(self, *, target: LlamaModel, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, tokenizer=None, draft_model: str | None = None, draft_layers: int | None = None,
                  k_config="chain:4", num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 8,
-                 target_init_width: int = 1, deterministic: bool = False, prebuilt: LlamaModel | None = None, **_):
+                 target_init_width: int = 1, deterministic: bool = False, prebuilt: LlamaModel | None = None,
+                 draft_vocab: int | None = None, vocab_rank: torch.Tensor | None = None, **_):
         if int(target_init_width) < 1:
             raise ValueError(f"target_init_width must be >= 1, got {target_init_width}")
         self.k_config = parse_k_config(k_config)
@@ -100,6 +102,9 @@ class DraftModelDrafter(Drafter):
             layers = draft_layers or max(1, target.num_layers // 4)
             self.model = target.truncated(layers)
             cfg = model_config
+        # a ranking (a trained student's) restricts drafts to its most frequent tokens (drafters.draft_vocab)
+        self.vocab = DraftVocab(self.model.lm_head_weight, vocab_rank, draft_vocab, drafter=self.name,
+                                full_logits=self.model.compute_logits)
         nodes = max(t.num_nodes for t in [self.template, *self.forests.values()])
         self.max_model_len = max_model_len
         blocks_per_seq = -(-(max_model_len + nodes) // block_size)
@@ -107,7 +112,7 @@ class DraftModelDrafter(Drafter):
         self.blocks = BlockManager(num_blocks, block_size)
         self.cache = KVCache(self.model.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                              dtype, device)
-        self.vocab = model_config.vocab_size
+        self.vocab_size = model_config.vocab_size
         self.state: dict[int, _SeqState] = {}
 
     # ---- protocol ---------------------------------------------------------------------------
@@ -160,7 +165,7 @@ class DraftModelDrafter(Drafter):
         for st, chunk in zip(states, chunks):
             st.draft_len += len(chunk)
             st.fed = [True]                       # the root is now in the draft cache
-        root_logits = self.model.compute_logits(hidden[last_rows])               # [B, vocab]
+        root_logits = self.vocab.expanded_logits(hidden[last_rows])               # [B, vocab]
         frontier = [list(range(r)) for r in roots]  # per sequence: nodes whose children come next
         # the other target-initialised roots: fed at the root's position, each seeing only the prefix
         forests = [b for b in range(len(seqs)) if roots[b] > 1]
@@ -213,7 +218,7 @@ class DraftModelDrafter(Drafter):
             if len(tokens[b]) > 1:
                 dp = None
                 if not top_k[b]:
-                    rows = [p if p is not None else torch.zeros(self.vocab, device=self.device) for p in probs[b]]
+                    rows = [p if p is not None else torch.zeros(self.vocab_size, device=self.device) for p in probs[b]]
                     dp = torch.stack(rows)
                 next_roots = 1
                 if self.target_init_width > 1 and not seq_params_exclude(seqs[b].params):
@@ -226,7 +231,7 @@ class DraftModelDrafter(Drafter):
         b), each attending to the prefix plus its own ancestors in the tree; node i sits at cache
         position draft_len - 1 + i and RoPE position draft_len - 1 + depth. Logits, rows in order."""
         if not feed:
-            return torch.empty(0, self.vocab, device=self.device)
+            return torch.empty(0, self.vocab_size, device=self.device)
         starts, qlens, masks, pos, ids = [], [], [], [], []
         for b, nodes in feed.items():
             st = states[b]
@@ -248,7 +253,7 @@ class DraftModelDrafter(Drafter):
                                       self.blocks.block_size, starts, qlens, masks, self.device)
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
                             torch.tensor(pos, dtype=torch.int64, device=self.device), self.cache, meta)
-        return self.model.compute_logits(hidden)
+        return self.vocab.expanded_logits(hidden)
 
     def accept(self, seqs: Seq, results: Seq) -> None:
         """Keep the draft KV of the chosen root and of the accepted nodes that were fed (a prefix

@@ -46,7 +46,7 @@ class DraftVocab:
 
     def __init__(self, lm_head_weight: torch.Tensor, rank: torch.Tensor | None = None, size: int | None = None, *,
                  drafter: str = "drafter", full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        vocab = lm_head_weight.shape[0]
+        vocab = self.vocab_size = lm_head_weight.shape[0]
         explicit = size is not None
         size = DEFAULT_SIZE if size is None else int(size)
         if size < 0:
@@ -74,6 +74,16 @@ class DraftVocab:
         flat = hidden.reshape(-1, hidden.shape[-1])
         out = self._full(flat) if self.weight is None else linear(flat.to(self.weight.dtype), self.weight)
         return out.float().view(*hidden.shape[:-1], -1)
+
+    def expanded_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [..., V] over the whole vocabulary with -inf outside the draft vocabulary: for
+        a drafter that samples its drafts (its q then is zero there, which speculative sampling
+        allows: verification only needs the q the drafts were drawn from)."""
+        logits = self.logits(hidden)
+        if self.ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.ids, logits)
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Token ids of draft-vocabulary indices (e.g. a topk's indices)."""

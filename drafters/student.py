@@ -5,7 +5,9 @@ few decoder layers and final norm come from the checkpoint.
 
 Options: `checkpoint=PATH` (default: the shipped checkpoint for this target, the largest or the
 one with `num_layers=N`), `random_init=true` (the target's first `num_layers` layers, untrained:
-for tests), plus every `draft_model` option (`k_config`, `deterministic`, `target_init_width`).
+for tests), `draft_vocab=N` (draft from the N tokens the target chose most often in training: default 8192
+when the checkpoint has that ranking, 0 = the whole vocabulary; see drafters.draft_vocab), plus
+every `draft_model` option (`k_config`, `deterministic`, `target_init_width`).
 """
 
 from __future__ import annotations
@@ -34,4 +36,4 @@ class StudentDrafter(DraftModelDrafter):
             student, self.meta = load_student(path, model_config=model_config, target=target)
         model = student.as_draft_model(target, dtype, device)
         super().__init__(target=target, model_config=model_config, device=device, dtype=dtype,
-                         k_config=k_config, prebuilt=model, **kw)
+                         k_config=k_config, prebuilt=model, vocab_rank=getattr(student, "vocab_rank", None), **kw)

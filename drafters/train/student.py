@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.drafters.train import TrainData, TrainTarget, register_trainer
+from specserve.drafters.train.data import draft_vocab_ranking
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import DecoderLayer, LlamaModel, apply_rope, rms_norm
 
@@ -50,6 +51,7 @@ class StudentModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self._shared: dict[str, Any] = {}
+        self.vocab_rank: torch.Tensor | None = None   # the training labels' ranking (drafters.draft_vocab)
 
     @classmethod
     def from_target(cls, target: LlamaModel, num_layers: int) -> "StudentModel":
@@ -76,13 +78,19 @@ class StudentModel(nn.Module):
         return self._shared["lm_head_weight"]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.state_dict().items()}
+        out = {k: v.detach() for k, v in self.state_dict().items()}
+        if self.vocab_rank is not None:
+            out["vocab_rank"] = self.vocab_rank.to(torch.int32)      # half the bytes on disk
+        return out
 
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> "StudentModel":
+        tensors = dict(tensors)
+        rank = tensors.pop("vocab_rank", None)
         num_layers = 1 + max(int(k.split(".")[1]) for k in tensors if k.startswith("layers."))
         student = cls(cfg, num_layers)
         student.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+        student.vocab_rank = None if rank is None else rank.to(torch.int64)
         return student
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -247,6 +255,7 @@ def train_student(options: dict, target: TrainTarget, data: TrainData) -> Path:
     result = train(student, loss_fn, epoch_batches, eval_fn=lambda m: estimate_tau(m, eval_batches, gamma),
                    config=config)
     final = estimate_tau(student, eval_batches, gamma)
+    student.vocab_rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size)
     meta = CheckpointMeta(
         kind=KIND, target_name=target.name, target_fingerprint=target.fingerprint,
         hyperparams={"num_layers": num_layers, "init": f"target layers 0..{num_layers - 1} + final norm",
@@ -255,7 +264,8 @@ def train_student(options: dict, target: TrainTarget, data: TrainData) -> Path:
         data=data.summary(), train_seconds=round(time.perf_counter() - t0, 1), device=describe_device(device),
         tau=round(final["tau"], 4),
         tau_details={"method": f"offline chain of {gamma} on the held-back split (see drafters/train/student.py)",
-                     "top1": round(final["top1"], 4), "held_back_examples": len(data.held_back)})
+                     "top1": round(final["top1"], 4), "held_back_examples": len(data.held_back),
+                     "draft_vocab_coverage": coverage})
     out = Path(options["out"])
     save_checkpoint(out, student.tensors(), meta)
     logger.info("student (%d layers): held-back τ %.3f, top-1 %.3f -> %s", num_layers, final["tau"], final["top1"], out)

@@ -38,15 +38,21 @@ def test_parse_k_config():
         parse_k_config("2,0")
 
 
-@pytest.mark.parametrize("k_config", ["chain:4", "3,2,2,1", "2,2,1,1,1,1"])
+@pytest.mark.parametrize("k_config", ["chain:4", "3,2,2,1", "2,2,1,1,1,1", "draft_vocab 3,2,2,1"])
 def test_greedy_is_lossless(tiny_llama_dir, k_config):
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 12)]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     plain = run(engine_with(tiny_llama_dir), prompts, params)
-    spec_engine = engine_with(tiny_llama_dir, ["draft_model"], {"draft_model": {"k_config": k_config, "draft_layers": 1}})
+    options = {"k_config": k_config.split()[-1], "draft_layers": 1}
+    if k_config.startswith("draft_vocab"):       # drafts only from the 64 tokens plain decoding uses most
+        counts = torch.bincount(torch.tensor([t for v in plain.values() for t in v]), minlength=320)
+        options.update(vocab_rank=torch.argsort(-counts, stable=True), draft_vocab=64)
+    spec_engine = engine_with(tiny_llama_dir, ["draft_model"], {"draft_model": options})
     got = run(spec_engine, prompts, params)
     assert got == plain
+    if "vocab_rank" in options:
+        assert spec_engine.drafters["draft_model"].vocab.size == 64
     stats = spec_engine.get_stats().drafters["draft_model"]
     assert stats.num_steps > 0 and stats.num_fallbacks == 0
     assert spec_engine.blocks.num_free_blocks == spec_engine.blocks.num_blocks

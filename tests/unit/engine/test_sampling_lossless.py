@@ -73,6 +73,8 @@ def total_variation(a: dict, b: dict) -> float:
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
 
 
+EVENS_FIRST = torch.cat([torch.arange(0, 320, 2), torch.arange(1, 320, 2)])   # a ranking: even ids first
+
 CASES = {
     "draft_model chain (SpS)": ("draft_model", {"k_config": "chain:3", "draft_layers": 1}),
     "draft_model MCSD tree, drawn without replacement": ("draft_model", {"k_config": "3,2,1", "draft_layers": 1}),
@@ -81,6 +83,8 @@ CASES = {
     "ngram deterministic tree": ("ngram", {"max_ngram": 2, "max_matches": 3}),
     "student MCSD tree (its own layers, the target's embedding and head)": (
         "student", {"random_init": True, "num_layers": 1, "k_config": "3,2,1"}),
+    "draft_model MCSD tree over a draft vocabulary (q = 0 outside it)": (
+        "draft_model", {"k_config": "3,2,1", "draft_layers": 1, "vocab_rank": EVENS_FIRST, "draft_vocab": 160}),
 }
 POWERFUL = [c for c in CASES if not c.startswith("ngram")]
 
@@ -100,3 +104,10 @@ def test_a_wrong_residual_update_is_caught(case, peaky_target, exact_law, monkey
     monkeypatch.setattr(verify, "residual", lambda p, q: p)   # forget the rejected draft's mass
     emp, _ = empirical_law(peaky_target, drafter, options)
     assert total_variation(emp, exact_law) > TV_BOUND
+
+
+def test_the_draft_vocabulary_case_drafts_only_some_of_the_support(exact_law):
+    """The draft-vocabulary case means something: the target's support has tokens on both sides."""
+    support = {t for pair in exact_law for t in pair}
+    allowed = set(EVENS_FIRST[:160].tolist())
+    assert support & allowed and support - allowed

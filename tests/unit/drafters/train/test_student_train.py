@@ -72,6 +72,9 @@ def test_checkpoint_round_trip_into_the_drafter_and_refusal(tiny_distill, tmp_pa
     drafter = make_drafter("student", checkpoint=str(out), **kwargs)
     assert drafter.model.num_layers == 1 and drafter.model.embed is target.model.embed
     torch.testing.assert_close(drafter.model.norm, tensors["norm"].float())
+    assert sorted(tensors["vocab_rank"].tolist()) == list(range(target.model_config.vocab_size))
+    small = make_drafter("student", checkpoint=str(out), draft_vocab=40, **kwargs)   # the ranking's first 40
+    assert torch.equal(small.vocab.ids, tensors["vocab_rank"][:40].long())
 
     other = tiny_model_factory(tmp_path / "other", seed=7)
     with pytest.raises(CheckpointMismatchError, match="does not fit this target"):
