@@ -5,7 +5,10 @@
   conversion of SmolLM2 happens once per machine.
 * `tiny_llama_dir`: a saved, seeded, random 2-layer Llama with a working byte-level BPE tokenizer (320 tokens;
   ids 0/1/2 are ``<unk>``/``<s>``/``</s>``) and a chat template; `tiny_model_factory` saves variants
-  (Mistral, Qwen2, tied embeddings, ...).
+  (Mistral, Qwen2, tied embeddings, ...). `peaky_target` (one per test module) is a tiny Llama with large
+  initial weights, whose peaked next-token laws the sampling-losslessness tests measure.
+* Plain helpers (building and running an LLMEngine, exact and empirical first-two-token laws) live in
+  tests/helpers.py; test modules import them with ``from helpers import ...``.
 * Live servers (tests/e2e, tests/deploy): `serve(engine, **create_app_kwargs)` runs a real uvicorn server on a
   free loopback port in a background thread of the test process (so tests can also look at the engine behind
   it); `make_tiny_engine(**EngineConfig overrides)` builds an AsyncEngine over the tiny Llama; `idle(engine)`
@@ -92,6 +95,13 @@ def tiny_model_factory():
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def peaky_target(tmp_path_factory) -> Path:
+    """A tiny Llama with large initial weights (clearly non-uniform next-token laws), saved anew for each
+    test module that asks for it (so each module's global torch RNG stream is as if it were alone)."""
+    return save_tiny_model(tmp_path_factory.mktemp("peaky_target"), initializer_range=0.15, seed=3)
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,12 @@ budget, preemption and a missing checkpoint are handled."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+from helpers import (empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
+                     total_variation)
 
 import specserve.drafters.eagle  # noqa: F401  (registers "eagle" until base._import_builtin lists it)
 from specserve.drafters.eagle import EagleDrafter, _Node
@@ -14,37 +18,15 @@ from specserve.drafters.train.data import label_ranking
 from specserve.drafters.train.eagle import EagleHead, fit_eagle
 from specserve.drafters.train.loop import TrainConfig
 from specserve.drafters.train.target import target_features, target_topk
-from specserve.engine.config import EngineConfig
-from specserve.engine.core import LLMEngine
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.tree import NO_PARENT, tree_depths
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
-def make_engine(model_dir, drafters=(), options=None, **kw) -> LLMEngine:
-    cfg = dict(model=str(model_dir), dtype="float32", device="cpu", max_num_seqs=6, block_size=4,
-               max_num_batched_tokens=64, num_kv_blocks=300, max_model_len=128, drafters=tuple(drafters),
-               drafter_options=options or {}, num_speculative_tokens=10, max_draft_tokens_per_step=60)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg))
-
-
-def run_all(engine, prompts, params, stagger: bool = True) -> dict[str, list[int]]:
-    """Requests arrive one every other step (so prefills, plain decodes and trees share steps)."""
-    got: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and (not stagger or step % 2 == 0):
-            i, p = pending.pop(0)
-            engine.add_request(f"r{i}", p, params)
-        for out in engine.step():
-            for d in out.outputs:
-                got.setdefault(out.request_id, []).extend(d.token_ids)
-        step += 1
-        assert step < 5000
-    return got
+# this file's engine: 6 sequences, 300 KV blocks, context 128, 60 draft tokens per step
+make_engine = partial(make_llm_engine, max_num_seqs=6, num_kv_blocks=300, max_model_len=128,
+                      max_draft_tokens_per_step=60)
 
 
 def teacher_batch(model, seqs: list[list[int]], answer_from: list[int]) -> dict[str, torch.Tensor]:
@@ -73,7 +55,7 @@ def prompts_and_plain(tiny_llama_dir):
     """Prompts of different lengths and their plain greedy continuations."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (6, 19, 11, 33, 4, 25, 9, 14, 3, 21, 16, 7)]
-    return prompts, run_all(make_engine(tiny_llama_dir), prompts, GREEDY, stagger=False)
+    return prompts, run_requests(make_engine(tiny_llama_dir), prompts, GREEDY, stagger=False)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +84,7 @@ def trained_head(tiny_llama_dir, prompts_and_plain) -> EagleHead:
 def test_greedy_is_lossless_and_drafts_are_accepted(tiny_llama_dir, prompts_and_plain, trained_head, shape):
     prompts, plain = prompts_and_plain
     engine = make_engine(tiny_llama_dir, ["eagle"], {"eagle": {"head": trained_head, **shape}})
-    assert run_all(engine, prompts, GREEDY) == plain
+    assert run_requests(engine, prompts, GREEDY) == plain
     stats = engine.get_stats().drafters["eagle"]
     assert stats.num_fallbacks == 0
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0.2 * sum(len(v) for v in plain.values())
@@ -118,7 +100,7 @@ def test_greedy_is_lossless_and_drafts_are_accepted(tiny_llama_dir, prompts_and_
 def test_untrained_head_is_lossless_too(tiny_llama_dir, prompts_and_plain):
     prompts, plain = prompts_and_plain
     engine = make_engine(tiny_llama_dir, ["eagle"], {"eagle": {"random_init": True}})
-    assert run_all(engine, prompts, GREEDY) == plain
+    assert run_requests(engine, prompts, GREEDY) == plain
     stats = engine.get_stats().drafters["eagle"]
     assert stats.num_steps > 0 and stats.num_fallbacks == 0
 
@@ -128,7 +110,7 @@ def test_preemption_restarts_the_drafters_rows(tiny_llama_dir, prompts_and_plain
     and the drafter rebuilds its rows from the features delivered again."""
     prompts, plain = prompts_and_plain
     engine = make_engine(tiny_llama_dir, ["eagle"], {"eagle": {"head": trained_head}}, num_kv_blocks=40)
-    assert run_all(engine, prompts, GREEDY, stagger=False) == plain
+    assert run_requests(engine, prompts, GREEDY, stagger=False) == plain
     assert engine.scheduler.num_preemptions > 0
     stats = engine.get_stats().drafters["eagle"]
     assert stats.num_fallbacks == 0 and stats.num_accepted_tokens > 0
@@ -209,7 +191,7 @@ def test_dynamic_trees_fit_the_budget_and_are_level_major(tiny_llama_dir, traine
 
     drafter.propose = spy
     g = torch.Generator().manual_seed(3)
-    run_all(engine, [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 9, 14)], GREEDY)
+    run_requests(engine, [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 9, 14)], GREEDY)
     assert seen
     for budget, tree in seen:
         assert tree is not None and tree.draft_probs is None           # deterministic drafts
@@ -247,62 +229,18 @@ TRIALS = 1500
 TV_BOUND = 0.06    # E[TV] of 1500 draws over 9 outcomes is about 0.03; a forgotten residual gives about 0.12
 
 
-@pytest.fixture(scope="module")
-def peaky_target(tiny_model_factory, tmp_path_factory):
-    return tiny_model_factory(tmp_path_factory.mktemp("eagle_peaky"), initializer_range=0.15, seed=3)
-
-
-def _joint_law_exact(target_dir) -> dict[tuple[int, int], float]:
-    import transformers
-
-    from specserve.engine.sampler import SamplingTensors, processed_probs
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    st = SamplingTensors.from_params([SAMPLING], "cpu")
-    law = {}
-    with torch.no_grad():
-        p1 = processed_probs(hf(torch.tensor([PROMPT])).logits[0, -1:], st)[0]
-        for t in p1.nonzero().flatten().tolist():
-            p2 = processed_probs(hf(torch.tensor([PROMPT + [t]])).logits[0, -1:], st)[0]
-            for u in p2.nonzero().flatten().tolist():
-                law[(t, u)] = float(p1[t] * p2[u])
-    return law
-
-
-def _joint_law_sampled(target_dir, options) -> tuple[dict[tuple[int, int], float], LLMEngine]:
-    torch.manual_seed(0)
-    engine = make_engine(target_dir, ["eagle"], {"eagle": options}, max_num_seqs=64, max_num_batched_tokens=1024,
-                         num_kv_blocks=2400, max_model_len=64, num_speculative_tokens=8, max_draft_tokens_per_step=512)
-    counts: dict[tuple[int, int], int] = {}
-    for start in range(0, TRIALS, 500):
-        for i in range(start, min(TRIALS, start + 500)):
-            engine.add_request(f"s{i}", PROMPT, SAMPLING)
-        got: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                for d in out.outputs:
-                    got.setdefault(out.request_id, []).extend(d.token_ids)
-        for toks in got.values():
-            counts[(toks[0], toks[1])] = counts.get((toks[0], toks[1]), 0) + 1
-    return {k: v / TRIALS for k, v in counts.items()}, engine
-
-
 # an untrained head whose layer is the target's last one drafts tokens inside the target's top-3
 # often enough for a wrong residual to show (a fresh random layer rarely does)
 SAMPLING_OPTIONS = {"random_init": True, "init": "last", "top_k": 2, "width": 2, "depth": 3}
 
 
-def _tv(a: dict, b: dict) -> float:
-    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
-
-
 def test_sampled_tokens_follow_the_target_law(peaky_target):
     """Deterministic top-k trees (one-hot q) under sampling: the joint law of the first two tokens
     equals the target's, and drafts are both accepted and rejected along the way."""
-    emp, engine = _joint_law_sampled(peaky_target, SAMPLING_OPTIONS)
+    emp, engine = empirical_first_two_law(peaky_target, "eagle", SAMPLING_OPTIONS, PROMPT, SAMPLING, TRIALS)
     stats = engine.get_stats().drafters["eagle"]
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert _tv(emp, _joint_law_exact(peaky_target)) < TV_BOUND
+    assert total_variation(emp, exact_first_two_law(peaky_target, PROMPT, SAMPLING)) < TV_BOUND
 
 
 def test_the_law_test_sees_a_wrong_residual(peaky_target, monkeypatch):
@@ -310,5 +248,5 @@ def test_the_law_test_sees_a_wrong_residual(peaky_target, monkeypatch):
     from specserve.engine import verify
 
     monkeypatch.setattr(verify, "residual", lambda p, q: p)
-    emp, _ = _joint_law_sampled(peaky_target, SAMPLING_OPTIONS)
-    assert _tv(emp, _joint_law_exact(peaky_target)) > TV_BOUND
+    emp, _ = empirical_first_two_law(peaky_target, "eagle", SAMPLING_OPTIONS, PROMPT, SAMPLING, TRIALS)
+    assert total_variation(emp, exact_first_two_law(peaky_target, PROMPT, SAMPLING)) > TV_BOUND

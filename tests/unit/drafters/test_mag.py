@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from helpers import make_llm_engine, run_requests
 
 from specserve.drafters import mag
 from specserve.drafters.base import make_drafter
 from specserve.drafters.mag import (NO_NEXT_TOKEN, bigram_chain, bigram_table, load_bigram_table, max_gram,
                                     max_gram_match)
-from specserve.engine.config import EngineConfig
-from specserve.engine.core import LLMEngine
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.tree import NO_PARENT
 
@@ -198,31 +197,6 @@ def test_bigram_fallback_only_without_a_match(tiny_tokenizer, tmp_path):
 # ----------------------------------------------------------------------------- through the engine
 
 
-def make_engine(model, drafters=(), options=None, loaded=None, **kw) -> LLMEngine:
-    cfg = dict(model=str(model), dtype="float32", device="cpu", max_num_seqs=4, block_size=4,
-               max_num_batched_tokens=64, num_kv_blocks=200, max_model_len=160, drafters=tuple(drafters),
-               drafter_options=options or {}, num_speculative_tokens=10, max_draft_tokens_per_step=40)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), loaded)
-
-
-def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, stagger: bool = True):
-    """Requests arrive every other step (stagger) or all at once; request id -> output tokens."""
-    got: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and (not stagger or step % 2 == 0):
-            i, p = pending.pop(0)
-            engine.add_request(f"r{i}", p, params)
-        for out in engine.step():
-            for d in out.outputs:
-                got.setdefault(out.request_id, []).extend(d.token_ids)
-        step += 1
-        assert step < 5000
-    return got
-
-
 def test_mag_is_lossless_through_the_engine(tiny_llama_dir, tmp_path):
     g = torch.Generator().manual_seed(3)
     prompts = []
@@ -230,12 +204,12 @@ def test_mag_is_lossless_through_the_engine(tiny_llama_dir, tmp_path):
         seg = torch.randint(3, 320, (n_seg,), generator=g).tolist()
         prompts.append(seg * n_rep + torch.randint(3, 320, (n_tail,), generator=g).tolist())
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = run_all(make_engine(tiny_llama_dir), prompts, params)
+    plain = run_requests(make_llm_engine(tiny_llama_dir), prompts, params)
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(CORPUS))
-    engine = make_engine(tiny_llama_dir, ["mag"], {"mag": {"corpus": str(corpus)}})
-    assert run_all(engine, prompts, params) == plain
+    engine = make_llm_engine(tiny_llama_dir, ["mag"], {"mag": {"corpus": str(corpus)}})
+    assert run_requests(engine, prompts, params) == plain
     stats = engine.get_stats().drafters["mag"]
     assert stats.num_steps > 0 and stats.num_accepted_tokens > 0 and stats.num_fallbacks == 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
@@ -253,10 +227,10 @@ def test_mag_is_lossless_on_smollm2(default_model, tmp_path):
                for q in questions]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     kw = dict(max_model_len=256, num_kv_blocks=256, max_num_batched_tokens=256)
-    plain = run_all(make_engine("default", loaded=default_model, **kw), prompts, params)
+    plain = run_requests(make_llm_engine("default", loaded=default_model, **kw), prompts, params)
     small = data_dir() / "mt_bench.jsonl"     # a small real corpus keeps the table build short
     options = {"mag": {"corpus": str(small), "cache_dir": str(tmp_path)}} if small.is_file() else {}
-    engine = make_engine("default", ["mag"], options, loaded=default_model, **kw)
-    assert run_all(engine, prompts, params) == plain
+    engine = make_llm_engine("default", ["mag"], options, loaded=default_model, **kw)
+    assert run_requests(engine, prompts, params) == plain
     stats = engine.get_stats().drafters["mag"]
     assert stats.num_steps > 0 and stats.num_fallbacks == 0

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import transformers
+from helpers import empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests, total_variation
 
 from specserve.drafters import medusa as medusa_module
 from specserve.drafters.base import make_drafter
@@ -19,38 +19,15 @@ from specserve.drafters.medusa import MedusaDrafter, parse_tree_option
 from specserve.drafters.train.medusa import (MedusaExamples, MedusaHeads, chain_tau, fit_medusa, head_ranks,
                                              sequence_examples)
 from specserve.engine import verify
-from specserve.engine.config import EngineConfig
-from specserve.engine.core import LLMEngine
-from specserve.engine.sampler import SamplingTensors, processed_probs
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.tree import TreeTemplate, build_tree_buffers
 
 assert medusa_module  # registered
 
 
-def make_engine(model_dir, drafters=("medusa",), options=None, **kw) -> LLMEngine:
-    cfg = dict(model=str(model_dir), dtype="float32", device="cpu", max_num_seqs=4, block_size=4,
-               max_num_batched_tokens=64, num_kv_blocks=200, max_model_len=160, drafters=tuple(drafters),
-               drafter_options={"medusa": options} if options is not None else {},
-               num_speculative_tokens=10, max_draft_tokens_per_step=40)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg))
-
-
-def run_all(engine: LLMEngine, prompts, params, stagger: bool = True) -> dict[str, list[int]]:
-    got: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and (not stagger or step % 2 == 0):
-            i, p = pending.pop(0)
-            engine.add_request(f"r{i}", p, params)
-        for out in engine.step():
-            for d in out.outputs:
-                got.setdefault(out.request_id, []).extend(d.token_ids)
-        step += 1
-        assert step < 5000
-    return got
+def make_engine(model_dir, drafters=("medusa",), options=None, **kw):
+    """An engine speculating with medusa (its `options`) unless `drafters` says otherwise."""
+    return make_llm_engine(model_dir, drafters, {"medusa": options} if options is not None else {}, **kw)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -62,7 +39,7 @@ def prompts_and_plain(tiny_llama_dir):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, engine.model_config.vocab_size, (n,), generator=g).tolist()
                for n in (6, 19, 11, 33, 4, 25)]
-    return prompts, run_all(engine, prompts, GREEDY)
+    return prompts, run_requests(engine, prompts, GREEDY)
 
 
 # ---------------------------------------------------------------------------------------------- trees
@@ -143,7 +120,7 @@ def test_tree_options(tiny_llama_dir):
 def test_greedy_is_lossless_with_untrained_heads(tiny_llama_dir, prompts_and_plain, options):
     prompts, plain = prompts_and_plain
     engine = make_engine(tiny_llama_dir, options=options)
-    assert run_all(engine, prompts, GREEDY) == plain
+    assert run_requests(engine, prompts, GREEDY) == plain
     stats = engine.get_stats().drafters["medusa"]
     assert stats.num_steps > 0 and stats.num_draft_tokens > 0 and stats.num_fallbacks == 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
@@ -182,7 +159,8 @@ def train_heads(model_dir, prompts: list[list[int]] | None = None, epochs: int =
     engine = make_engine(model_dir, drafters=(), max_num_seqs=16, max_num_batched_tokens=512,
                          num_kv_blocks=1200, max_model_len=256)
     prompts = prompts or _chat_prompts(engine.tokenizer, 48, seed=0)
-    answers = run_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), stagger=False)
+    answers = run_requests(engine, prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+                           stagger=False)
     ex = _examples(engine.model, prompts, [answers[f"r{i}"] for i in range(len(prompts))])
     heads, _ = fit_medusa(engine.model, ex, ex.head(0), batch_size=64, num_negatives=None,
                           config=TrainConfig(epochs=epochs, lr=3e-3, progress=False, patience=None))
@@ -197,9 +175,9 @@ def trained_heads(tiny_llama_dir):
 def test_greedy_is_lossless_with_trained_heads_and_drafts_get_accepted(tiny_llama_dir, trained_heads):
     engine = make_engine(tiny_llama_dir, drafters=(), max_model_len=256)
     prompts = _chat_prompts(engine.tokenizer, 6, seed=1)
-    plain = run_all(engine, prompts, GREEDY)
+    plain = run_requests(engine, prompts, GREEDY)
     engine = make_engine(tiny_llama_dir, options={"heads": trained_heads}, max_model_len=256)
-    assert run_all(engine, prompts, GREEDY) == plain
+    assert run_requests(engine, prompts, GREEDY) == plain
     stats = engine.get_stats().drafters["medusa"]
     assert stats.num_accepted_tokens > 0.1 * sum(len(v) for v in plain.values())
     assert len(stats.accepted_by_depth) >= 3                     # deeper heads got accepted too
@@ -209,12 +187,12 @@ def test_greedy_is_lossless_with_a_draft_vocabulary(tiny_llama_dir, trained_head
     heads = copy.deepcopy(trained_heads)
     engine = make_engine(tiny_llama_dir, drafters=(), max_model_len=256)
     prompts = _chat_prompts(engine.tokenizer, 4, seed=2)
-    plain = run_all(engine, prompts, GREEDY)
+    plain = run_requests(engine, prompts, GREEDY)
     counts = torch.bincount(torch.tensor([t for v in plain.values() for t in v]),
                             minlength=engine.model_config.vocab_size)
     heads.vocab_rank = torch.argsort(-counts, stable=True)      # the target's own output tokens first
     engine = make_engine(tiny_llama_dir, options={"heads": heads, "draft_vocab": 32}, max_model_len=256)
-    assert run_all(engine, prompts, GREEDY) == plain
+    assert run_requests(engine, prompts, GREEDY) == plain
     assert engine.drafters["medusa"].vocab.size == 32
     assert engine.get_stats().drafters["medusa"].num_accepted_tokens > 0
 
@@ -226,11 +204,11 @@ def test_engine_tau_matches_the_offline_walk(tiny_llama_dir, trained_heads):
                          num_kv_blocks=800, max_model_len=256)
     prompts = _chat_prompts(engine.tokenizer, 8, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    plain = run_all(engine, prompts, params, stagger=False)
+    plain = run_requests(engine, prompts, params, stagger=False)
     spec = make_engine(tiny_llama_dir, options={"heads": trained_heads, "tree": "chain"}, max_num_seqs=8,
                        max_num_batched_tokens=512, num_kv_blocks=800, max_model_len=256,
                        adaptive_draft_length=False, num_speculative_tokens=4, max_draft_tokens_per_step=64)
-    assert run_all(spec, prompts, params, stagger=False) == plain
+    assert run_requests(spec, prompts, params, stagger=False) == plain
     stats = spec.get_stats().drafters["medusa"]
     engine_tau = (stats.num_accepted_tokens + stats.num_steps) / stats.num_steps
     ex = _examples(engine.model, prompts, [plain[f"r{i}"] for i in range(len(prompts))])
@@ -248,22 +226,8 @@ TV_BOUND = 0.06    # E[TV] of 1500 draws over 9 outcomes is about 0.03 (a wrong 
 
 
 @pytest.fixture(scope="module")
-def peaky_target(tiny_model_factory, tmp_path_factory):
-    return tiny_model_factory(tmp_path_factory.mktemp("medusa_peaky_target"), initializer_range=0.15, seed=3)
-
-
-@pytest.fixture(scope="module")
 def exact_law(peaky_target) -> dict[tuple[int, int], float]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(peaky_target, dtype=torch.float32).eval()
-    st = SamplingTensors.from_params([PARAMS], "cpu")
-    law = {}
-    with torch.no_grad():
-        p1 = processed_probs(hf(torch.tensor([PROMPT])).logits[0, -1:], st)[0]
-        for t in p1.nonzero().flatten().tolist():
-            p2 = processed_probs(hf(torch.tensor([PROMPT + [t]])).logits[0, -1:], st)[0]
-            for u in p2.nonzero().flatten().tolist():
-                law[(t, u)] = float(p1[t] * p2[u])
-    return law
+    return exact_first_two_law(peaky_target, PROMPT, PARAMS)
 
 
 @pytest.fixture(scope="module")
@@ -292,28 +256,8 @@ def peaky_heads(peaky_target, exact_law):
     return heads
 
 
-def empirical_law(target_dir, heads) -> tuple[dict[tuple[int, int], float], LLMEngine]:
-    torch.manual_seed(0)
-    engine = LLMEngine(EngineConfig(
-        model=str(target_dir), dtype="float32", device="cpu", max_num_seqs=64, block_size=4,
-        max_num_batched_tokens=1024, num_kv_blocks=2400, max_model_len=64, drafters=("medusa",),
-        drafter_options={"medusa": {"heads": heads}}, num_speculative_tokens=8, max_draft_tokens_per_step=512))
-    counts: dict[tuple[int, int], int] = {}
-    for start in range(0, TRIALS, 500):
-        for i in range(start, start + 500):
-            engine.add_request(f"s{i}", PROMPT, PARAMS)
-        got: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                for d in out.outputs:
-                    got.setdefault(out.request_id, []).extend(d.token_ids)
-        for toks in got.values():
-            counts[(toks[0], toks[1])] = counts.get((toks[0], toks[1]), 0) + 1
-    return {k: v / TRIALS for k, v in counts.items()}, engine
-
-
-def total_variation(a: dict, b: dict) -> float:
-    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+def empirical_law(target_dir, heads):
+    return empirical_first_two_law(target_dir, "medusa", {"heads": heads}, PROMPT, PARAMS, TRIALS)
 
 
 def test_sampling_follows_the_target_law(peaky_target, peaky_heads, exact_law):

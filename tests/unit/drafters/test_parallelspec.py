@@ -6,14 +6,16 @@ checkpoint so that drafts are really accepted (and rejected)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+from helpers import (empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
+                     total_variation)
 
 from specserve.drafters import parallelspec as _register  # noqa: F401  (registers "parallelspec")
 from specserve.drafters.train.parallelspec import IGNORE, ParallelSpecModule, TrainOptions, parallel_loss
 from specserve.engine import verify
-from specserve.engine.config import EngineConfig
-from specserve.engine.core import LLMEngine
 from specserve.engine.sampling_params import SamplingParams
 
 
@@ -58,31 +60,17 @@ def train_checkpoint(model_dir, prompts, out_dir, *, new_tokens=40, steps=20, k=
     return save_checkpoint(out_dir, mod.own_tensors(), meta)
 
 
-def engine_with(model_dir, options=None, **kw) -> LLMEngine:
-    cfg = dict(model=str(model_dir), dtype="float32", device="cpu", max_num_seqs=4, block_size=4,
-               max_num_batched_tokens=64, num_kv_blocks=200, max_model_len=128,
-               drafters=("parallelspec",) if options is not None else (),
-               drafter_options={"parallelspec": options} if options is not None else {},
-               num_speculative_tokens=12, max_draft_tokens_per_step=48)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg))
+def engine_with(model_dir, options=None, **kw):
+    """This file's engine (context 128, 12 draft tokens per sequence and 48 per step), speculating
+    with parallelspec (its `options`) when they are given."""
+    drafters, drafter_options = (("parallelspec",), {"parallelspec": options}) if options is not None else ((), {})
+    config = dict(max_model_len=128, num_speculative_tokens=12, max_draft_tokens_per_step=48)
+    config.update(kw)
+    return make_llm_engine(model_dir, drafters, drafter_options, **config)
 
 
-def run_staggered(engine, prompts, params):
-    """Requests join every other step, so prefills, plain steps and trees share forwards."""
-    got: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % 2 == 0:
-            i, p = pending.pop(0)
-            engine.add_request(f"r{i}", p, params)
-        for out in engine.step():
-            for d in out.outputs:
-                got.setdefault(out.request_id, []).extend(d.token_ids)
-        step += 1
-        assert step < 3000
-    return got
+# requests join every other step, so prefills, plain steps and trees share forwards
+run_staggered = partial(run_requests, stagger=True, max_steps=3000)
 
 
 @pytest.fixture(scope="module")
@@ -162,56 +150,18 @@ TV_BOUND = 0.045   # E[TV] of 3000 draws over 9 outcomes is about 0.02
 
 
 @pytest.fixture(scope="module")
-def peaky_target(tiny_model_factory, tmp_path_factory):
-    return tiny_model_factory(tmp_path_factory.mktemp("peaky_target"), initializer_range=0.15, seed=3)
-
-
-@pytest.fixture(scope="module")
 def peaky_checkpoint(peaky_target, tmp_path_factory):
     return train_checkpoint(peaky_target, [PROMPT], tmp_path_factory.mktemp("ps_peaky"), new_tokens=12)
 
 
 @pytest.fixture(scope="module")
 def exact_law(peaky_target) -> dict[tuple[int, int], float]:
-    import transformers
-
-    from specserve.engine.sampler import SamplingTensors, processed_probs
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(peaky_target, dtype=torch.float32).eval()
-    st = SamplingTensors.from_params([PARAMS], "cpu")
-    law = {}
-    with torch.no_grad():
-        p1 = processed_probs(hf(torch.tensor([PROMPT])).logits[0, -1:], st)[0]
-        for t in p1.nonzero().flatten().tolist():
-            p2 = processed_probs(hf(torch.tensor([PROMPT + [t]])).logits[0, -1:], st)[0]
-            for u in p2.nonzero().flatten().tolist():
-                law[(t, u)] = float(p1[t] * p2[u])
-    return law
+    return exact_first_two_law(peaky_target, PROMPT, PARAMS)
 
 
 def empirical_law(target_dir, checkpoint, trials=TRIALS):
-    torch.manual_seed(0)
-    engine = LLMEngine(EngineConfig(
-        model=str(target_dir), dtype="float32", device="cpu", max_num_seqs=64, block_size=4,
-        max_num_batched_tokens=1024, num_kv_blocks=2400, max_model_len=64, drafters=("parallelspec",),
-        drafter_options={"parallelspec": {"checkpoint": str(checkpoint), "tree": "[[0], [1], [0, 0], [2]]"}},
-        num_speculative_tokens=8, max_draft_tokens_per_step=512))
-    counts: dict[tuple[int, int], int] = {}
-    for start in range(0, trials, 500):
-        for i in range(start, min(start + 500, trials)):
-            engine.add_request(f"s{i}", PROMPT, PARAMS)
-        got: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                for d in out.outputs:
-                    got.setdefault(out.request_id, []).extend(d.token_ids)
-        for toks in got.values():
-            counts[(toks[0], toks[1])] = counts.get((toks[0], toks[1]), 0) + 1
-    return {k: v / trials for k, v in counts.items()}, engine
-
-
-def total_variation(a: dict, b: dict) -> float:
-    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+    options = {"checkpoint": str(checkpoint), "tree": "[[0], [1], [0, 0], [2]]"}
+    return empirical_first_two_law(target_dir, "parallelspec", options, PROMPT, PARAMS, trials)
 
 
 def test_sampling_follows_the_target_law(peaky_target, peaky_checkpoint, exact_law):

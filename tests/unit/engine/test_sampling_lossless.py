@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
+from helpers import empirical_first_two_law, exact_first_two_law, total_variation
 
 from specserve.engine import verify
-from specserve.engine.config import EngineConfig
-from specserve.engine.core import LLMEngine
-from specserve.engine.sampler import SamplingTensors, processed_probs
 from specserve.engine.sampling_params import SamplingParams
 
 PROMPT = [7, 100, 42, 9, 250, 31, 7, 100, 42, 9, 250, 31, 7, 100]   # repeats: n-gram matches happen
@@ -31,46 +28,12 @@ TV_BOUND = 0.045   # E[TV] of 3000 draws over 9 outcomes is about 0.02
 
 
 @pytest.fixture(scope="module")
-def peaky_target(tiny_model_factory, tmp_path_factory):
-    return tiny_model_factory(tmp_path_factory.mktemp("peaky_target"), initializer_range=0.15, seed=3)
-
-
-@pytest.fixture(scope="module")
 def exact_law(peaky_target) -> dict[tuple[int, int], float]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(peaky_target, dtype=torch.float32).eval()
-    st = SamplingTensors.from_params([PARAMS], "cpu")
-    law = {}
-    with torch.no_grad():
-        p1 = processed_probs(hf(torch.tensor([PROMPT])).logits[0, -1:], st)[0]
-        for t in p1.nonzero().flatten().tolist():
-            p2 = processed_probs(hf(torch.tensor([PROMPT + [t]])).logits[0, -1:], st)[0]
-            for u in p2.nonzero().flatten().tolist():
-                law[(t, u)] = float(p1[t] * p2[u])
-    return law
+    return exact_first_two_law(peaky_target, PROMPT, PARAMS)
 
 
-def empirical_law(target_dir, drafter: str, options: dict) -> tuple[dict[tuple[int, int], float], LLMEngine]:
-    torch.manual_seed(0)
-    engine = LLMEngine(EngineConfig(
-        model=str(target_dir), dtype="float32", device="cpu", max_num_seqs=64, block_size=4,
-        max_num_batched_tokens=1024, num_kv_blocks=2400, max_model_len=64, drafters=(drafter,),
-        drafter_options={drafter: options}, num_speculative_tokens=8, max_draft_tokens_per_step=512))
-    counts: dict[tuple[int, int], int] = {}
-    for start in range(0, TRIALS, 500):
-        for i in range(start, start + 500):
-            engine.add_request(f"s{i}", PROMPT, PARAMS)
-        got: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                for d in out.outputs:
-                    got.setdefault(out.request_id, []).extend(d.token_ids)
-        for toks in got.values():
-            counts[(toks[0], toks[1])] = counts.get((toks[0], toks[1]), 0) + 1
-    return {k: v / TRIALS for k, v in counts.items()}, engine
-
-
-def total_variation(a: dict, b: dict) -> float:
-    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+def empirical_law(target_dir, drafter: str, options: dict):
+    return empirical_first_two_law(target_dir, drafter, options, PROMPT, PARAMS, TRIALS)
 
 
 EVENS_FIRST = torch.cat([torch.arange(0, 320, 2), torch.arange(1, 320, 2)])   # a ranking: even ids first

@@ -5,13 +5,13 @@ and prefilling sequences, KV pruning keeps the accepted path, failures fall back
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
+from helpers import make_llm_engine, run_requests
 
 from specserve.drafters.base import Drafter, register
-from specserve.engine.config import EngineConfig
-from specserve.engine.core import LLMEngine
 from specserve.engine.errors import InvalidRequestError
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.tree import NO_PARENT, TokenTree
@@ -71,30 +71,8 @@ class BadRootDrafter(Drafter):
         return [TokenTree([seq.token_ids[-1] + 1, 5], [NO_PARENT, 0]) for seq in seqs]
 
 
-def make_engine(tiny_llama_dir, drafters, **kw) -> LLMEngine:
-    cfg = dict(model=str(tiny_llama_dir), dtype="float32", device="cpu", max_num_seqs=4, block_size=4,
-               max_num_batched_tokens=64, num_kv_blocks=160, max_model_len=128, drafters=tuple(drafters),
-               num_speculative_tokens=10, max_draft_tokens_per_step=40)
-    cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg))
-
-
-def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, drafter=None,
-            stagger: bool = True) -> dict[str, list[int]]:
-    got: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and (not stagger or step % 2 == 0):
-            i, p = pending.pop(0)
-            kwargs = {} if drafter is None else {"drafter": drafter}
-            engine.add_request(f"r{i}", p, params, **kwargs)
-        for out in engine.step():
-            for d in out.outputs:
-                got.setdefault(out.request_id, []).extend(d.token_ids)
-        step += 1
-        assert step < 5000
-    return got
+# this file's engine: 160 KV blocks, context 128 (the rest as in helpers.make_llm_engine)
+make_engine = partial(make_llm_engine, num_kv_blocks=160, max_model_len=128)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +82,7 @@ def prompts_and_plain(tiny_llama_dir):
     prompts = [torch.randint(3, engine.model_config.vocab_size, (n,), generator=g).tolist()
                for n in (6, 19, 11, 33, 4, 25)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = run_all(engine, prompts, params)
+    plain = run_requests(engine, prompts, params)
     for i, p in enumerate(prompts):
         EXPECTED[tuple(p)] = plain[f"r{i}"]
     return prompts, plain
@@ -113,7 +91,7 @@ def prompts_and_plain(tiny_llama_dir):
 def test_tree_drafts_are_lossless_and_accepted(tiny_llama_dir, prompts_and_plain):
     prompts, plain = prompts_and_plain
     engine = make_engine(tiny_llama_dir, ["test_oracle_tree"])
-    got = run_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    got = run_requests(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert got == plain
     stats = engine.get_stats().drafters["test_oracle_tree"]
     assert stats.num_accepted_tokens > 0.5 * sum(len(v) for v in plain.values())  # speculation really happened
@@ -124,7 +102,7 @@ def test_tree_drafts_are_lossless_and_accepted(tiny_llama_dir, prompts_and_plain
 def test_ngram_drafter_is_lossless(tiny_llama_dir, prompts_and_plain):
     prompts, plain = prompts_and_plain
     engine = make_engine(tiny_llama_dir, ["ngram"])
-    got = run_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    got = run_requests(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert got == plain
     assert engine.get_stats().drafters["ngram"].num_steps > 0
 
@@ -155,7 +133,7 @@ def test_per_request_drafter_choice_and_unknown_name(tiny_llama_dir, prompts_and
 def test_failing_drafter_falls_back_to_plain_decoding(tiny_llama_dir, prompts_and_plain, name):
     prompts, plain = prompts_and_plain
     engine = make_engine(tiny_llama_dir, [name])
-    got = run_all(engine, prompts[:3], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    got = run_requests(engine, prompts[:3], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert got == {k: plain[k] for k in ("r0", "r1", "r2")}
     assert engine.get_stats().drafters[name].num_fallbacks > 0
 
@@ -182,7 +160,7 @@ def test_stop_inside_accepted_tokens_truncates(tiny_llama_dir, prompts_and_plain
     """max_tokens reached in the middle of an accepted path: exactly max_tokens come out."""
     prompts, plain = prompts_and_plain
     engine = make_engine(tiny_llama_dir, ["test_oracle_tree"])
-    got = run_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
+    got = run_requests(engine, prompts, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
     assert got == {k: v[:7] for k, v in plain.items()}
 
 
@@ -205,7 +183,7 @@ class AlwaysWrongDrafter(Drafter):
 def test_failing_drafts_shrink_then_pause(tiny_llama_dir, prompts_and_plain, adaptive):
     prompts, plain = prompts_and_plain
     engine = make_engine(tiny_llama_dir, ["test_always_wrong"], adaptive_draft_length=adaptive)
-    got = run_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    got = run_requests(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert got == plain
     st = engine.get_stats().drafters["test_always_wrong"]
     assert st.num_accepted_tokens == 0
@@ -239,7 +217,7 @@ def test_feature_drafters_get_the_targets_hidden_states_of_every_cached_token(ti
     prompts, plain = prompts_and_plain
     FeatureRecorder.seen.clear()
     engine = make_engine(tiny_llama_dir, ["test_feature_recorder"], max_num_batched_tokens=16)
-    got = run_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    got = run_requests(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert got == plain
     assert engine.get_stats().drafters["test_feature_recorder"].num_accepted_tokens > 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()

@@ -1,0 +1,106 @@
+"""Plain helpers shared by the engine and drafter tests (fixtures live in tests/conftest.py).
+
+Test modules import them as ``from helpers import ...``: pytest puts this folder on ``sys.path``
+when it loads tests/conftest.py (the default "prepend" import mode; the folder is no package).
+
+* Running an `LLMEngine`: `make_llm_engine(model_dir, drafters, drafter_options, **EngineConfig overrides)`
+  builds a small fp32 CPU engine; `run_requests(engine, prompts, params)` adds the prompts as requests
+  ``r0``, ``r1``, ... (one every other step when staggered, else one per step), steps the engine until
+  everything finished and returns request id -> generated token ids.
+* Sampling losslessness: `exact_first_two_law` is the target's exact joint law of the first two
+  generated tokens (computed with transformers), `empirical_first_two_law` the law observed over many
+  requests through an engine with one drafter, `total_variation` the distance between two such laws.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+# the engine of `empirical_first_two_law`: room for 500 requests of a short prompt at once, large trees
+LAW_ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=1024, num_kv_blocks=2400, max_model_len=64,
+                  num_speculative_tokens=8, max_draft_tokens_per_step=512)
+
+
+def make_llm_engine(model_dir, drafters: Sequence[str] = (), drafter_options: dict | None = None, *,
+                    loaded=None, **config):
+    """An fp32 CPU `LLMEngine` over `model_dir` (block size 4, 4 sequences, 200 KV blocks, context 160,
+    up to 10 draft tokens per sequence and 40 per step unless `config` says otherwise)."""
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.core import LLMEngine
+
+    cfg = dict(model=str(model_dir), dtype="float32", device="cpu", max_num_seqs=4, block_size=4,
+               max_num_batched_tokens=64, num_kv_blocks=200, max_model_len=160, drafters=tuple(drafters),
+               drafter_options=drafter_options or {}, num_speculative_tokens=10, max_draft_tokens_per_step=40)
+    cfg.update(config)
+    return LLMEngine(EngineConfig(**cfg), loaded)
+
+
+def step_and_collect(engine, got: dict[str, list[int]]) -> None:
+    """One engine step; the token ids it produced are appended to `got[request id]`."""
+    for out in engine.step():
+        for d in out.outputs:
+            got.setdefault(out.request_id, []).extend(d.token_ids)
+
+
+def run_requests(engine, prompts, params, *, stagger: bool = True, prefix: str = "r",
+                 max_steps: int = 5000) -> dict[str, list[int]]:
+    """Add `prompts` as requests f"{prefix}{i}", one every other step (`stagger`, so that prefills,
+    plain decodes and trees share steps) or one per step, and step until all are finished (in fewer
+    than `max_steps` steps); request id -> generated token ids."""
+    got: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and (not stagger or step % 2 == 0):
+            i, p = pending.pop(0)
+            engine.add_request(f"{prefix}{i}", p, params)
+        step_and_collect(engine, got)
+        step += 1
+        assert step < max_steps
+    return got
+
+
+def exact_first_two_law(target_dir, prompt: list[int], params) -> dict[tuple[int, int], float]:
+    """The exact joint law of the first two tokens the target (loaded with transformers) samples after
+    `prompt` under `params` (temperature, top-k, ... as the engine's sampler processes them)."""
+    import torch
+    import transformers
+
+    from specserve.engine.sampler import SamplingTensors, processed_probs
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    st = SamplingTensors.from_params([params], "cpu")
+    law = {}
+    with torch.no_grad():
+        p1 = processed_probs(hf(torch.tensor([prompt])).logits[0, -1:], st)[0]
+        for t in p1.nonzero().flatten().tolist():
+            p2 = processed_probs(hf(torch.tensor([prompt + [t]])).logits[0, -1:], st)[0]
+            for u in p2.nonzero().flatten().tolist():
+                law[(t, u)] = float(p1[t] * p2[u])
+    return law
+
+
+def empirical_first_two_law(target_dir, drafter: str, options: dict, prompt: list[int], params, trials: int, *,
+                            batch: int = 500, seed: int = 0):
+    """The observed joint law of the first two tokens over `trials` requests of `prompt`, sent in groups
+    of `batch` at once to a fresh `LAW_ENGINE` speculating with `drafter` (its `options`), after
+    ``torch.manual_seed(seed)``; returns (law, engine) so tests can read the drafter's statistics."""
+    import torch
+
+    torch.manual_seed(seed)
+    engine = make_llm_engine(target_dir, (drafter,), {drafter: options}, **LAW_ENGINE)
+    counts: dict[tuple[int, int], int] = {}
+    for start in range(0, trials, batch):
+        for i in range(start, min(start + batch, trials)):
+            engine.add_request(f"s{i}", prompt, params)
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            step_and_collect(engine, got)
+        for toks in got.values():
+            counts[(toks[0], toks[1])] = counts.get((toks[0], toks[1]), 0) + 1
+    return {k: v / trials for k, v in counts.items()}, engine
+
+
+def total_variation(a: dict, b: dict) -> float:
+    """Total variation distance between two laws given as outcome -> probability (missing: 0)."""
+    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
