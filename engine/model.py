@@ -75,10 +75,11 @@ def rope_tables(cfg: ModelConfig, max_positions: int, device: torch.device) -> t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos/sin [T, D]: rotate-half RoPE (the HF weight layout)."""
+    """x [..., T, heads, D], cos/sin [..., T, D] (broadcast over the heads, and over leading
+    dimensions they lack): rotate-half RoPE (the HF weight layout)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
 class DecoderLayer(nn.Module):
@@ -107,6 +108,26 @@ class DecoderLayer(nn.Module):
         h = h + linear(paged_attention_reference(q, k_cache, v_cache, meta, self.scale), self.o.weight)
         gate, up = linear(rms_norm(h, self.post_attn_norm, self.eps), self.gate_up.weight).chunk(2, dim=-1)
         return h + linear(F.silu(gate) * up, self.down.weight)
+
+    # -- the same maths, differentiable, for drafters trained over dense batches (each brings its
+    #    own attention: causal, a custom mask, a group-wise layout) --
+
+    def dense_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h [..., H] (the layer's input) -> q [..., heads, D], k and v [..., kv_heads, D], RoPE
+        applied (cos/sin [..., D], see apply_rope)."""
+        x = rms_norm(h, self.input_norm, self.eps)
+        q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        lead = h.shape[:-1]
+        q = apply_rope(q.reshape(*lead, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.reshape(*lead, self.num_kv_heads, self.head_dim), cos, sin)
+        return q, k, v.reshape(*lead, self.num_kv_heads, self.head_dim)
+
+    def dense_finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """After attention: h [..., H] (the layer's input), attn [..., heads * D] -> the layer's
+        output (output projection, residual, MLP, residual)."""
+        h = h + F.linear(attn, self.o.weight)
+        gate, up = F.linear(rms_norm(h, self.post_attn_norm, self.eps), self.gate_up.weight).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down.weight)
 
 
 class LlamaModel(nn.Module):

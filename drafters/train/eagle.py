@@ -61,7 +61,7 @@ from torch import nn
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
 from specserve.engine.config import ModelConfig
-from specserve.engine.model import DecoderLayer, apply_rope, rms_norm, rope_tables
+from specserve.engine.model import DecoderLayer, rms_norm, rope_tables
 
 logger = logging.getLogger("specserve")
 
@@ -162,13 +162,7 @@ class EagleHead(nn.Module):
 
     def _qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [B, T, H] -> q [B, heads, T, D], k, v [B, kv_heads, T, D] (RoPE applied; cos/sin [T, D] or [B, T, D])."""
-        L = self.layer
-        x = rms_norm(h, L.input_norm, L.eps)
-        q, k, v = F.linear(x, L.qkv.weight, L.qkv.bias).split([L.q_size, L.kv_size, L.kv_size], dim=-1)
-        b, t = h.shape[:2]
-        q = _rope(q.view(b, t, L.num_heads, L.head_dim), cos, sin)
-        k = _rope(k.view(b, t, L.num_kv_heads, L.head_dim), cos, sin)
-        v = v.view(b, t, L.num_kv_heads, L.head_dim)
+        q, k, v = self.layer.dense_qkv(h, cos, sin)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def out(self, h: torch.Tensor) -> torch.Tensor:
@@ -184,9 +178,7 @@ class EagleHead(nn.Module):
         attn = attn.transpose(1, 2).reshape(b, t, L.q_size)
         if select is not None:
             h, attn = h[select], attn[select]
-        h = h + F.linear(attn, L.o.weight)
-        gate, up = F.linear(rms_norm(h, L.post_attn_norm, L.eps), L.gate_up.weight).chunk(2, dim=-1)
-        return self.out(h + F.linear(F.silu(gate) * up, L.down.weight))
+        return self.out(L.dense_finish(h, attn))
 
     def _group(self) -> int:
         return self.layer.num_heads // self.layer.num_kv_heads
@@ -235,15 +227,6 @@ class EagleHead(nn.Module):
             attn = w[..., :t] @ v_real + (w[..., t:, None] * torch.stack(own_v, dim=-2)).sum(-2)
             outs.append(self._finish(h, attn))
         return outs
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, D] with cos/sin [T, D] (or [B, T, D])."""
-    if cos.dim() == 2:
-        return apply_rope(x, cos, sin)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from torch import nn
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
 from specserve.engine.config import ModelConfig
-from specserve.engine.model import DecoderLayer, apply_rope, rms_norm, rope_tables
+from specserve.engine.model import DecoderLayer, rms_norm, rope_tables
 
 logger = logging.getLogger("specserve")
 
@@ -273,25 +273,14 @@ class ParallelSpecModule(nn.Module):
         The same math as DecoderLayer.forward with SDPA over an explicit mask."""
         layer = self.layer
         B, L, _ = h.shape
-        cos = self.rope_cos[positions].to(h.dtype).reshape(B * L, -1)
-        sin = self.rope_sin[positions].to(h.dtype).reshape(B * L, -1)
-        x = rms_norm(h, layer.input_norm, layer.eps)
-        q, k, v = F.linear(x, layer.qkv.weight, layer.qkv.bias).split([layer.q_size, layer.kv_size, layer.kv_size], -1)
-        q = apply_rope(q.reshape(B * L, layer.num_heads, layer.head_dim), cos, sin)
-        k = apply_rope(k.reshape(B * L, layer.num_kv_heads, layer.head_dim), cos, sin)
-        q = q.view(B, L, layer.num_heads, layer.head_dim).transpose(1, 2)
-        k = k.view(B, L, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
-        v = v.reshape(B, L, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
+        cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
+        q, k, v = (t.transpose(1, 2) for t in layer.dense_qkv(h, cos, sin))       # [B, heads, L, D]
         group = layer.num_heads // layer.num_kv_heads
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None], scale=layer.scale)
-        o = o.transpose(1, 2).reshape(B, L, layer.q_size)
-        h = h + F.linear(o, layer.o.weight)
-        gate, up = F.linear(rms_norm(h, layer.post_attn_norm, layer.eps), layer.gate_up.weight).chunk(2, dim=-1)
-        h = h + F.linear(F.silu(gate) * up, layer.down.weight)
-        return self.out_hidden(h)
+        return self.out_hidden(layer.dense_finish(h, o.transpose(1, 2).reshape(B, L, layer.q_size)))
 
     def forward_grouped(self, h_real: torch.Tensor, pos_real: torch.Tensor, anchors: torch.Tensor) -> tuple:
         """The group-wise parallel layout without its dense [L, L] mask, for training: h_real
@@ -310,11 +299,7 @@ class ParallelSpecModule(nn.Module):
                        self.mask_embed.to(h_real.dtype)[None].expand(B * A, k, H).reshape(B * A * k, H)])
         pos = torch.cat([pos_real.reshape(-1), pos_mask.reshape(-1)])
         cos, sin = self.rope_cos[pos].to(h.dtype), self.rope_sin[pos].to(h.dtype)
-        x = rms_norm(h, layer.input_norm, layer.eps)
-        q, kk, v = F.linear(x, layer.qkv.weight, layer.qkv.bias).split([layer.q_size, layer.kv_size, layer.kv_size], -1)
-        q = apply_rope(q.reshape(-1, nh, D), cos, sin)
-        kk = apply_rope(kk.reshape(-1, nkv, D), cos, sin)
-        v = v.reshape(-1, nkv, D)
+        q, kk, v = layer.dense_qkv(h, cos, sin)                                   # [N, heads, D]
         g = nh // nkv
         if g > 1:
             kk, v = kk.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
@@ -332,9 +317,7 @@ class ParallelSpecModule(nn.Module):
         o_m = (p[..., :T].reshape(B, nh, A * k, T) @ v_r).view(B, nh, A, k, D) + p[..., T:] @ v_m
         o = torch.cat([o_r.transpose(1, 2).reshape(n_real, nh * D),
                        o_m.permute(0, 2, 3, 1, 4).reshape(B * A * k, nh * D)])
-        h = h + F.linear(o, layer.o.weight)
-        gate, up = F.linear(rms_norm(h, layer.post_attn_norm, layer.eps), layer.gate_up.weight).chunk(2, dim=-1)
-        h = self.out_hidden(h + F.linear(F.silu(gate) * up, layer.down.weight))
+        h = self.out_hidden(layer.dense_finish(h, o))
         return h[:n_real].view(B, T, H), h[n_real:].view(B, A, k, H)
 
 

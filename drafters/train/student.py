@@ -33,7 +33,7 @@ from torch import nn
 from specserve.drafters.train import TrainData, TrainTarget, register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
 from specserve.engine.config import ModelConfig
-from specserve.engine.model import DecoderLayer, LlamaModel, apply_rope, rms_norm
+from specserve.engine.model import DecoderLayer, LlamaModel, rms_norm
 
 logger = logging.getLogger("specserve")
 
@@ -122,19 +122,12 @@ def _dense_layer(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: t
     """DecoderLayer's maths on a dense [B, T, H] batch with causal SDPA (differentiable; the
     serving path runs the same weights over the paged cache)."""
     b, t, _ = h.shape
-    x = rms_norm(h, layer.input_norm, layer.eps)
-    q, k, v = F.linear(x, layer.qkv.weight, layer.qkv.bias).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-    c, s = cos.reshape(b * t, -1), sin.reshape(b * t, -1)
-    q = apply_rope(q.reshape(b * t, layer.num_heads, layer.head_dim), c, s).view(b, t, layer.num_heads, -1)
-    k = apply_rope(k.reshape(b * t, layer.num_kv_heads, layer.head_dim), c, s).view(b, t, layer.num_kv_heads, -1)
-    v = v.view(b, t, layer.num_kv_heads, layer.head_dim)
+    q, k, v = layer.dense_qkv(h, cos, sin)                                    # [B, T, heads, D]
     group = layer.num_heads // layer.num_kv_heads
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           is_causal=True, scale=layer.scale)
-    h = h + F.linear(attn.transpose(1, 2).reshape(b, t, -1), layer.o.weight)
-    gate, up = F.linear(rms_norm(h, layer.post_attn_norm, layer.eps), layer.gate_up.weight).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, layer.down.weight)
+    return layer.dense_finish(h, attn.transpose(1, 2).reshape(b, t, -1))
 
 
 # ---- loss and offline τ -----------------------------------------------------------------------------------------
