@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most draft-tree nodes per sequence per step (default: %(default)s)")
     ap.add_argument("--max-draft-tokens-per-step", type=int, default=64, metavar="N",
                     help="draft nodes of the whole batch per step (default: %(default)s)")
+    ap.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=True,
+                    help="per-sequence draft budgets follow acceptance, as served (default: on)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="float32 makes the greedy check exact (default: %(default)s)")
@@ -252,7 +254,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch_size,
                           max_model_len=max_model_len, seed=args.seed, drafters=(PLAIN, *drafters),
                           drafter_options=options, num_speculative_tokens=args.num_speculative_tokens,
-                          max_draft_tokens_per_step=args.max_draft_tokens_per_step)
+                          max_draft_tokens_per_step=args.max_draft_tokens_per_step,
+                          adaptive_draft_length=args.adaptive_draft_length)
     engine = LLMEngine(config, loaded=loaded)
     hf = build_hf_model(loaded, engine.device, engine.dtype) if args.hf else None
     pad_id = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
@@ -365,6 +368,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             "hf_batch_size": 1 if hf is not None else None, "seed": args.seed, "drafters": drafters,
             "skipped_drafters": skipped, "drafter_options": options,
             "num_speculative_tokens": args.num_speculative_tokens,
+            "adaptive_draft_length": args.adaptive_draft_length,
             "max_draft_tokens_per_step": args.max_draft_tokens_per_step, "max_model_len": max_model_len,
             "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS if hf is not None else None,
             "load_seconds": load_s, "notes": notes,
