@@ -84,14 +84,6 @@ def parse_tree_option(value, num_heads: int, drafter: str = "medusa") -> list[li
     return paths
 
 
-def find_shipped_checkpoint(fingerprint: str, kind: str = "medusa", root: Path = CHECKPOINTS_DIR) -> Path | None:
-    """A folder under drafters/checkpoints/ holding a `kind` checkpoint for this target."""
-    from specserve.drafters.train.checkpoint import find_shipped
-
-    found = find_shipped(kind, fingerprint, root)
-    return found[0][1] if found else None
-
-
 @register("medusa")
 class MedusaDrafter(Drafter):
     name = "medusa"
@@ -114,17 +106,10 @@ class MedusaDrafter(Drafter):
                 self.heads.randomize_(float(init_std), int(seed))
             self.heads = self.heads.to(device=device, dtype=dtype)
         else:
-            from specserve.drafters.train.checkpoint import load_checkpoint, target_fingerprint
+            from specserve.drafters.train.checkpoint import load_checkpoint, resolve_checkpoint, target_fingerprint
 
             fingerprint = target_fingerprint(model_config, target)
-            if checkpoint is None:
-                found = find_shipped_checkpoint(fingerprint)
-                if found is None:
-                    raise ValueError(
-                        "the medusa drafter has no checkpoint for this target (none shipped in drafters/checkpoints/ "
-                        f"matches its fingerprint {fingerprint}): train one with `specserve train medusa --model MODEL "
-                        "--data DATA --out DIR` and load it with `--drafter-option medusa.checkpoint=DIR`")
-                checkpoint = str(found)
+            checkpoint = resolve_checkpoint("medusa", fingerprint, checkpoint, CHECKPOINTS_DIR)
             tensors, meta = load_checkpoint(checkpoint, kind="medusa", fingerprint=fingerprint)
             if tensors["weight"].shape[-1] != model_config.hidden_size:
                 raise ValueError(f"{checkpoint}: heads of width {tensors['weight'].shape[-1]} for a target of "

@@ -89,13 +89,6 @@ def prefix_tree(order: Seq[Seq[int]], budget: int) -> list[list[int]]:
     return [list(p) for p in level_major[:budget]]
 
 
-def find_shipped_checkpoint(fingerprint: str, kind: str = "parallelspec", root: Path = CHECKPOINTS_DIR) -> Path | None:
-    from specserve.drafters.train.checkpoint import find_shipped
-
-    found = find_shipped(kind, fingerprint, root)
-    return found[0][1] if found else None
-
-
 class _SeqState:
     __slots__ = ("kv_len", "feat_start", "feat")
 
@@ -152,18 +145,10 @@ class ParallelSpecDrafter(Drafter):
             self.module = ParallelSpecModule.random(target, model_config, k=int(k), max_positions=max_positions,
                                                     seed=int(seed))
         else:
-            from specserve.drafters.train.checkpoint import target_fingerprint
+            from specserve.drafters.train.checkpoint import resolve_checkpoint, target_fingerprint
 
             fingerprint = target_fingerprint(model_config, target)
-            if checkpoint is None:
-                found = find_shipped_checkpoint(fingerprint)
-                if found is None:
-                    raise ValueError(
-                        "the parallelspec drafter has no checkpoint for this target (none shipped in "
-                        f"drafters/checkpoints/ matches its fingerprint {fingerprint}): train one with "
-                        "`specserve train parallelspec --model MODEL --out DIR` and load it with "
-                        "`--drafter-option parallelspec.checkpoint=DIR`")
-                checkpoint = str(found)
+            checkpoint = resolve_checkpoint("parallelspec", fingerprint, checkpoint, CHECKPOINTS_DIR)
             self.module, meta = load_module(checkpoint, target, model_config, fingerprint=fingerprint,
                                             max_positions=max_positions, device=self.device, dtype=dtype)
             tuned = (meta.tree or {}).get("choices")

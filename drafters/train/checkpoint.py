@@ -219,3 +219,17 @@ def describe_device(device: str | torch.device) -> str:
     if device.type == "cuda" and torch.cuda.is_available():
         return f"cuda: {torch.cuda.get_device_name(device)}"
     return device.type
+
+
+def resolve_checkpoint(kind: str, fingerprint: str, checkpoint=None, root: str | os.PathLike | None = None) -> str:
+    """`checkpoint` when one is given, else the shipped `kind` checkpoint made for the target with
+    `fingerprint` (see `find_shipped`); with neither, a ValueError saying how to train one."""
+    if checkpoint is not None:
+        return str(checkpoint)
+    found = find_shipped(kind, fingerprint, root)
+    if not found:
+        raise ValueError(
+            f"the {kind} drafter has no checkpoint for this target (none shipped in drafters/checkpoints/ matches "
+            f"its fingerprint {fingerprint}): train one with `specserve train {kind} --model MODEL --out DIR` and "
+            f"load it with `--drafter-option {kind}.checkpoint=DIR`")
+    return str(found[0][1])

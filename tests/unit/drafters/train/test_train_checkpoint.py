@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specserve.drafters.train.checkpoint import (FORMAT_VERSION, CheckpointMeta, CheckpointMismatchError,
-                                                 load_checkpoint, read_meta, save_checkpoint, target_fingerprint)
+                                                 load_checkpoint, read_meta, resolve_checkpoint, save_checkpoint,
+                                                 target_fingerprint)
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import LlamaModel
 
@@ -109,3 +110,13 @@ def test_fingerprint_tells_targets_apart():
     assert target_fingerprint(cfg_rope, sd) != fp                   # same weights, other RoPE
     cfg_tied, _ = tiny_state(tie_word_embeddings=True)
     assert target_fingerprint(cfg_tied, sd) != fp
+
+
+def test_resolve_checkpoint_prefers_the_given_one_then_the_shipped_one(tmp_path):
+    save_checkpoint(tmp_path / "b-medusa", {"w": torch.ones(2)}, meta())
+    save_checkpoint(tmp_path / "a-eagle", {"w": torch.ones(2)}, meta(kind="eagle"))
+    save_checkpoint(tmp_path / "c-other", {"w": torch.ones(2)}, meta(target_fingerprint="fedcba9876543210"))
+    assert resolve_checkpoint("medusa", "0123456789abcdef", None, tmp_path) == str(tmp_path / "b-medusa")
+    assert resolve_checkpoint("medusa", "0123456789abcdef", "mine", tmp_path) == "mine"
+    with pytest.raises(ValueError, match="specserve train parallelspec .*parallelspec.checkpoint=DIR"):
+        resolve_checkpoint("parallelspec", "0123456789abcdef", None, tmp_path)
