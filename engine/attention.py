@@ -28,7 +28,6 @@ class AttnMetadata:
     block_tables: torch.Tensor        # [B, max_blocks] int32 (for paged kernels)
     masks: list[torch.Tensor | None]  # per sequence: [q, m >= q] bool over the last m keys, True = visible; None = causal
     block_size: int = 0               # slots per cache block (0: unknown, keys are gathered slot by slot)
-    block_index: torch.Tensor | None = None   # block_tables as int64 (the torch reference gathers whole blocks)
 
     @property
     def num_seqs(self) -> int:
@@ -47,9 +46,9 @@ class AttnMetadata:
             rows = torch.tensor([self.cu_query_lens[b] for b in idx], device=device)
             lens = [self.context_lens[b] for b in idx]
             max_len = max(lens)
-            if self.block_size and self.block_index is not None:
+            if self.block_size:
                 nblk = -(-max_len // self.block_size)
-                blocks = self.block_index[idx, :nblk] if len(idx) != self.num_seqs else self.block_index[:, :nblk]
+                blocks = self.block_tables[idx, :nblk] if len(idx) != self.num_seqs else self.block_tables[:, :nblk]
                 slots = (blocks.contiguous(), max_len)
             else:
                 slots = self.context_slots[idx, :max_len] if len(idx) != self.num_seqs else self.context_slots[:, :max_len]
@@ -92,7 +91,7 @@ def build_attn_metadata(
     meta = AttnMetadata(query_lens=list(query_lens), context_lens=context_lens, cu_query_lens=cu,
                         slot_mapping=slot_mapping, context_slots=context_slots,
                         block_tables=bt.to(torch.int32), masks=masks or [None] * num_seqs,
-                        block_size=block_size, block_index=bt)
+                        block_size=block_size)
     return positions, meta
 
 
@@ -118,8 +117,8 @@ def gather_keys(cache: torch.Tensor, meta: AttnMetadata, slots) -> torch.Tensor:
 
 
 def _row_slots(meta: AttnMetadata, b: int, ctx: int):
-    if meta.block_size and meta.block_index is not None:
-        return meta.block_index[b:b + 1, :-(-ctx // meta.block_size)], ctx
+    if meta.block_size:
+        return meta.block_tables[b:b + 1, :-(-ctx // meta.block_size)], ctx
     return meta.context_slots[b:b + 1, :ctx]
 
 

@@ -30,9 +30,9 @@ def _setup(seed=0):
 
 def test_block_gather_equals_slot_gather_and_dense():
     q, k_cache, v_cache, meta, tables, block, starts, qlens, masks = _setup()
-    assert meta.block_size == block and meta.block_index is not None
+    assert meta.block_size == block
     by_block = paged_attention_reference(q, k_cache, v_cache, meta, 0.5)
-    by_slot = paged_attention_reference(q, k_cache, v_cache, replace(meta, block_size=0, block_index=None), 0.5)
+    by_slot = paged_attention_reference(q, k_cache, v_cache, replace(meta, block_size=0), 0.5)
     torch.testing.assert_close(by_block, by_slot, rtol=0, atol=0)
 
     group = q.shape[1] // k_cache.shape[1]
