@@ -17,7 +17,8 @@ from typing import AsyncIterator
 
 from specserve.engine.config import EngineConfig
 from specserve.engine.core import _DEFAULT, LLMEngine
-from specserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from specserve.engine.errors import (EngineDeadError, EngineError, InvalidRequestError, QueueFullError,
+                                     RequestFailedError)
 from specserve.engine.outputs import RequestOutput
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.stats import EngineStats
@@ -48,6 +49,9 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        if item.error is not None:   # the engine failed this request (and only this one)
+            self.finished = True
+            raise RequestFailedError(item.error)
         if item.finished:
             self.finished = True
         return item
@@ -73,6 +77,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: BaseException | None = None
+        self.dead = threading.Event()    # set when the step loop has died (an unrecoverable device error)
         self._num_pending = 0          # added but not yet seen by the loop
         self._lock = threading.Lock()
         self._stats = engine.get_stats()
@@ -142,6 +147,12 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wakeup.set()
 
+    def fail_all(self, error: EngineError) -> None:
+        """Thread-safe: end every request in the engine (freeing its KV) and raise `error` in its
+        stream -- e.g. when a graceful shutdown runs out of time."""
+        self._inbox.put(("fail_all", error))
+        self._wakeup.set()
+
     def get_stats(self) -> EngineStats:
         return self._stats
 
@@ -166,8 +177,12 @@ class AsyncEngine:
                     engine.add_request(request_id, prompt, params, arrival, drafter)
                 except Exception as exc:  # validated already; anything here is reported to that request only
                     self._deliver_error(request_id, exc)
-            else:
+            elif msg[0] == "abort":
                 engine.abort_request(msg[1])
+            else:
+                for request_id in list(self._streams):
+                    engine.abort_request(request_id)
+                    self._deliver_error(request_id, msg[1])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
@@ -206,8 +221,10 @@ class AsyncEngine:
                 if outputs:
                     self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 - the loop must report any death to every waiter
+            # engine.step() isolates request-scoped failures itself: what reaches here is unrecoverable
             logger.exception("engine loop died")
             self._dead = exc
+            self.dead.set()
             err = EngineDeadError(f"the engine loop died: {exc!r}")
             for request_id in list(self._streams):
                 self._deliver_error(request_id, err)

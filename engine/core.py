@@ -13,14 +13,14 @@ import torch
 
 from specserve.engine.config import EngineConfig, ModelConfig, check_prompt_fits
 from specserve.engine.detokenizer import IncrementalDetokenizer
-from specserve.engine.errors import InvalidRequestError
+from specserve.engine.errors import InvalidRequestError, is_unrecoverable
 from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine.loader import LoadedModel, load_model
 from specserve.engine.model import LlamaModel
 from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
 from specserve.engine.sampling_params import SamplingParams
-from specserve.engine.scheduler import Scheduler
+from specserve.engine.scheduler import ScheduledBatch, Scheduler
 from specserve.engine.sequence import Request, Sequence, SeqStatus
 from specserve.engine.stats import DrafterStats, EngineStats
 from specserve.engine.tree import TokenTree, tree_depths
@@ -136,7 +136,12 @@ class LLMEngine:
             seq = Sequence(req, i, req.prompt_token_ids, detok, generator)
             req.seqs.append(seq)
             if drafter is not None:
-                self.drafters[drafter].start(seq)
+                try:
+                    self.drafters[drafter].start(seq)
+                except Exception:   # this sequence is decoded plainly; the drafter never hears of it again
+                    logger.exception("drafter %s failed in start(); plain decoding for %s", drafter, seq)
+                    self.drafter_stats[drafter].num_fallbacks += 1
+                    seq.drafter = None
             self.scheduler.add(seq)
         self.requests[request_id] = req
 
@@ -145,12 +150,17 @@ class LLMEngine:
         if req is None:
             return
         for seq in req.seqs:
-            if not seq.is_finished:
-                if seq.held_back:   # never promised to the client
-                    seq.token_ids.pop()
-                    seq.held_back, seq.alt_roots = False, []
-                self._finish(seq, "abort")
+            self._end(seq, "abort")
         self._changed[request_id] = req
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """Stop `seq` before its stop rules did ("abort", "error"), dropping a token held back from the client."""
+        if seq.is_finished:
+            return
+        if seq.held_back:   # never promised to the client
+            seq.token_ids.pop()
+            seq.held_back, seq.alt_roots = False, []
+        self._finish(seq, reason)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -162,30 +172,78 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One engine step. A step that raises is retried sequence by sequence (`_isolate`), so an
+        error fails only the requests that cause it; only an unrecoverable device error escapes."""
         batch = self.scheduler.schedule()
+        for seq, exc in batch.failed:
+            self._fail_request(seq.request, exc, "scheduling")
         if batch:
             first = [seq for seq in batch.seqs if seq.request.metrics.first_scheduled_time is None]
             now = time.monotonic()
             for seq in first:
                 seq.request.metrics.first_scheduled_time = now
-            trees = self._propose(batch)
-            feature_idx = {b for b, seq in enumerate(batch.seqs)
-                           if seq.drafter is not None and self.drafters[seq.drafter].needs_features}
-            t0 = time.perf_counter()
-            result = self.runner.execute(batch, trees, feature_idx)
-            verify_time = time.perf_counter() - t0
-            if result.features:
-                self._deliver_features(batch, result.features)
-            for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-                if seq.num_computed_tokens < seq.num_prompt_tokens:
-                    self.stats.num_prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-                if b not in trees:
-                    seq.num_computed_tokens += n
-                    if batch.draft_budgets[b]:   # reserved room for a draft that did not come
-                        self.blocks.shrink(seq.seq_id, seq.num_computed_tokens + 1)
-            self._process(result, verify_time / max(1, len(trees)))
+            try:
+                self._run_batch(batch, self._propose(batch))
+            except Exception as exc:
+                if is_unrecoverable(exc):
+                    raise
+                self._isolate(batch, exc)
             self.stats.num_steps_total += 1
         return self._collect()
+
+    def _run_batch(self, batch: ScheduledBatch, trees: dict[int, TokenTree]) -> None:
+        """Run `batch` (with the draft `trees` of some of its sequences) and commit its results.
+
+        Until `runner.execute` returns, nothing a sequence owns has changed but KV slots past its
+        committed length (rewritten by its next forward) and blocks reserved for this step, so a
+        batch that raises here can be run again. After that, each sequence's tokens are processed
+        on their own (`_process`): an error there fails that request alone."""
+        feature_idx = {b for b, seq in enumerate(batch.seqs)
+                       if seq.drafter is not None and self.drafters[seq.drafter].needs_features}
+        t0 = time.perf_counter()
+        result = self.runner.execute(batch, trees, feature_idx)
+        verify_time = time.perf_counter() - t0
+        if result.features:
+            self._deliver_features(batch, result.features)
+        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.stats.num_prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            if b not in trees:
+                seq.num_computed_tokens += n
+                if batch.draft_budgets[b]:   # reserved room for a draft that did not come
+                    self.blocks.shrink(seq.seq_id, seq.num_computed_tokens + 1)
+        self._process(result, verify_time / max(1, len(trees)))
+
+    def _isolate(self, batch: ScheduledBatch, exc: Exception) -> None:
+        """The batch raised `exc`: run each of its sequences alone, without a draft, and fail the
+        requests whose sequence still raises. A fault that needs the whole batch (or a bad draft
+        tree) costs one slower step; a request that breaks the forward is failed, the rest go on."""
+        self.stats.num_step_failures_total += 1
+        logger.error("a step of %d sequences failed (%s: %s); running them one by one to isolate the cause",
+                     len(batch.seqs), type(exc).__name__, exc, exc_info=exc)
+        failed: set[str] = set()
+        for seq, n, budget in zip(batch.seqs, batch.num_tokens, batch.draft_budgets):
+            if seq.is_finished or seq.request.request_id in failed:
+                continue
+            try:
+                self._run_batch(ScheduledBatch([seq], [n], [budget]), {})
+            except Exception as alone:
+                if is_unrecoverable(alone):
+                    raise
+                failed.add(seq.request.request_id)
+                self._fail_request(seq.request, alone, "the forward")
+
+    def _fail_request(self, req: Request, exc: BaseException, where: str) -> None:
+        """End every sequence of `req` with finish_reason "error"; its stream gets the error."""
+        if req.error is not None or req.request_id not in self.requests:
+            return
+        logger.error("request %s failed in %s: %s: %s", req.request_id, where, type(exc).__name__, exc,
+                     exc_info=exc)
+        req.error = f"the engine failed while processing this request ({where}: {type(exc).__name__}: {exc})"
+        for seq in req.seqs:
+            self._end(seq, "error")
+        self._changed[req.request_id] = req
+        self.stats.num_failed_requests_total += 1
 
     def _propose(self, batch) -> dict[int, TokenTree]:
         """Ask each drafter for the trees of its sequences. A drafter that raises, or a tree that
@@ -257,46 +315,22 @@ class LLMEngine:
         return None
 
     def _process(self, result: StepResult, verify_time: float) -> None:
+        """Commit each sequence's tokens of this step (stop rules, stats, drafter acceptance). An
+        error while doing so for one sequence fails its request and nothing else."""
         now = time.monotonic()
         accepted_by_drafter: dict[str, tuple[list, list]] = {}
         for res in result.results:
-            seq = res.seq
-            spec = seq.request.spec
+            if res.seq.request.error is not None:
+                continue
+            try:
+                self._process_one(res, verify_time, now)
+            except Exception as exc:
+                self._fail_request(res.seq.request, exc, "processing its tokens")
+                continue
             if res.tree is not None:
-                seq.num_computed_tokens = res.num_computed
-                num_acc = len(res.verify.accepted_nodes)
-                spec.num_draft_tokens += res.tree.num_draft_tokens
-                spec.num_accepted_tokens += num_acc
-                stats = self.drafter_stats[seq.drafter]
-                stats.observe(res.tree.num_draft_tokens, num_acc)
-                self.scheduler.observe_acceptance(seq, num_acc, max(tree_depths(res.tree.parents)))
-                stats.verify_time_s += verify_time
-                seqs, results = accepted_by_drafter.setdefault(seq.drafter, ([], []))
-                seqs.append(seq)
+                seqs, results = accepted_by_drafter.setdefault(res.seq.drafter, ([], []))
+                seqs.append(res.seq)
                 results.append(res.verify)
-            spec.num_target_forwards += 1
-            before = seq.num_output_tokens - seq.held_back
-            if seq.held_back:   # this step settles the held-back token: the chosen root, or as sampled
-                if res.verify is not None and res.verify.root > 0:
-                    seq.token_ids[-1] = res.tree.tokens[res.verify.root]
-                seq.held_back, seq.alt_roots = False, []
-                self._check_token(seq, seq.token_ids[-1], None)
-            tokens = res.tokens if not seq.is_finished else []
-            for k, token in enumerate(tokens):
-                if k == len(tokens) - 1 and res.verify is not None and res.verify.alternates and self._may_hold(seq):
-                    seq.token_ids.append(token)   # decided by the next verification, streamed then
-                    seq.held_back, seq.alt_roots = True, list(res.verify.alternates)
-                    break
-                self._append_token(seq, token, res.logprobs[k] if res.logprobs else None)
-                if seq.is_finished:
-                    break
-            emitted = seq.num_output_tokens - seq.held_back - before
-            spec.num_generated_tokens += emitted
-            self.stats.num_generation_tokens_total += emitted
-            metrics = seq.request.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
         for name, (seqs, results) in accepted_by_drafter.items():
             live = [(s, r) for s, r in zip(seqs, results) if not s.is_finished]
             if live:
@@ -305,6 +339,42 @@ class LLMEngine:
                 except Exception:
                     logger.exception("drafter %s failed in accept()", name)
                     self.drafter_stats[name].num_fallbacks += 1
+
+    def _process_one(self, res, verify_time: float, now: float) -> None:
+        seq = res.seq
+        spec = seq.request.spec
+        if res.tree is not None:
+            seq.num_computed_tokens = res.num_computed
+            num_acc = len(res.verify.accepted_nodes)
+            spec.num_draft_tokens += res.tree.num_draft_tokens
+            spec.num_accepted_tokens += num_acc
+            stats = self.drafter_stats[seq.drafter]
+            stats.observe(res.tree.num_draft_tokens, num_acc)
+            self.scheduler.observe_acceptance(seq, num_acc, max(tree_depths(res.tree.parents)))
+            stats.verify_time_s += verify_time
+        spec.num_target_forwards += 1
+        before = seq.num_output_tokens - seq.held_back
+        if seq.held_back:   # this step settles the held-back token: the chosen root, or as sampled
+            if res.verify is not None and res.verify.root > 0:
+                seq.token_ids[-1] = res.tree.tokens[res.verify.root]
+            seq.held_back, seq.alt_roots = False, []
+            self._check_token(seq, seq.token_ids[-1], None)
+        tokens = res.tokens if not seq.is_finished else []
+        for k, token in enumerate(tokens):
+            if k == len(tokens) - 1 and res.verify is not None and res.verify.alternates and self._may_hold(seq):
+                seq.token_ids.append(token)   # decided by the next verification, streamed then
+                seq.held_back, seq.alt_roots = True, list(res.verify.alternates)
+                break
+            self._append_token(seq, token, res.logprobs[k] if res.logprobs else None)
+            if seq.is_finished:
+                break
+        emitted = seq.num_output_tokens - seq.held_back - before
+        spec.num_generated_tokens += emitted
+        self.stats.num_generation_tokens_total += emitted
+        metrics = seq.request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
 
     def _may_hold(self, seq: Sequence) -> bool:
         """A token may be held back only when more tokens can follow it (not the last allowed)."""
@@ -375,7 +445,7 @@ class LLMEngine:
                 del self.requests[request_id]
             outputs.append(RequestOutput(request_id, deltas, finished, len(req.prompt_token_ids),
                                          req.num_generated_tokens, req.metrics, req.prompt_token_ids,
-                                         req.spec if req.drafter is not None else None))
+                                         req.spec if req.drafter is not None else None, req.error))
         self._changed.clear()
         return outputs
 

@@ -27,3 +27,37 @@ class ModelNotFoundError(EngineError, FileNotFoundError):
 
 class UnsupportedModelError(EngineError, ValueError):
     """A model was found but its architecture is not one the engine implements."""
+
+
+class RequestFailedError(EngineError):
+    """The engine failed while serving this request (HTTP 500); other requests were not affected."""
+
+
+class ShuttingDownError(EngineError):
+    """The server is shutting down and cut this request short, or accepts no new ones (HTTP 503)."""
+
+
+# Messages of device errors after which the CUDA context (and so every tensor on it) is unusable.
+_DEVICE_FAILURE_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS",
+                           "CUDNN_STATUS", "NCCL error", "HIP error", "unspecified launch failure")
+
+
+def is_unrecoverable(exc: BaseException) -> bool:
+    """Whether `exc`, raised by a step, leaves the engine unable to serve anything.
+
+    Device faults (a sticky CUDA error, a device-side assert) poison the whole context, and
+    ``BaseException``s that are not ``Exception``s (KeyboardInterrupt, SystemExit) mean stop. Everything
+    else -- a bad value in one request, a drafter bug, even an out-of-memory error -- is scoped to the
+    step that raised it and handled by failing only the requests that cause it.
+    """
+    if not isinstance(exc, Exception):
+        return True
+    import torch
+
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    message = str(exc)
+    return isinstance(exc, RuntimeError) and any(marker in message for marker in _DEVICE_FAILURE_MARKERS)

@@ -22,7 +22,7 @@ class SeqDelta:
     text: str                       # new text, stop strings already cut away
     token_ids: list[int]            # new token ids
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # None while running, else "stop" | "length" | "abort"
+    finish_reason: str | None = None  # None while running, else "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
@@ -45,3 +45,4 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_token_ids: list[int] = field(default_factory=list)
     spec: RequestSpecStats | None = None   # speculation figures so far (None when not speculating)
+    error: str | None = None               # set when the engine failed this request (its choices end with "error")

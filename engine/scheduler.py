@@ -37,6 +37,7 @@ class ScheduledBatch:
     num_tokens: list[int] = field(default_factory=list)   # new tokens per sequence this step (tree root: 1)
     draft_budgets: list[int] = field(default_factory=list)  # max draft nodes per sequence (0 = none)
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)   # raised while being scheduled
 
     @property
     def total_tokens(self) -> int:
@@ -124,38 +125,70 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            draft = self._draft_budget(seq, per_seq) if seq.num_uncomputed_tokens == 1 else 0
-            if draft and not self.blocks.can_grow(seq.seq_id, seq.num_computed_tokens + 1 + draft):
-                draft = 0   # the pool is short: decode plainly rather than preempt for a draft
-            target = seq.num_computed_tokens + n + draft
-            while not self.blocks.can_grow(seq.seq_id, target):
-                victim = self.running.pop()
-                self._preempt(victim)
-                batch.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING:
+            try:
+                scheduled = self._schedule_running(batch, seq, budget, per_seq)
+            except Exception as exc:   # this sequence alone is dropped (the engine fails its request)
+                self._drop(batch, seq, exc)
+                continue
+            if scheduled is None:
                 break
-            self.blocks.grow(seq.seq_id, target)
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
-            batch.draft_budgets.append(draft)
-            budget -= n + draft
+            budget -= scheduled
             i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
-            # admit only when the whole known sequence fits the free pool, so admission does not thrash
-            if self.blocks.blocks_needed(seq.seq_id, len(seq.token_ids) + 1) > self.blocks.num_free_blocks:
+            try:
+                scheduled = self._admit(batch, seq, budget)
+            except Exception as exc:
+                self._drop(batch, seq, exc)
+                continue
+            if scheduled is None:
                 break
-            n = min(seq.num_uncomputed_tokens, budget)
-            self.blocks.grow(seq.seq_id, seq.num_computed_tokens + n)
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
-            batch.draft_budgets.append(0)
-            budget -= n
+            budget -= scheduled
         return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, seq: Sequence, budget: int, per_seq: int) -> int | None:
+        """Put running `seq` in the batch, preempting the newest sequences if the pool is short.
+        Returns the step tokens it takes, or None when it was preempted itself (stop scheduling)."""
+        n = min(seq.num_uncomputed_tokens, budget)
+        draft = self._draft_budget(seq, per_seq) if seq.num_uncomputed_tokens == 1 else 0
+        if draft and not self.blocks.can_grow(seq.seq_id, seq.num_computed_tokens + 1 + draft):
+            draft = 0   # the pool is short: decode plainly rather than preempt for a draft
+        target = seq.num_computed_tokens + n + draft
+        while not self.blocks.can_grow(seq.seq_id, target):
+            victim = self.running.pop()
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                break
+        if seq.status is not SeqStatus.RUNNING:
+            return None
+        self.blocks.grow(seq.seq_id, target)
+        batch.seqs.append(seq)
+        batch.num_tokens.append(n)
+        batch.draft_budgets.append(draft)
+        return n + draft
+
+    def _admit(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int | None:
+        """Move the first waiting `seq` into the batch; None when the free pool cannot hold it yet."""
+        # admit only when the whole known sequence fits the free pool, so admission does not thrash
+        if self.blocks.blocks_needed(seq.seq_id, len(seq.token_ids) + 1) > self.blocks.num_free_blocks:
+            return None
+        n = min(seq.num_uncomputed_tokens, budget)
+        self.blocks.grow(seq.seq_id, seq.num_computed_tokens + n)
+        self.waiting.popleft()
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        batch.seqs.append(seq)
+        batch.num_tokens.append(n)
+        batch.draft_budgets.append(0)
+        return n
+
+    def _drop(self, batch: ScheduledBatch, seq: Sequence, exc: Exception) -> None:
+        """Scheduling `seq` raised: take it out of the queues and of the batch, free its blocks."""
+        for k, other in enumerate(batch.seqs):
+            if other is seq:
+                del batch.seqs[k], batch.num_tokens[k], batch.draft_budgets[k]
+                break
+        self.remove(seq)
+        batch.failed.append((seq, exc))

@@ -82,6 +82,7 @@ class Request:
     drafter: str | None = None
     seqs: list[Sequence] = field(default_factory=list)
     spec: "RequestSpecStats" = field(default_factory=lambda: RequestSpecStats())
+    error: str | None = None      # why the engine failed it (its sequences then end with "error")
 
     @property
     def finished(self) -> bool:

@@ -16,6 +16,8 @@ class EngineStats:
     num_prompt_tokens_total: int = 0      # prompt tokens prefilled (recomputation included)
     num_generation_tokens_total: int = 0  # tokens generated
     num_steps_total: int = 0
+    num_step_failures_total: int = 0      # steps that raised and were retried sequence by sequence
+    num_failed_requests_total: int = 0    # requests the engine failed (a step, scheduling or a drafter raised)
     drafters: dict[str, "DrafterStats"] = field(default_factory=dict)   # copies, by drafter name
 
 

@@ -5,14 +5,18 @@
 
 The app's lifespan starts the engine's step loop and stops it at shutdown. Every error leaves as
 OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: pydantic validation errors
-(malformed JSON, unknown or bad fields) become 400 with ``param`` naming the field.
+(malformed JSON, unknown or bad fields) become 400 with ``param`` naming the field, a body over
+``max_request_body_bytes`` a 413. `begin_shutdown` starts a graceful shutdown (server/launcher.py
+calls it on SIGTERM).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import threading
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,21 +26,28 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specserve.engine.errors import EngineError
+from specserve.engine.errors import EngineError, ShuttingDownError
 from specserve.server.metrics import ServerMetrics
+from specserve.server.openapi import install_openapi
 from specserve.server.openai_routes import OpenAIError, ServerState, engine_error, get_state, router
 
+logger = logging.getLogger("specserve.server")
+
 API_KEY_ENV = "SPECSERVE_API_KEY"
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 2**20   # a 128k-token prompt is ~0.5-1 MB of JSON
+DRAIN_LIMIT_FACTOR = 8   # an oversized body is read (and dropped) up to this many limits, so the client gets its 413
 # endpoints whose rejections count in specserve_requests_total{status="rejected"|"error"}
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def create_app(engine, *, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(engine, *, served_model_name: str | None = None, api_key: str | None = None,
+               max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """An OpenAI-compatible app serving `engine` (an `AsyncEngine`, not yet started).
 
     `served_model_name` defaults to the engine's model name (``"default"`` is always accepted too);
-    `api_key` (or ``$SPECSERVE_API_KEY``) turns on the Bearer check for ``/v1/*``.
+    `api_key` (or ``$SPECSERVE_API_KEY``) turns on the Bearer check for ``/v1/*``; a request body over
+    `max_request_body_bytes` (None: no limit) is answered 413 before it is parsed.
     """
 
     @asynccontextmanager
@@ -45,7 +56,9 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
         try:
             yield
         finally:
+            app.state.specserve.draining = True
             await asyncio.to_thread(engine.shutdown)
+            app.state.specserve.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="specserve", summary="OpenAI-compatible inference with speculative decoding",
                   lifespan=lifespan)
@@ -60,7 +73,81 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
         return Response(get_state(raw).metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     _install_error_handlers(app)
+    install_openapi(app)
+    if max_request_body_bytes is not None:
+        app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     return app
+
+
+def begin_shutdown(app: FastAPI, timeout: float | None) -> None:
+    """Start a graceful shutdown: /health fails and new requests get 503 at once; requests in flight
+    run on, and those still running `timeout` seconds later (None: no limit) end with a 503 error
+    (an error event on a stream) instead of being cut off. Idempotent; callable from any thread."""
+    state = app.state.specserve
+    if state.draining:
+        return
+    state.draining = True
+    logger.info("shutting down: no new requests; in-flight ones have %s to finish",
+                "no time limit" if timeout is None else f"{timeout:g} s")
+    if timeout is None:
+        return
+    error = ShuttingDownError(f"The server is shutting down and ended this request after the {timeout:g} s "
+                              "shutdown timeout; retry it on another replica.")
+    timer = threading.Timer(timeout, state.engine.fail_all, args=(error,))
+    timer.daemon = True
+    timer.start()
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    def __init__(self, limit: int):
+        super().__init__(413, f"The request body is larger than this server's limit of {limit} bytes.")
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over `max_bytes` -- by its Content-Length or as it streams in --
+    fails the endpoint's body read with a 413 (answered by the app's error handlers).
+
+    What the client already sent is read and dropped (up to DRAIN_LIMIT_FACTOR limits) before the
+    answer, so a client still writing its body reads the 413 instead of a reset connection."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.max_bytes
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                await self._drain(receive, 0, int(declared))
+                raise _BodyTooLarge(limit)
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    if message.get("more_body", False):
+                        await self._drain(receive, received, None)
+                    raise _BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    async def _drain(self, receive, received: int, declared: int | None) -> None:
+        cap = DRAIN_LIMIT_FACTOR * self.max_bytes
+        if declared is not None and declared > cap:
+            return   # not worth reading: the connection is closed after the answer
+        while received <= cap:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            received += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -72,10 +159,12 @@ def _count_rejection(request: Request, status_code: int) -> None:
         get_state(request).metrics.count("rejected" if status_code < 500 else "error")
 
 
-def _error_response(request: Request, exc: OpenAIError) -> JSONResponse:
+def _error_response(request: Request, exc: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
     _count_rejection(request, exc.status_code)
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
-    return exc.response(headers)
+    headers = dict(headers or {})
+    if exc.status_code == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return exc.response(headers or None)
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:
@@ -145,7 +234,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             message = f"Method {request.method} is not allowed on {request.url.path}"
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _error_response(request, OpenAIError(exc.status_code, message, type=kind))
+        code = "request_too_large" if exc.status_code == 413 else None
+        # e.g. a 405's Allow header, which Starlette sets
+        return _error_response(request, OpenAIError(exc.status_code, message, type=kind, code=code), exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

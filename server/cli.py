@@ -37,7 +37,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 ENV_VARS = {
     # serve
     "host": "SPECSERVE_HOST", "port": "SPECSERVE_PORT", "served_model_name": "SPECSERVE_SERVED_MODEL_NAME",
-    "log_level": "SPECSERVE_LOG_LEVEL",
+    "log_level": "SPECSERVE_LOG_LEVEL", "shutdown_timeout": "SPECSERVE_SHUTDOWN_TIMEOUT",
+    "max_request_body_bytes": "SPECSERVE_MAX_REQUEST_BODY_BYTES",
     # engine (serve and generate)
     "model": "SPECSERVE_MODEL", "dtype": "SPECSERVE_DTYPE", "device": "SPECSERVE_DEVICE",
     "max_num_seqs": "SPECSERVE_MAX_NUM_SEQS", "max_model_len": "SPECSERVE_MAX_MODEL_LEN",
@@ -201,6 +202,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY, else none); "
                         "prefer the environment variable, command lines are visible to other users")
+    p.add_argument("--shutdown-timeout", type=float, default=25.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, stop taking requests at once (/health turns 503) and give those in "
+                        "flight this long to finish; then they end with a 503 error and the server exits 0 "
+                        "(default: %(default)s)")
+    p.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20, metavar="N",
+                   help="larger request bodies are answered 413 without being parsed (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
     _add_engine_args(p)
     _apply_env_defaults(p)
@@ -208,15 +215,16 @@ def _add_serve(sub) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from specserve.server.app import create_app
+    from specserve.server.launcher import build_server, run_server
 
     _setup_logging(args.log_level)
     engine = _load_engine(args)
-    app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
+                     max_request_body_bytes=args.max_request_body_bytes)
+    server = build_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+                          log_level=args.log_level)
+    return run_server(server, engine)
 
 
 # ---- generate ---------------------------------------------------------------------------------

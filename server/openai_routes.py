@@ -17,13 +17,15 @@ import logging
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from specserve.engine.errors import EngineDeadError, EngineError, InvalidRequestError, QueueFullError
+from specserve.engine.errors import (EngineDeadError, EngineError, InvalidRequestError, QueueFullError,
+                                     RequestFailedError, ShuttingDownError)
 from specserve.engine.outputs import RequestOutput, TokenLogprob
 from specserve.engine.sampling_params import SamplingParams
 from specserve.server.metrics import RequestTracker, ServerMetrics
@@ -38,6 +40,8 @@ logger = logging.getLogger("specserve.server")
 
 MIN_LOGPROB = -9999.0          # stands in for -inf, which JSON cannot carry (vLLM does the same)
 DEFAULT_MODEL_ALIAS = "default"  # always names the served model, whatever its name
+TOKENIZER_THREADS = 4            # chat templating and tokenization run on these, never on the event loop
+T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -67,6 +71,10 @@ def engine_error(exc: EngineError, prompt_param: str | None = None) -> OpenAIErr
         return OpenAIError(429, str(exc), type="rate_limit_error", code="queue_full")
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, str(exc), type="service_unavailable_error", code="engine_dead")
+    if isinstance(exc, ShuttingDownError):
+        return OpenAIError(503, str(exc), type="service_unavailable_error", code="shutting_down")
+    if isinstance(exc, RequestFailedError):
+        return OpenAIError(500, str(exc), type="server_error", code="request_failed")
     return OpenAIError(500, f"engine error: {exc}", type="server_error")
 
 
@@ -170,10 +178,18 @@ class ServerState:
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     renderer: TokenRenderer | None = None
+    draining: bool = False               # shutting down: readiness fails, new requests get 503
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specserve-tokenize"))
 
     def __post_init__(self) -> None:
         if self.renderer is None:
             self.renderer = TokenRenderer(self.engine.tokenizer)
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` on the tokenizer threads: templating and tokenizing a long prompt take seconds
+        (the tokenizer releases the GIL), during which /health and every stream must keep going."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
     @property
     def model_aliases(self) -> set[str]:
@@ -205,6 +221,12 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
 
 # ---- request -> engine ------------------------------------------------------------------------
+
+
+def _check_accepting(state: ServerState) -> None:
+    if state.draining:
+        raise OpenAIError(503, "The server is shutting down and accepts no new requests; retry on another replica.",
+                          type="service_unavailable_error", code="shutting_down")
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -368,9 +390,10 @@ def _streaming_response(chunks: AsyncIterator[str]) -> StreamingResponse:
 @v1.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
     state = get_state(raw)
+    _check_accepting(state)
     _check_model(state, body.model)
     drafter_args = _drafter_args(state, body.speculative)
-    prompt_ids = _chat_prompt_ids(state, body.messages)
+    prompt_ids = await state.off_loop(_chat_prompt_ids, state, body.messages)
     params = _sampling_params(state, body, len(prompt_ids), body.requested_max_tokens, body.num_logprobs,
                               "messages")
     call = EngineCall(state, raw, _new_id("chatcmpl"), prompt_ids, params, "messages", drafter_args)
@@ -483,9 +506,10 @@ async def _stream(call: EngineCall, chunk, choice, include_usage: bool, opening=
 @v1.post("/completions")
 async def completions(body: CompletionRequest, raw: Request) -> Response:
     state = get_state(raw)
+    _check_accepting(state)
     _check_model(state, body.model)
     drafter_args = _drafter_args(state, body.speculative)
-    prompt_ids = _completion_prompt_ids(state, body.single_prompt)
+    prompt_ids = await state.off_loop(_completion_prompt_ids, state, body.single_prompt)
     params = _sampling_params(state, body, len(prompt_ids), body.max_tokens, body.logprobs, "prompt")
     call = EngineCall(state, raw, _new_id("cmpl"), prompt_ids, params, "prompt", drafter_args)
     if body.stream:
@@ -549,9 +573,13 @@ async def retrieve_model(model_id: str, raw: Request) -> JSONResponse:
 
 @router.get("/health")
 async def health(raw: Request) -> Response:
-    """200 while the engine's step loop is alive, 503 otherwise (for load balancers and k8s probes)."""
-    engine = get_state(raw).engine
-    if getattr(engine, "is_alive", True):
+    """200 while the engine's step loop is alive and the server takes requests; 503 once it is
+    shutting down (so a load balancer stops sending at once) or the engine died (for k8s probes)."""
+    state = get_state(raw)
+    if state.draining:
+        return OpenAIError(503, "the server is shutting down", type="service_unavailable_error",
+                           code="shutting_down").response()
+    if getattr(state.engine, "is_alive", True):
         return JSONResponse({"status": "ok"})
     return OpenAIError(503, "the engine loop is not running", type="service_unavailable_error",
                        code="engine_dead").response()

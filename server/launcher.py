@@ -1,0 +1,71 @@
+"""Running the app under uvicorn: graceful shutdown and the process's exit status.
+
+    status = run_server(build_server(app, host="0.0.0.0", port=8000, shutdown_timeout=25), engine)
+
+SIGTERM or SIGINT starts a graceful shutdown (`app.begin_shutdown`): readiness fails and new
+requests get 503 at once, in-flight requests run on for up to `shutdown_timeout` seconds and then
+end with a clear 503 error (an SSE error event on a stream); the process then exits with status 0.
+If the engine's step loop dies (an unrecoverable device error) the server shuts down as well and
+the status is 1, so that an orchestrator restarts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from types import FrameType
+
+import uvicorn
+
+from specserve.server.app import begin_shutdown
+
+logger = logging.getLogger("specserve.server")
+
+# uvicorn's own drain limit, past `shutdown_timeout`: time for the requests ended at the deadline to
+# send their error and for their connections to close, after which uvicorn cancels what is left
+CLOSE_GRACE_S = 5.0
+
+
+class SpecserveServer(uvicorn.Server):
+    """uvicorn's server, with a signal starting `begin_shutdown` and the exit status left to us
+    (uvicorn re-raises a caught SIGTERM after its shutdown, which would end the process with 143)."""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout: float | None):
+        super().__init__(config)
+        self.shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        begin_shutdown(self.config.app, self.shutdown_timeout)
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+
+def build_server(app, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float | None = 25.0,
+                 log_level: str = "info") -> SpecserveServer:
+    """A server for `app` whose graceful shutdown lasts `shutdown_timeout` seconds (None: unbounded)."""
+    grace = None if shutdown_timeout is None else shutdown_timeout + CLOSE_GRACE_S
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=grace)
+    return SpecserveServer(config, shutdown_timeout)
+
+
+def run_server(server: SpecserveServer, engine, sockets: list[socket.socket] | None = None) -> int:
+    """Serve until a signal (or `server.handle_exit`) or the engine's death; return the exit status."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if engine.dead.wait(0.2):
+                logger.error("the engine died; shutting the server down (exit status 1)")
+                server.should_exit = True
+                return
+
+    watcher = threading.Thread(target=watch, name="specserve-engine-watch", daemon=True)
+    watcher.start()
+    try:
+        server.run(sockets=sockets)
+    finally:
+        done.set()
+        watcher.join(timeout=1)
+    return 1 if engine.dead.is_set() else 0
