@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from specserve.engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+MAX_INT32 = 2**31 - 1   # bound of counts and ids the engine packs into tensors
 
 
 @dataclass
@@ -43,6 +44,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
+        if self.top_k > MAX_INT32:
+            raise InvalidRequestError(f"top_k must be at most {MAX_INT32} (a value at or above the vocabulary size "
+                                      f"keeps every token), got {self.top_k}", "top_k")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
