@@ -23,22 +23,37 @@ def _onednn_linear():
     op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
     if op is None or not torch.backends.mkldnn.is_available():
         return None
-    try:
-        x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
-        if not torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), atol=1e-5):
-            return None
-    except (RuntimeError, NotImplementedError):
-        return None
     return op
 
 
+def onednn_linear_dtypes(op) -> frozenset[torch.dtype]:
+    """The dtypes among fp32 and bf16 for which `op` (oneDNN's linear) runs on this CPU and agrees
+    with F.linear. Probed one by one: oneDNN has no bf16 inner product on CPUs without AVX-512
+    bf16 / AMX support and says so only when first called ("could not create a primitive descriptor")."""
+    if op is None:
+        return frozenset()
+    supported = set()
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 5e-2)):
+        g = torch.Generator().manual_seed(0)
+        x, w, b = (torch.randn(shape, generator=g).to(dtype) for shape in ((3, 8), (5, 8), (5,)))
+        try:
+            out = op(x, w, b, "none", [], "")
+        except (RuntimeError, NotImplementedError):
+            continue
+        ref = F.linear(x.float(), w.float(), b.float())
+        if out.dtype == dtype and torch.allclose(out.float(), ref, atol=tol, rtol=tol):
+            supported.add(dtype)
+    return frozenset(supported)
+
+
 _ONEDNN_LINEAR = _onednn_linear()
+_ONEDNN_DTYPES = onednn_linear_dtypes(_ONEDNN_LINEAR)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through oneDNN for 2-D fp32/bf16 inputs on the CPU (see `_onednn_linear`)."""
-    if (_ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dim() == 2
-            and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype):
+    """F.linear, through oneDNN for 2-D inputs on the CPU in the dtypes it supports here (see
+    `_onednn_linear`, `onednn_linear_dtypes`)."""
+    if (x.dtype in _ONEDNN_DTYPES and x.device.type == "cpu" and x.dim() == 2 and weight.dtype == x.dtype):
         return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

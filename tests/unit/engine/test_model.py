@@ -160,3 +160,24 @@ def test_cpu_linear_equals_f_linear(dtype, rows, with_bias):
     tol = 1e-5 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(linear(x, w, b).float(), ref, atol=tol, rtol=tol)
     torch.testing.assert_close(linear(x[None], w, b)[0].float(), ref, atol=tol, rtol=tol)   # 3-D: fallback
+
+
+def test_onednn_probe_drops_a_dtype_this_cpu_lacks():
+    """On a CPU without a bf16 inner product (AVX2-only x86-64) oneDNN raises when first called; the
+    load-time probe then keeps that dtype on F.linear instead of failing every bf16 step."""
+    from specserve.engine.model import onednn_linear_dtypes
+
+    def avx2_only(x, w, b, *args):
+        if x.dtype == torch.bfloat16:
+            raise RuntimeError("could not create a primitive descriptor for the inner product forward "
+                               "propagation primitive")
+        return torch.nn.functional.linear(x, w, b)
+
+    def wrong(x, w, b, *args):
+        return torch.nn.functional.linear(x, w, b) + 1
+
+    assert onednn_linear_dtypes(avx2_only) == {torch.float32}
+    assert onednn_linear_dtypes(wrong) == frozenset()
+    assert onednn_linear_dtypes(None) == frozenset()
+    assert onednn_linear_dtypes(lambda x, w, b, *a: torch.nn.functional.linear(x, w, b)) == {torch.float32,
+                                                                                         torch.bfloat16}
