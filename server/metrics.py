@@ -171,6 +171,12 @@ class _EngineStatsCollector(Collector):
                                 value=value("num_generation_tokens_total")),
             CounterMetricFamily("specserve_num_preemptions", "Sequences preempted for lack of KV-cache blocks.",
                                 value=value("num_preemptions_total")),
+            CounterMetricFamily("specserve_engine_step_failures", "Engine steps that raised and were retried "
+                                "sequence by sequence to isolate the requests causing it.",
+                                value=value("num_step_failures_total")),
+            CounterMetricFamily("specserve_engine_failed_requests", "Requests the engine failed because a step, "
+                                "scheduling or token processing raised for them (the server stayed up).",
+                                value=value("num_failed_requests_total")),
         ]
 
     def describe(self) -> Iterable[Metric]:

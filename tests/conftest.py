@@ -131,6 +131,8 @@ class LiveServer:
     engine: object           # the AsyncEngine behind it
     app: object
     base_url: str            # http://127.0.0.1:PORT
+    server: object = None    # the uvicorn server (server/launcher.py's SpecserveServer)
+    exit_status: list = None  # [status] once `run_server` returned
 
     @property
     def v1(self) -> str:
@@ -138,19 +140,21 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(engine, **app_kwargs) -> Iterator[LiveServer]:
-    """Serve `engine` through `create_app(engine, **app_kwargs)` until the block ends."""
-    import uvicorn
-
+def live_server(engine, *, shutdown_timeout: float | None = 5.0, **app_kwargs) -> Iterator[LiveServer]:
+    """Serve `engine` through `create_app(engine, **app_kwargs)` with the launcher `specserve serve` uses
+    (graceful shutdown bounded by `shutdown_timeout`) until the block ends."""
     from specserve.server.app import create_app
+    from specserve.server.launcher import build_server, run_server
 
     app = create_app(engine, **app_kwargs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
+    server = build_server(app, shutdown_timeout=shutdown_timeout, log_level="warning")
+    status: list = []
+    thread = threading.Thread(target=lambda: status.append(run_server(server, engine, sockets=[sock])),
+                              name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -158,7 +162,8 @@ def live_server(engine, **app_kwargs) -> Iterator[LiveServer]:
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     try:
-        yield LiveServer(engine=engine, app=app, base_url=f"http://127.0.0.1:{port}")
+        yield LiveServer(engine=engine, app=app, base_url=f"http://127.0.0.1:{port}", server=server,
+                         exit_status=status)
     finally:
         server.should_exit = True
         thread.join(timeout=30)
