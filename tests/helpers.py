@@ -10,6 +10,7 @@ when it loads tests/conftest.py (the default "prepend" import mode; the folder i
 * Sampling losslessness: `exact_first_two_law` is the target's exact joint law of the first two
   generated tokens (computed with transformers), `empirical_first_two_law` the law observed over many
   requests through an engine with one drafter, `total_variation` the distance between two such laws.
+* Servers: `sse_events(lines)` parses a streamed response's SSE lines.
 """
 
 from __future__ import annotations
@@ -104,3 +105,15 @@ def empirical_first_two_law(target_dir, drafter: str, options: dict, prompt: lis
 def total_variation(a: dict, b: dict) -> float:
     """Total variation distance between two laws given as outcome -> probability (missing: 0)."""
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+def sse_events(lines) -> list:
+    """The JSON payloads of an SSE body (``[DONE]`` kept as a string)."""
+    import json
+
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events

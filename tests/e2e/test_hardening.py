@@ -16,18 +16,10 @@ import time
 
 import httpx
 import pytest
+from helpers import sse_events
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 MARK = [3, 3, 3, 3, 3, 3, 3]          # prompt token ids of the request a fault is injected into
-
-
-def sse_events(lines) -> list:
-    events = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def metric(base_url: str, sample: str, default: float | None = None) -> float:

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from helpers import sse_events
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 NO_EOS = {"ignore_eos": True}
@@ -35,16 +36,6 @@ def scrape(base_url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return samples
-
-
-def sse_events(lines) -> list:
-    """The JSON payloads of an SSE body (``[DONE]`` kept as a string)."""
-    events = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 # ---- models, health ------------------------------------------------------------------------------
