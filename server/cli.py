@@ -327,11 +327,12 @@ BENCHMARKS = {   # name -> (module with main(argv), what it measures)
     "spec": ("specserve.bench.spec_decode", "speculative decoding: each drafter vs plain decoding and transformers"),
     "plain": ("specserve.bench.plain_decode", "plain decoding: our engine vs transformers generate"),
     "serve": ("specserve.bench.serve_throughput", "server throughput with concurrent streaming clients"),
+    "reliability": ("specserve.bench.reliability", "soak, disconnect storm and back-to-idle checks of a live server"),
 }
 
 
 def _add_bench(sub) -> None:
-    listing = "\n".join(f"  {name:6} {what}" for name, (_, what) in BENCHMARKS.items())
+    listing = "\n".join(f"  {name:11} {what}" for name, (_, what) in BENCHMARKS.items())
     p = sub.add_parser(
         "bench", help="benchmarks: speculative decoding, plain decoding, server throughput",
         description=f"Run a benchmark; the options after its name are its own.\n\n{listing}\n\n"
