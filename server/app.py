@@ -168,15 +168,14 @@ def _error_response(request: Request, exc: OpenAIError, headers: dict[str, str] 
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:
-    """("body", "messages", 0, "content", "str") -> "messages.0.content" (union-member tags dropped)."""
+    """("body", "stop", "list[str]", 1) -> "stop.1" (union-member tags dropped)."""
     parts = []
     for item in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(item, int):
             parts.append(str(item))
         elif isinstance(item, str) and item.isidentifier() and item not in _UNION_TAGS:
             parts.append(item)
-        else:
-            break
+        # else: a union member's tag ("list[str]", "str", ...): skip it, the path goes on after it
     return ".".join(parts) or None
 
 
@@ -229,12 +228,17 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        code = "request_too_large" if exc.status_code == 413 else None
         if exc.status_code == 404:
             message = f"Unknown route: {request.method} {request.url.path}"
+        elif exc.status_code == 400 and message == "There was an error parsing the body":
+            # FastAPI's answer to a body json.loads could not take (nesting too deep, an int too long)
+            message = ("We could not parse the JSON body of your request: it nests too deeply or holds a number "
+                       "too long to read. The body must be a JSON object.")
+            code = "invalid_json"
         elif exc.status_code == 405:
             message = f"Method {request.method} is not allowed on {request.url.path}"
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        code = "request_too_large" if exc.status_code == 413 else None
         # e.g. a 405's Allow header, which Starlette sets
         return _error_response(request, OpenAIError(exc.status_code, message, type=kind, code=code), exc.headers)
 

@@ -1,7 +1,12 @@
 """OpenAI wire schemas: chat completions, completions, stream chunks, models, errors.
 
 Requests follow OpenAI's strictness: an unknown field is a 400 ("Unrecognized request argument"),
-so typos do not pass silently. Extensions we accept on top of OpenAI's fields:
+so typos do not pass silently, and types are strict -- ``"8"`` is not an integer, ``"true"`` not a
+boolean, ``1.5`` (or ``true``) not an integer; as in JSON Schema, ``8.0`` is an integer and ``8`` a
+valid number; NaN and Infinity are refused. Every number is bounded by what the engine can
+represent (counts and token ids are int32, seeds int64), and text that UTF-8 cannot encode (a lone
+surrogate such as ``"\\ud800"``, which JSON lets through) is refused wherever it appears.
+Extensions we accept on top of OpenAI's fields:
 
 * sampling (vLLM names): ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
   ``include_stop_str_in_output``, ``skip_special_tokens``;
@@ -9,49 +14,122 @@ so typos do not pass silently. Extensions we accept on top of OpenAI's fields:
 
 OpenAI fields we do not implement are accepted only with their neutral value (penalties 0, empty
 ``logit_bias``, no ``tools``, ``response_format`` text, ``echo`` false, ...) and rejected with a
-400 naming the parameter otherwise. Cross-field rules raise ``PydanticCustomError`` with
-``ctx["param"]`` so the server can name the offending parameter in the error body.
+400 naming the parameter otherwise; their JSON schema (``WithJsonSchema``) says exactly which
+value is accepted, so the OpenAPI document does not advertise what we refuse. Cross-field rules
+raise ``PydanticCustomError`` with ``ctx["param"]`` so the server can name the offending parameter
+in the error body.
+
+Response models describe what is sent: their JSON schema lists every field as required except
+those a model leaves out when None (`ResponseModel._omit_if_none`).
 """
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator,
-                      model_serializer, model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, SerializerFunctionWrapHandler,
+                      Tag, WithJsonSchema, field_validator, model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
-MAX_TOP_LOGPROBS = 20  # the same cap as engine.sampling_params.MAX_TOP_LOGPROBS
+MAX_TOP_LOGPROBS = 20       # the same cap as engine.sampling_params.MAX_TOP_LOGPROBS
+MAX_INT32 = 2**31 - 1       # the engine packs counts and token ids into int32 (engine.sampling_params.MAX_INT32)
+MIN_INT64, MAX_INT64 = -2**63, 2**63 - 1
+MAX_N = 128
+MAX_STOP_SEQUENCES = 16     # the engine's limit
+MAX_STOP_LENGTH = 1024      # characters per stop string
+MAX_STOP_TOKEN_IDS = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_NO_TEXT = frozenset({int, float, bool, type(None)})   # the types of JSON values without text
 
 
-def param_error(param: str, message: str) -> PydanticCustomError:
+def param_error(param: str | None, message: str) -> PydanticCustomError:
     """A validation error that names the offending request parameter (read back by the server)."""
     return PydanticCustomError("invalid_param", message, {"param": param})
+
+
+def check_encodable(data: Any) -> None:
+    """Raise a `param_error` for the first string in `data` (a value or a key, at any depth) that
+    UTF-8 cannot encode. ``json.loads`` turns ``"\\ud800"`` into a lone surrogate, on which the
+    tokenizer (or an error body echoing it) would fail. Iterative: deep nesting costs no stack."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            bad = None if value.isascii() else _SURROGATE.search(value)
+            if bad is not None:
+                param = ".".join(map(str, path))
+                raise param_error(param, f"Invalid value for '{param}': the text contains an unpaired surrogate "
+                                         f"(U+{ord(bad.group()):04X}), which is not valid Unicode.")
+        elif isinstance(value, dict):
+            if any(isinstance(key, str) and _SURROGATE.search(key) for key in value):
+                param = ".".join(map(str, path)) or None
+                where = f"a key of '{param}'" if param else "a field name"
+                raise param_error(param, f"Invalid value for {where}: it contains an unpaired surrogate, "
+                                         "which is not valid Unicode.")
+            stack.extend(reversed([(v, (*path, k)) for k, v in value.items()
+                                   if isinstance(v, (str, dict, list))]))
+        elif isinstance(value, list) and not _NO_TEXT.issuperset(map(type, value)):   # token ids: skipped at C speed
+            stack.extend(reversed([(v, (*path, i)) for i, v in enumerate(value)
+                                   if isinstance(v, (str, dict, list))]))
+
+
+def _whole_number(value: Any) -> Any:
+    """``8.0`` -> ``8``: JSON Schema's integer is any number without a fractional part, and
+    ``json.loads`` reads ``8.0`` as a float (which strict int validation refuses). Floats beyond
+    the int64 range stay floats: no field takes them, and their error message stays short."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**63:
+        return int(value)
+    return value
+
+
+def _str_or_list(value: Any) -> str:
+    """The member of a ``str | list`` union that validates `value`, so that its errors alone are reported."""
+    return "list" if isinstance(value, list) else "str"
 
 
 # ---- common -----------------------------------------------------------------------------------
 
 
 class RequestModel(BaseModel):
-    """Base of every request body: unknown fields are errors, as in OpenAI's API."""
+    """Base of every request body: unknown fields are errors, as in OpenAI's API; types are strict
+    (no string-to-number or number-to-bool coercion; an integer is a valid float) and floats finite."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _always_sent(schema: dict[str, Any], cls: type[ResponseModel]) -> None:
+    schema["required"] = [name for name in schema.get("properties", {}) if name not in cls._omit_if_none]
 
 
 class ResponseModel(BaseModel):
     """Base of every response body. Fields named in `_omit_if_none` are left out when None
-    (OpenAI omits e.g. ``delta.role`` after the first chunk); all other None fields serialise as null."""
+    (OpenAI omits e.g. ``delta.role`` after the first chunk); all other None fields serialise as null.
+
+    The JSON schema lists every field as required but those in `_omit_if_none`."""
+
+    model_config = ConfigDict(json_schema_extra=_always_sent)
 
     _omit_if_none: ClassVar[frozenset[str]] = frozenset()
 
+    # no return annotation: pydantic would take the JSON schema of serialised responses from it
     @model_serializer(mode="wrap")
-    def _drop_empty(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _drop_empty(self, handler: SerializerFunctionWrapHandler):
         data = handler(self)
         for name in self._omit_if_none:
             if data.get(name, 0) is None:
                 del data[name]
         return data
+
+
+WholeNumber = BeforeValidator(_whole_number)   # after the constraints, which then reach the JSON schema
+Count = Annotated[int, Field(ge=1, le=MAX_INT32), WholeNumber]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32), WholeNumber]
+StopString = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
+Stop = Annotated[Union[Annotated[StopString, Tag("str")],
+                       Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES), Tag("list")]],
+                 Discriminator(_str_or_list)]
 
 
 class StreamOptions(RequestModel):
@@ -62,7 +140,7 @@ class StreamOptions(RequestModel):
 class SpeculativeOptions(BaseModel):
     """The per-request ``speculative`` extension. Keys beyond ``drafter`` are drafter options, kept as given."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     drafter: str | None = None
 
@@ -75,29 +153,37 @@ class SamplingFields(RequestModel):
     """Fields shared by chat and completions requests."""
 
     model: str | None = None          # None: the served model
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] | None = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), WholeNumber] | None = 1
+    stop: Stop | None = None
+    seed: Annotated[int, Field(ge=MIN_INT64, le=MAX_INT64), WholeNumber] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float, WithJsonSchema({"type": "number", "const": 0})] | None = 0.0
+    frequency_penalty: Annotated[float, WithJsonSchema({"type": "number", "const": 0})] | None = 0.0
+    logit_bias: Annotated[dict[str, float], WithJsonSchema({"type": "object", "maxProperties": 0})] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
     # extensions
-    top_k: int | None = None          # <= 0: off
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    # -1 or 0: off; above the vocabulary size, every token (the engine clamps it)
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT32), WholeNumber] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_INT32), WholeNumber] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculative: SpeculativeOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable_text(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_encodable(data)
+        return data
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -138,13 +224,17 @@ class TextPart(RequestModel):
     text: str
 
 
+MessageContent = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[TextPart], Tag("list")]],
+                           Discriminator(_str_or_list)]
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: MessageContent | None = None
     name: str | None = None
     # fields a client sends back when it replays an assistant message from a response; must be empty
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: Annotated[list[dict[str, Any]], WithJsonSchema({"type": "array", "maxItems": 0})] | None = None
     tool_call_id: str | None = None
     annotations: list[Any] | None = None
 
@@ -174,15 +264,30 @@ class ChatMessage(RequestModel):
         return "\n".join(part.text for part in self.content)
 
 
+class ResponseFormat(RequestModel):
+    """Only plain text: structured outputs (``json_object``, ``json_schema``) are not supported."""
+
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16,
+         "temperature": 0},
+        {"messages": [{"role": "system", "content": "Answer in one line."},
+                      {"role": "user", "content": [{"type": "text", "text": "Write a haiku about the sea."}]}],
+         "max_completion_tokens": 24, "stream": True, "stream_options": {"include_usage": True},
+         "logprobs": True, "top_logprobs": 2, "seed": 7, "stop": ["\n\n"], "speculative": {"drafter": "none"}},
+    ]})
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WholeNumber] | None = None
+    tools: Annotated[list[dict[str, Any]], WithJsonSchema({"type": "array", "maxItems": 0})] | None = None
+    tool_choice: Annotated[str | dict[str, Any], WithJsonSchema({"enum": ["none", "auto"]})] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("tools")
     @classmethod
@@ -198,10 +303,10 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tool calling is not supported by this server")
         return v
 
-    @field_validator("response_format")
+    @field_validator("response_format", mode="before")
     @classmethod
-    def _text_format_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type") != "text":
+    def _text_format_only(cls, v: Any) -> Any:
+        if isinstance(v, dict) and v.get("type") != "text":
             raise ValueError("only response_format {'type': 'text'} is supported")
         return v
 
@@ -225,19 +330,47 @@ class ChatCompletionRequest(SamplingFields):
 # ---- completions ------------------------------------------------------------------------------
 
 
-class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
+def _prompt_form(value: Any) -> str:
+    """The member of the `Prompt` union that validates `value` (a token-id list unless it holds text or lists)."""
+    if not isinstance(value, list):
+        return "str"
+    if value and isinstance(value[0], str):
+        return "list[str]"
+    if value and isinstance(value[0], list):
+        return "list[list[int]]"
+    return "list[int]"
 
-    @field_validator("prompt")
+
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# one prompt: text, token ids, or a batch of exactly one of either (the engine checks ids against the vocabulary)
+Prompt = Annotated[Union[Annotated[Text, Tag("str")],
+                         Annotated[TokenIds, Tag("list[int]")],
+                         Annotated[list[Text], Field(min_length=1, max_length=1), Tag("list[str]")],
+                         Annotated[list[TokenIds], Field(min_length=1, max_length=1), Tag("list[list[int]]")]],
+                   Discriminator(_prompt_form)]
+
+
+class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+        {"prompt": [1, 2, 3], "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True},
+         "logprobs": 2, "top_k": 40, "seed": 7, "stop": "\n"},
+    ]})
+
+    prompt: Prompt
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WholeNumber] | None = None
+    echo: Annotated[bool, WithJsonSchema({"type": "boolean", "const": False})] | None = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_N), WholeNumber] | None = None
+    suffix: Annotated[str, WithJsonSchema({"type": "string", "maxLength": 0})] | None = None
+
+    @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
+        if isinstance(v, list) and len(v) > 1 and isinstance(v[0], (str, list)):
+            raise ValueError("batched prompts are not supported; send one prompt per request")
+        if v in ("", [], [""], [[]]):
+            raise ValueError("the prompt is empty")
         return v
 
     @field_validator("echo")
@@ -405,6 +538,12 @@ class ModelCard(ResponseModel):
 class ModelList(ResponseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class HealthStatus(ResponseModel):
+    """The body of a healthy ``GET /health``."""
+
+    status: Literal["ok"] = "ok"
 
 
 # ---- errors -----------------------------------------------------------------------------------

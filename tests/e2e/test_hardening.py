@@ -338,3 +338,10 @@ def test_bfloat16_generation_on_a_cpu_without_a_bf16_inner_product(tiny_llama_di
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
     assert "5 generated" in out
+
+
+@pytest.mark.parametrize("body", ["[" * 100_000 + "]" * 100_000, '{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}"])
+def test_a_body_json_cannot_read_is_a_400_invalid_json(http, body):
+    r = http.post("/v1/completions", content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json"

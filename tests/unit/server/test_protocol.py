@@ -1,4 +1,7 @@
-"""Request validation and response shapes of the OpenAI schemas (no model, no server)."""
+"""Request validation and response shapes of the OpenAI schemas (no model, no server).
+
+Bodies are validated as FastAPI does it: the Python object `json.loads` makes (which lets NaN,
+Infinity and lone surrogates through), in pydantic's Python mode."""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from specserve.server.app import validation_error
-from specserve.server.protocol import (ChatCompletionChunk, ChatChunkChoice, ChatCompletionRequest, ChatDelta,
-                                       CompletionRequest, CompletionResponse, CompletionChoice, ErrorInfo,
+from specserve.server.protocol import (MAX_INT32, ChatCompletionChunk, ChatChunkChoice, ChatCompletionRequest,
+                                       ChatDelta, CompletionRequest, CompletionResponse, CompletionChoice, ErrorInfo,
                                        ErrorResponse, UsageInfo)
 
 USER = [{"role": "user", "content": "hi"}]
@@ -28,7 +31,15 @@ def openai_error(exc_info) -> ErrorInfo:
     errors = [{**e, "loc": ("body", *e["loc"])} for e in exc_info.value.errors()]
     err = validation_error(errors)
     assert err.status_code == 400
+    err.response()   # the body can be rendered (e.g. it echoes no lone surrogate)
     return err.info
+
+
+def rejected(model, body: str) -> ErrorInfo:
+    """The OpenAI error for a raw JSON `body` of `model`, which must be refused."""
+    with pytest.raises(ValidationError) as exc:
+        model.model_validate(json.loads(body))
+    return openai_error(exc)
 
 
 # ---- chat --------------------------------------------------------------------------------------
@@ -141,6 +152,20 @@ def test_unsupported_openai_features_are_clear_400s(fields, param):
     assert openai_error(exc).param == param
 
 
+@pytest.mark.parametrize("response_format, param, expected", [
+    ({"type": "json_object"}, "response_format", "only response_format {'type': 'text'}"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format", "only response_format"),
+    ({"type": "text", "json_schema": {}}, "response_format.json_schema", "Unrecognized request argument"),
+    ("text", "response_format", "valid dictionary"),
+    ({}, "response_format", "only response_format"),
+])
+def test_response_format_is_exactly_text(response_format, param, expected):
+    with pytest.raises(ValidationError) as exc:
+        chat(response_format=response_format)
+    info = openai_error(exc)
+    assert info.param == param and expected in info.message
+
+
 def test_neutral_values_of_unsupported_features_pass():
     chat(logit_bias={}, tools=[], tool_choice="none", response_format={"type": "text"}, user="u", store=False,
          metadata={"k": "v"}, parallel_tool_calls=False)
@@ -190,6 +215,15 @@ def test_batched_prompts_are_rejected(prompt):
     assert info.param == "prompt" and "one prompt per request" in info.message
 
 
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]]])
+def test_empty_prompts_are_rejected(prompt):
+    """The engine refuses them ("the prompt is empty"): the schema says so (minLength, minItems)."""
+    with pytest.raises(ValidationError) as exc:
+        completion(prompt=prompt)
+    info = openai_error(exc)
+    assert info.param == "prompt" and "the prompt is empty" in info.message
+
+
 def test_completion_prompt_required_and_typed():
     with pytest.raises(ValidationError) as exc:
         CompletionRequest.model_validate({"model": "m"})
@@ -219,6 +253,187 @@ def test_completion_chat_only_fields_are_unknown():
     with pytest.raises(ValidationError) as exc:
         completion(messages=USER)
     assert openai_error(exc).code == "unknown_parameter"
+
+
+# ---- strict types and bounds -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("max_tokens", '"8"', "valid integer"), ("max_tokens", "1.5", "valid integer"),
+    ("max_tokens", "true", "valid integer"), ("max_completion_tokens", '"8"', "valid integer"),
+    ("n", "2.5", "valid integer"), ("top_k", "false", "valid integer"), ("seed", '"1"', "valid integer"),
+    ("min_tokens", "1.5", "valid integer"), ("top_logprobs", "true", "valid integer"),
+    ("temperature", '"0.5"', "valid number"), ("top_p", "true", "valid number"),
+    ("temperature", "NaN", "finite number"), ("temperature", "Infinity", "finite number"),
+    ("top_p", "-Infinity", "finite number"), ("presence_penalty", "NaN", "finite number"),
+    ("stream", '"true"', "valid boolean"), ("stream", "1", "valid boolean"),
+    ("logprobs", '"false"', "valid boolean"), ("ignore_eos", "0", "valid boolean"),
+    ("user", "5", "valid string"), ("model", "7", "valid string"),
+])
+def test_types_are_strict(field, value, expected):
+    info = rejected(ChatCompletionRequest, f'{{"messages": {json.dumps(USER)}, "{field}": {value}}}')
+    assert info.param == field and info.code == "invalid_value"
+    assert info.message.startswith(f"Invalid value for '{field}': Input should be a {expected}")
+
+
+@pytest.mark.parametrize("body, param", [
+    ('{"stop_token_ids": ["1"]}', "stop_token_ids.0"),
+    ('{"stop": [1]}', "stop.0"),
+    ('{"prompt": [1, "2"]}', "prompt.1"),
+    ('{"prompt": [1, 2.5]}', "prompt.1"),
+    ('{"stream_options": {"include_usage": "yes"}, "stream": true}', "stream_options.include_usage"),
+    ('{"speculative": {"drafter": 1}}', "speculative.drafter"),
+])
+def test_strict_types_reach_nested_values(body, param):
+    assert rejected(CompletionRequest, json.dumps({"prompt": "hi", **json.loads(body)})).param == param
+
+
+def test_numbers_are_numbers_as_in_json_schema():
+    """A JSON integer is a valid float, and a number without a fractional part a valid integer."""
+    r = completion(temperature=1, top_p=1, max_tokens=8.0, seed=-3.0, stop_token_ids=[5.0], prompt=[1.0, 2])
+    assert isinstance(r.temperature, float) and isinstance(r.top_p, float)
+    assert (r.max_tokens, r.seed, r.stop_token_ids, r.prompt) == (8, -3, [5], [1, 2])
+    assert all(type(v) is int for v in (r.max_tokens, r.seed, *r.stop_token_ids, *r.prompt))
+
+
+def test_a_huge_top_k_is_a_400_naming_it():
+    """Once an int64 overflow in the sampler that killed the engine."""
+    info = rejected(CompletionRequest, '{"prompt": "hi", "max_tokens": 4, "temperature": 0.8, '
+                                       '"top_k": 9223372036854775808}')
+    assert info.param == "top_k" and str(MAX_INT32) in info.message and "9223372036854775808" in info.message
+    assert completion(top_k=MAX_INT32).top_k == MAX_INT32
+    assert completion(top_k=-1).top_k == -1
+
+
+@pytest.mark.parametrize("field, ok, bad", [
+    ("top_k", [-1, 0, MAX_INT32], [-2, MAX_INT32 + 1]),
+    ("seed", [-2**63, 0, 2**63 - 1], [-2**63 - 1, 2**63]),
+    ("max_tokens", [1, MAX_INT32], [0, MAX_INT32 + 1]),
+    ("min_tokens", [0, MAX_INT32], [-1, MAX_INT32 + 1]),
+    ("n", [1, 128], [0, 129]),
+    ("logprobs", [0, 20], [-1, 21]),
+    ("best_of", [1], [0, 129]),
+])
+def test_numbers_are_bounded(field, ok, bad):
+    for value in ok:
+        assert getattr(completion(**{field: value}), field) == value
+    for value in bad:
+        with pytest.raises(ValidationError) as exc:
+            completion(**{field: value})
+        info = openai_error(exc)
+        assert info.param == field and json.dumps(value) in info.message
+
+
+@pytest.mark.parametrize("field", ["max_completion_tokens", "max_tokens"])
+def test_chat_token_limits_are_int32(field):
+    assert chat(**{field: MAX_INT32}).requested_max_tokens == MAX_INT32
+    with pytest.raises(ValidationError) as exc:
+        chat(**{field: MAX_INT32 + 1})
+    assert openai_error(exc).param == field
+
+
+@pytest.mark.parametrize("fields, param, expected", [
+    ({"stop_token_ids": [MAX_INT32 + 1]}, "stop_token_ids.0", "less than or equal to 2147483647"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids.0", "greater than or equal to 0"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64 items"),
+    ({"stop": ["x"] * 17}, "stop", "at most 16 items"),
+    ({"stop": "x" * 1025}, "stop", "at most 1024 characters"),
+    ({"stop": ["ok", "x" * 1025]}, "stop.1", "at most 1024 characters"),
+    ({"prompt": [1, MAX_INT32 + 1]}, "prompt.1", "less than or equal to 2147483647"),
+    ({"prompt": [[-1]]}, "prompt.0.0", "greater than or equal to 0"),
+])
+def test_lists_and_token_ids_are_bounded(fields, param, expected):
+    with pytest.raises(ValidationError) as exc:
+        completion(**fields)
+    info = openai_error(exc)
+    assert info.param == param and expected in info.message
+
+
+def test_bounds_in_range_pass():
+    r = completion(stop_token_ids=list(range(64)), stop=["x" * 1024] * 16, prompt=[0, MAX_INT32])
+    assert len(r.stop_list) == 16 and r.single_prompt == [0, MAX_INT32]
+
+
+# ---- text that UTF-8 cannot encode -------------------------------------------------------------
+
+
+LONE = "\ud800"   # what json.loads makes of "\\ud800": a lone surrogate
+
+
+@pytest.mark.parametrize("model, fields, param", [
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": LONE}]}, "messages.0.content"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": f"a{LONE}b"}]}]},
+     "messages.0.content.0.text"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "name": LONE}]}, "messages.0.name"),
+    (ChatCompletionRequest, {"messages": [*USER, {"role": "assistant", "content": "y", "refusal": LONE}]},
+     "messages.1.refusal"),
+    (ChatCompletionRequest, {"messages": USER, "stop": ["ok", LONE]}, "stop.1"),
+    (ChatCompletionRequest, {"messages": USER, "tool_choice": LONE}, "tool_choice"),
+    (CompletionRequest, {"prompt": f"hi {LONE}"}, "prompt"),
+    (CompletionRequest, {"prompt": [LONE]}, "prompt.0"),
+    (CompletionRequest, {"prompt": "hi", "stop": LONE}, "stop"),
+    (CompletionRequest, {"prompt": "hi", "user": LONE}, "user"),
+    (CompletionRequest, {"prompt": "hi", "model": f"m{LONE}"}, "model"),
+    (CompletionRequest, {"prompt": "hi", "suffix": LONE}, "suffix"),
+    (CompletionRequest, {"prompt": "hi", "metadata": {"k": LONE}}, "metadata.k"),
+    (CompletionRequest, {"prompt": "hi", "metadata": {LONE: "v"}}, "metadata"),
+    (CompletionRequest, {"prompt": "hi", "speculative": {"drafter": LONE}}, "speculative.drafter"),
+    (CompletionRequest, {"prompt": "hi", "speculative": {"drafter": "ngram", "opts": [LONE]}}, "speculative.opts.0"),
+])
+def test_text_utf8_cannot_encode_is_a_400_naming_the_param(model, fields, param):
+    """Once a 500 from the tokenizer."""
+    info = rejected(model, json.dumps(fields))   # json.dumps escapes the surrogate as \\ud800
+    assert info.param == param and info.code == "invalid_value"
+    assert f"'{param}'" in info.message and "unpaired surrogate" in info.message
+
+
+def test_an_unencodable_field_name_is_a_400():
+    info = rejected(CompletionRequest, json.dumps({"prompt": "hi", LONE: 1}))
+    assert info.param is None and "field name" in info.message
+
+
+def test_surrogate_pairs_and_other_text_pass():
+    r = completion(prompt="emoji \U0001F600 \u00e9 \u4e2d", stop=["\U0001F600"])
+    assert r.single_prompt.startswith("emoji") and r.stop_list == ["\U0001F600"]
+    pair = json.loads('"\\ud83d\\ude00"')   # a surrogate pair in JSON is one character
+    assert chat(messages=[{"role": "user", "content": pair}]).messages[0].text == "\U0001F600"
+
+
+# ---- the schema says what is accepted ----------------------------------------------------------
+
+
+def _field_schema(model, name: str) -> dict:
+    schema = model.model_json_schema()["properties"][name]
+    return schema["anyOf"][0] if "anyOf" in schema else schema
+
+
+@pytest.mark.parametrize("model, name, expected", [
+    (CompletionRequest, "presence_penalty", {"type": "number", "const": 0}),
+    (CompletionRequest, "frequency_penalty", {"type": "number", "const": 0}),
+    (CompletionRequest, "logit_bias", {"type": "object", "maxProperties": 0}),
+    (CompletionRequest, "echo", {"type": "boolean", "const": False}),
+    (CompletionRequest, "suffix", {"type": "string", "maxLength": 0}),
+    (CompletionRequest, "best_of", {"type": "integer", "minimum": 1, "maximum": 128}),
+    (CompletionRequest, "top_k", {"type": "integer", "minimum": -1, "maximum": MAX_INT32}),
+    (ChatCompletionRequest, "tools", {"type": "array", "maxItems": 0}),
+    (ChatCompletionRequest, "tool_choice", {"enum": ["none", "auto"]}),
+    (ChatCompletionRequest, "response_format", {"$ref": "#/$defs/ResponseFormat"}),
+])
+def test_neutral_only_fields_say_so_in_the_schema(model, name, expected):
+    assert _field_schema(model, name) == expected
+
+
+def test_prompt_schema_refuses_empty_and_batched_prompts():
+    forms = _field_schema(CompletionRequest, "prompt")["oneOf"]
+    assert forms[0] == {"type": "string", "minLength": 1}
+    assert forms[1]["minItems"] == 1
+    assert all(f["minItems"] == f["maxItems"] == 1 for f in forms[2:])
+
+
+def test_response_format_schema_is_text_only():
+    defs = ChatCompletionRequest.model_json_schema()["$defs"]
+    assert defs["ResponseFormat"]["properties"]["type"]["const"] == "text"
+    assert defs["ResponseFormat"]["additionalProperties"] is False
 
 
 # ---- errors the server builds from FastAPI's error list ---------------------------------------------
@@ -254,6 +469,16 @@ def test_chunk_omits_empty_delta_fields_and_usage():
     assert "usage" not in d and "speculative" not in d
     first = ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))
     assert first.model_dump()["delta"] == {"role": "assistant", "content": ""}
+
+
+def test_response_schemas_require_what_is_always_sent():
+    chunk = ChatCompletionChunk.model_json_schema(mode="serialization")
+    assert set(chunk["required"]) == {"id", "object", "created", "model", "choices"}   # not usage, speculative
+    defs = chunk["$defs"]
+    assert defs["ChatDelta"]["required"] == []
+    assert set(defs["ChatChunkChoice"]["required"]) == {"index", "delta", "logprobs", "finish_reason"}
+    error = ErrorResponse.model_json_schema(mode="serialization")
+    assert set(error["$defs"]["ErrorInfo"]["required"]) == {"message", "type", "param", "code"}
 
 
 def test_completion_response_shape():
