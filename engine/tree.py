@@ -191,3 +191,159 @@ def build_tree_buffers(parents: Sequence[int], device: torch.device | str = "cpu
             path.append(parents[path[-1]])
         paths.append(path[::-1])
     return TreeBuffers(mask.to(device), torch.tensor(depths, dtype=torch.int64, device=device), paths)
+
+
+# --- A whole batch of trees as padded tensors (device verification, batched attention) ----------
+
+from collections import OrderedDict  # noqa: E402
+
+@dataclass(frozen=True)
+class TreeTopology:
+    """What a tree's shape alone determines, on the host: built once per distinct `parents` and
+    cached (static templates — medusa, parallelspec, draft_model k-configs, chains — then cost a
+    dictionary look-up per step)."""
+
+    mask: torch.Tensor       # [n, n] bool, ancestor-or-self (as build_tree_buffers)
+    depths: torch.Tensor     # [n] int64
+    children: torch.Tensor   # [n, c] int64: the children of each node in node order, pad -1 (c >= 0)
+    num_roots: int
+    max_depth: int
+
+    @property
+    def max_children(self) -> int:
+        return self.children.shape[1]
+
+
+TOPOLOGY_CACHE_SIZE = 1024
+_TOPOLOGY_CACHE: "OrderedDict[tuple[int, ...], TreeTopology]" = OrderedDict()
+
+
+def _build_topology(parents: tuple[int, ...]) -> TreeTopology:
+    buf = build_tree_buffers(parents)   # also validates
+    n = len(parents)
+    kids: list[list[int]] = [[] for _ in range(n)]
+    for i, p in enumerate(parents):
+        if p != NO_PARENT:
+            kids[p].append(i)
+    c = max(len(k) for k in kids)
+    children = torch.tensor([k + [-1] * (c - len(k)) for k in kids], dtype=torch.int64).reshape(n, c)
+    return TreeTopology(buf.mask, buf.depths, children, num_roots(parents), int(buf.depths.max()))
+
+
+def tree_topology(parents: Sequence[int]) -> TreeTopology:
+    """The cached host topology of `parents` (LRU, TOPOLOGY_CACHE_SIZE entries). Host tensors
+    only: device copies are made per step for the whole batch at once by `pack_trees`."""
+    key = tuple(parents)
+    topo = _TOPOLOGY_CACHE.get(key)
+    if topo is not None:
+        _TOPOLOGY_CACHE.move_to_end(key)
+        return topo
+    topo = _build_topology(key)
+    _TOPOLOGY_CACHE[key] = topo
+    while len(_TOPOLOGY_CACHE) > TOPOLOGY_CACHE_SIZE:
+        _TOPOLOGY_CACHE.popitem(last=False)
+    return topo
+
+
+@dataclass
+class PackedTrees:
+    """T draft trees padded to N = the largest tree's node count, on one device.
+
+    Padding nodes (index >= num_nodes[t]) have token 0, parent NO_PARENT, depth 0, no children
+    and a mask row that sees only themselves; they are never roots of a walk (walks start at the
+    first num_roots[t] nodes). Host copies of the batch maxima are kept so that device code can
+    loop over them without a sync."""
+
+    tokens: torch.Tensor               # [T, N] int64, pad 0
+    parents: torch.Tensor              # [T, N] int64, NO_PARENT for roots and padding
+    num_nodes: torch.Tensor            # [T] int64
+    sizes: list[int]                   # host copy of num_nodes
+    depths: torch.Tensor               # [T, N] int64 (roots 0)
+    mask: torch.Tensor                 # [T, N, N] bool ancestor-or-self (padding rows: self only)
+    children: torch.Tensor             # [T, N, C] int64, children in node order, pad -1
+    num_roots: torch.Tensor            # [T] int64
+    max_depth: int                     # host: max depth over the batch (0 for root-only trees)
+    draft_probs: torch.Tensor | None   # [T, N, V] float32, zeros for deterministic trees; None if no tree has any
+    stochastic: torch.Tensor           # [T] bool: tree t has draft_probs (else its drafts use one-hot q)
+    next_roots: torch.Tensor           # [T] int64 (TokenTree.next_roots)
+    max_next_roots: int                # host
+    max_roots: int = 1                 # host: max num_roots over the batch
+
+    @property
+    def num_trees(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def max_children(self) -> int:
+        return self.children.shape[2]
+
+
+
+def pack_trees(trees: Sequence[TokenTree], device: torch.device | str = "cpu") -> PackedTrees:
+    """Pad and stack `trees` for batched verification. Topologies come from the `tree_topology`
+    cache; the batch is assembled on the host and sent with one copy of an int64 buffer and one
+    of a bool buffer (pinned, non-blocking on CUDA), plus the draft distributions when any tree
+    has them (stacked where they already live)."""
+    if not trees:
+        raise ValueError("pack_trees needs at least one tree")
+    device = torch.device(device)
+    T = len(trees)
+    topos = [tree_topology(t.parents) for t in trees]
+    sizes = [t.num_nodes for t in trees]
+    N = max(sizes)
+    C = max(tp.max_children for tp in topos)
+    fields = (("tokens", N), ("parents", N), ("depths", N), ("children", N * C), ("num_nodes", 1),
+              ("num_roots", 1), ("next_roots", 1), ("stochastic", 1))
+    width = sum(w for _, w in fields)
+    pin = device.type == "cuda"
+    host = torch.empty(T * width, dtype=torch.int64, pin_memory=pin)
+    views, off = {}, 0
+    for name, w in fields:
+        views[name] = host[off:off + T * w].view(T, w)
+        off += T * w
+    views["tokens"].copy_(torch.tensor([t.tokens + [0] * (N - n) for t, n in zip(trees, sizes)], dtype=torch.int64))
+    views["parents"].copy_(torch.tensor([t.parents + [NO_PARENT] * (N - n) for t, n in zip(trees, sizes)],
+                                        dtype=torch.int64))
+    depths = views["depths"]
+    depths.zero_()
+    children = views["children"].view(T, N, C)
+    children.fill_(-1)
+    mask = torch.zeros(T, N, N, dtype=torch.bool, pin_memory=pin)
+    mask.diagonal(dim1=1, dim2=2).fill_(True)
+    for t, (tp, n) in enumerate(zip(topos, sizes)):
+        depths[t, :n] = tp.depths
+        children[t, :n, :tp.max_children] = tp.children
+        mask[t, :n, :n] = tp.mask
+    stochastic = [t.draft_probs is not None for t in trees]
+    views["num_nodes"].copy_(torch.tensor(sizes, dtype=torch.int64).view(T, 1))
+    views["num_roots"].copy_(torch.tensor([tp.num_roots for tp in topos], dtype=torch.int64).view(T, 1))
+    views["next_roots"].copy_(torch.tensor([max(1, int(t.next_roots)) for t in trees], dtype=torch.int64).view(T, 1))
+    views["stochastic"].copy_(torch.tensor(stochastic, dtype=torch.int64).view(T, 1))
+
+    dev = host.to(device, non_blocking=True) if device != host.device else host
+    mask = mask.to(device, non_blocking=True) if device != mask.device else mask
+    out, off = {}, 0
+    for name, w in fields:
+        out[name] = dev[off:off + T * w].view(T, w)
+        off += T * w
+
+    draft_probs = None
+    if any(stochastic):
+        V = next(t.draft_probs.shape[1] for t in trees if t.draft_probs is not None)
+        draft_probs = torch.zeros(T, N, V, dtype=torch.float32, device=device)
+        for t, tree in enumerate(trees):
+            if tree.draft_probs is not None:
+                draft_probs[t, :sizes[t]].copy_(tree.draft_probs, non_blocking=True)
+
+    return PackedTrees(
+        tokens=out["tokens"], parents=out["parents"], num_nodes=out["num_nodes"].view(T), sizes=sizes,
+        depths=out["depths"], mask=mask, children=out["children"].view(T, N, C),
+        num_roots=out["num_roots"].view(T), max_depth=max(tp.max_depth for tp in topos),
+        draft_probs=draft_probs, stochastic=out["stochastic"].view(T).bool(),
+        next_roots=out["next_roots"].view(T), max_next_roots=max(max(1, int(t.next_roots)) for t in trees),
+        max_roots=max(tp.num_roots for tp in topos),
+    )

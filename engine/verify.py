@@ -147,3 +147,290 @@ def _walk(root, tokens, children, target_probs, draft_probs, generator) -> tuple
         nodes.append(accepted)
         cur = accepted
         p = target_probs[cur].clone()
+
+
+# --- The same verification for a whole batch of trees, on the device, without host syncs -------
+#
+# Everything below works on `PackedTrees` (T trees padded to N nodes) and returns device tensors;
+# the caller moves the result to the host in one transfer (`BatchVerifyResult.stacked`). Loops run
+# only over host bounds of the batch (depth, children per node, roots); nothing reads a device
+# value on the host, so a step's verification is a fixed sequence of kernels whatever it decides.
+
+from typing import Sequence  # noqa: E402
+
+from specserve.engine.sampler import SamplingTensors, exponential_noise, processed_probs  # noqa: E402
+from specserve.engine.tree import PackedTrees  # noqa: E402
+
+PAD_TOKEN = -1   # pads `BatchVerifyResult.tokens` after the bonus token (and path / alternates)
+
+
+@dataclass
+class BatchVerifyResult:
+    """Verification of T trees, device tensors. D = the batch's max depth, W = its max next_roots.
+
+    Row t commits `tokens[t, :num_accepted[t] + 1]`: the accepted draft tokens, then the bonus."""
+
+    path: torch.Tensor          # [T, D+1] int64 node indices: the chosen root, then the accepted nodes; pad -1
+    num_accepted: torch.Tensor  # [T] int64 accepted draft tokens (0..D)
+    tokens: torch.Tensor        # [T, D+1] int64 accepted tokens then the bonus token; pad PAD_TOKEN
+    root: torch.Tensor          # [T] int64 the root the path starts from (> 0 only for a forest)
+    alternates: torch.Tensor    # [T, W-1] int64 extra target samples (MCSD next roots); pad -1
+
+    def stacked(self) -> torch.Tensor:
+        """[T, 2 (D+1) + 2 + W-1] int64, all fields side by side (path, tokens, num_accepted, root,
+        alternates), for a single device-to-host copy; `to_verify_results` reads it back."""
+        return torch.cat([self.path, self.tokens, self.num_accepted[:, None], self.root[:, None],
+                          self.alternates], dim=1)
+
+
+def to_verify_results(path: Sequence[Sequence[int]], num_accepted: Sequence[int],
+                      tokens: Sequence[Sequence[int]], root: Sequence[int],
+                      alternates: Sequence[Sequence[int]]) -> list[VerifyResult]:
+    """Host lists (e.g. `BatchVerifyResult` fields after `.tolist()`) -> one VerifyResult per tree."""
+    out = []
+    for pa, n, tk, r, alt in zip(path, num_accepted, tokens, root, alternates):
+        n = int(n)
+        out.append(VerifyResult(list(pa[1:n + 1]), list(tk[:n]), int(tk[n]), int(r), [a for a in alt if a >= 0]))
+    return out
+
+
+def verify_results_from_stacked(rows: Sequence[Sequence[int]], max_depth: int) -> list[VerifyResult]:
+    """VerifyResults from the host copy of `BatchVerifyResult.stacked()` (rows of `.tolist()`)."""
+    d1 = max_depth + 1
+    return to_verify_results([r[:d1] for r in rows], [r[2 * d1] for r in rows], [r[d1:2 * d1] for r in rows],
+                             [r[2 * d1 + 1] for r in rows], [r[2 * d1 + 2:] for r in rows])
+
+
+def _root_of(packed: PackedTrees) -> torch.Tensor:
+    """[T, N] the root above each node: the lowest index in its ancestor-or-self set (roots lead)."""
+    N = packed.max_nodes
+    idx = torch.arange(N, device=packed.tokens.device)
+    return torch.where(packed.mask, idx, N).amin(dim=-1)
+
+
+def _ancestor_path(packed: PackedTrees, end: torch.Tensor) -> torch.Tensor:
+    """[T, D+1] the nodes from the root down to `end` [T] (in depth order), pad -1."""
+    T, N, D = packed.num_trees, packed.max_nodes, packed.max_depth
+    dev = packed.tokens.device
+    rows = torch.arange(T, device=dev)
+    anc = packed.mask[rows, end]                                             # [T, N]
+    col = torch.where(anc, packed.depths, D + 1)                             # non-ancestors -> a spill column
+    path = torch.full((T, D + 2), -1, dtype=torch.int64, device=dev)
+    path.scatter_(1, col, torch.arange(N, device=dev).expand(T, N).contiguous())
+    path[:, D + 1] = -1
+    return path[:, :D + 1]
+
+
+def _commit_tokens(packed: PackedTrees, path: torch.Tensor, num_accepted: torch.Tensor,
+                   bonus: torch.Tensor) -> torch.Tensor:
+    """[T, D+1]: tokens of path[1 .. num_accepted], then bonus, then PAD_TOKEN."""
+    T, D = packed.num_trees, packed.max_depth
+    dev = packed.tokens.device
+    nxt = torch.cat([path[:, 1:], torch.full((T, 1), -1, dtype=torch.int64, device=dev)], dim=1)   # [T, D+1]
+    drafted = packed.tokens.gather(1, nxt.clamp_min(0))
+    k = torch.arange(D + 1, device=dev)
+    n = num_accepted[:, None]
+    return torch.where(k < n, drafted, torch.where(k == n, bonus[:, None], PAD_TOKEN))
+
+
+def verify_greedy_batched(packed: PackedTrees, target_argmax: torch.Tensor) -> BatchVerifyResult:
+    """`verify_greedy` for T trees at once. target_argmax: [T, N] int64, argmax of the target's
+    logits at every node (padding columns ignored).
+
+    A non-root node i **matches** iff tokens[i] == argmax[parent(i)] and no earlier sibling carries
+    the same token (the reference takes the first such sibling). A node is on a walk iff every node
+    of its ancestor-or-self set is a matching node or a root: one reduction over the ancestor mask.
+    At most one child of a node matches, so the walk of each root is a chain; its end is its
+    deepest node. The tree's result is the end with the largest depth, ties to the lowest root
+    index (score = depth * (N+1) + N - root, one argmax). The accepted path is the end's ancestor
+    set sorted by depth (a scatter by depth); the bonus token is argmax[end]."""
+    T, N = packed.tokens.shape
+    dev = packed.tokens.device
+    tokens, parents = packed.tokens, packed.parents
+    target_argmax = target_argmax.to(torch.int64)
+    idx = torch.arange(N, device=dev)
+    valid = idx < packed.num_nodes[:, None]                                   # [T, N]
+    is_root = (idx < packed.num_roots[:, None]) & valid
+    child = (parents != NO_PARENT) & valid
+    want = target_argmax.gather(1, parents.clamp_min(0))                      # argmax at the parent
+    earlier_twin = ((parents[:, :, None] == parents[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])
+                    & (idx[None, :, None] > idx[None, None, :]) & child[:, None, :]).any(dim=-1)
+    ok = is_root | (child & (tokens == want) & ~earlier_twin)                 # [T, N]
+    on_walk = valid & ~(packed.mask & ~ok[:, None, :]).any(dim=-1)            # all of ancestor-or-self ok
+    root_of = _root_of(packed)
+    score = torch.where(on_walk, packed.depths * (N + 1) + (N - root_of), -1)
+    end = score.argmax(dim=1)                                                 # [T]
+    rows = torch.arange(T, device=dev)
+    num_accepted = packed.depths[rows, end]
+    path = _ancestor_path(packed, end)
+    bonus = target_argmax[rows, end]
+    alternates = torch.full((T, packed.max_next_roots - 1), -1, dtype=torch.int64, device=dev)
+    return BatchVerifyResult(path, num_accepted, _commit_tokens(packed, path, num_accepted, bonus),
+                             root_of[rows, end], alternates)
+
+
+def residual_rows(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Row-wise `residual`: [T, V] p, q -> norm(max(0, p - q)) per row, p kept on rows where no
+    mass is left. Looked up on the module at call time (tests replace it with wrong rules)."""
+    r = (p - q).clamp_min(0.0)
+    mass = r.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, r / torch.where(mass > 0, mass, 1.0), p)
+
+
+def _uniforms(T: int, N: int, sizes: Sequence[int], generators: Sequence[torch.Generator | None],
+              device: torch.device) -> torch.Tensor:
+    """[T, N] U(0, 1): u[t, c] decides the try of node c (each node is tried at most once, by its
+    parent's walk). A tree with a generator draws its own num_nodes numbers from it (so a seeded
+    request sees the same numbers whatever the batch); the rest come from one global draw."""
+    u = torch.rand((T, N), device=device)
+    for t, g in enumerate(generators):
+        if g is not None:
+            u[t, :sizes[t]] = torch.rand(sizes[t], generator=g, device=device)
+    return u
+
+
+def verify_sampling_batched(packed: PackedTrees, target_probs: torch.Tensor,
+                            generators: Sequence[torch.Generator | None] | None = None) -> BatchVerifyResult:
+    """`verify_sampling` for T trees at once (its distribution, not its random stream).
+
+    target_probs: [T, N, V] float32, the distribution plain sampling would draw from at every node
+    (after temperature / top-k / top-p: `sampler.processed_probs`). generators: one per tree or None.
+
+    For each root r (a loop over the batch's max roots) all trees walk in lockstep, one level per
+    iteration (a loop over the max depth). At the current node `cur` with target distribution p,
+    its children x_1, x_2, ... are tried in order (a loop over the max children): with q the
+    distribution x_k was drawn from — the node's draft_probs row with the earlier rejected siblings'
+    tokens removed and renormalised (children drawn without replacement), or one-hot(x_k) for a
+    deterministic draft — x_k is accepted iff u * q(x_k) < p(x_k), i.e. with probability
+    min(1, p(x_k)/q(x_k)); a child whose q has no mass left is skipped. On rejection
+    p <- residual_rows(p, q) = norm(max(0, p - q)). This is the standard multi-draft rule (SpecInfer
+    / MCSD): the token leaving a node is distributed as p whatever q is. An accepted child becomes
+    `cur` with p = target_probs[cur]; a tree whose node has no accepted child stops, keeping p.
+
+    The walk of the root with the most accepted drafts wins, ties to the first root (lossless with
+    one root). The bonus token is drawn from the winner's final p by the exponential race
+    argmax p / E, E ~ Exp(1); with next_roots W > 1 the W largest keys give W distinct tokens drawn
+    without replacement (Gumbel top-W), the first being the bonus, the others `alternates` (fewer
+    where p has less support). Inactive trees (finished, or without root r) are frozen by masks;
+    nothing leaves the device."""
+    T, N = packed.tokens.shape
+    D, C, R, W = packed.max_depth, packed.max_children, packed.max_roots, packed.max_next_roots
+    dev = packed.tokens.device
+    V = target_probs.shape[-1]
+    generators = list(generators) if generators is not None else [None] * T
+    assert len(generators) == T, (len(generators), T)
+    target_probs = target_probs.float()
+    rows = torch.arange(T, device=dev)
+    u = _uniforms(T, N, packed.sizes, generators, dev)
+    noise = exponential_noise((T, V), generators, dev)
+    tokens, children, draft = packed.tokens, packed.children, packed.draft_probs
+    stochastic = packed.stochastic[:, None]
+
+    best_num = torch.full((T,), -1, dtype=torch.int64, device=dev)
+    best_path = torch.full((T, D + 1), -1, dtype=torch.int64, device=dev)
+    best_p = target_probs[:, 0].clone()
+    best_root = torch.zeros(T, dtype=torch.int64, device=dev)
+    for r in range(R):
+        cur = torch.full((T,), r, dtype=torch.int64, device=dev)
+        alive = packed.num_roots > r                                           # [T]
+        p = target_probs[:, r].clone()
+        path = torch.full((T, D + 1), -1, dtype=torch.int64, device=dev)
+        path[:, 0] = r
+        num = torch.zeros(T, dtype=torch.int64, device=dev)
+        for depth in range(D):
+            removed = torch.zeros((T, V), dtype=torch.bool, device=dev)
+            chosen = torch.full((T,), -1, dtype=torch.int64, device=dev)
+            for k in range(C):
+                c = children[rows, cur, k]                                     # [T], -1: no such child
+                trying = alive & (c >= 0) & (chosen < 0)
+                cs = c.clamp_min(0)
+                x = torch.where(c >= 0, tokens[rows, cs], 0)                   # [T] (0: no child here)
+                onehot = torch.zeros((T, V), device=dev).scatter_(1, x[:, None], 1.0)
+                if draft is not None:
+                    qd = draft[rows, cs].masked_fill(removed, 0.0)
+                    total = qd.sum(dim=-1, keepdim=True)
+                    has_mass = total > 0
+                    qd = qd / torch.where(has_mass, total, 1.0)
+                    q = torch.where(stochastic, qd, onehot)
+                    trying = trying & (has_mass.squeeze(1) | ~packed.stochastic)
+                else:
+                    q = onehot
+                qx = q.gather(1, x[:, None]).squeeze(1)
+                px = p.gather(1, x[:, None]).squeeze(1)
+                accept = trying & (qx > 0) & (u[rows, cs] * qx < px)
+                reject = trying & ~accept
+                chosen = torch.where(accept, c, chosen)
+                p = torch.where(reject[:, None], _residual(p, q), p)
+                removed = removed | (reject[:, None] & (onehot > 0))
+            moved = chosen >= 0
+            cur = torch.where(moved, chosen, cur)
+            p = torch.where(moved[:, None], target_probs[rows, cur], p)
+            num = num + moved.to(torch.int64)
+            path[:, depth + 1] = torch.where(moved, chosen, -1)
+            alive = alive & moved
+        better = (packed.num_roots > r) & (num > best_num)
+        best_num = torch.where(better, num, best_num)
+        best_path = torch.where(better[:, None], path, best_path)
+        best_p = torch.where(better[:, None], p, best_p)
+        best_root = torch.where(better, r, best_root)
+
+    keys = best_p / noise
+    if W > 1:
+        top = keys.topk(min(W, V), dim=-1).indices                            # [T, W]
+        bonus = top[:, 0]
+        support = (best_p > 0).sum(dim=-1)
+        k_t = torch.minimum(packed.next_roots, support).clamp_min(1)           # draws each tree gets
+        j = torch.arange(1, top.shape[1], device=dev)
+        alternates = torch.where(j[None, :] < k_t[:, None], top[:, 1:], -1)
+        if alternates.shape[1] < W - 1:
+            alternates = torch.cat([alternates, torch.full((T, W - 1 - alternates.shape[1]), -1,
+                                                           dtype=torch.int64, device=dev)], dim=1)
+    else:
+        bonus = keys.argmax(dim=-1)
+        alternates = torch.full((T, 0), -1, dtype=torch.int64, device=dev)
+    return BatchVerifyResult(best_path, best_num, _commit_tokens(packed, best_path, best_num, bonus),
+                             best_root, alternates)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Calls the module's current `residual_rows` (so a monkeypatched rule takes effect)."""
+    return globals()["residual_rows"](p, q)
+
+
+def _per_node(st: SamplingTensors, n: int) -> SamplingTensors:
+    """One row per tree -> one row per node (each tree's settings repeated n times)."""
+    return SamplingTensors(st.temperature.repeat_interleave(n), st.top_k.repeat_interleave(n),
+                           st.top_p.repeat_interleave(n), st.all_greedy, st.any_top_k, st.any_top_p,
+                           None, st.max_top_k)
+
+
+def verify_batched(packed: PackedTrees, target_logits: torch.Tensor, sampling: SamplingTensors,
+                   generators: Sequence[torch.Generator | None] | None = None,
+                   any_greedy: bool | None = None) -> BatchVerifyResult:
+    """Verify T trees from the target's raw logits [T, N, V] (any float dtype), sampling settings
+    one row per tree. Greedy trees (temperature 0) take `verify_greedy_batched` on the argmax of
+    the raw logits, the others `verify_sampling_batched` on `processed_probs`; rows are merged with
+    torch.where. The sampling work is skipped when `sampling.all_greedy`; the greedy work when the
+    caller says no row is greedy (`any_greedy=False`, or a host `any_greedy` attribute on
+    `sampling`) — otherwise it is done, being cheap."""
+    T, N, V = target_logits.shape
+    if any_greedy is None:
+        any_greedy = getattr(sampling, "any_greedy", None)
+    greedy_res = None
+    if sampling.all_greedy or any_greedy is not False:
+        greedy_res = verify_greedy_batched(packed, target_logits.argmax(dim=-1))
+        if sampling.all_greedy:
+            return greedy_res
+    probs = processed_probs(target_logits.reshape(T * N, V), _per_node(sampling, N)).view(T, N, V)
+    sampled = verify_sampling_batched(packed, probs, generators)
+    if greedy_res is None:
+        return sampled
+    g = sampling.temperature == 0                                              # [T]
+    col = g[:, None]
+    return BatchVerifyResult(
+        torch.where(col, greedy_res.path, sampled.path),
+        torch.where(g, greedy_res.num_accepted, sampled.num_accepted),
+        torch.where(col, greedy_res.tokens, sampled.tokens),
+        torch.where(g, greedy_res.root, sampled.root),
+        torch.where(col, greedy_res.alternates, sampled.alternates),
+    )
