@@ -200,18 +200,15 @@ class LLMEngine:
         on their own (`_process`): an error there fails that request alone."""
         feature_idx = {b for b, seq in enumerate(batch.seqs)
                        if seq.drafter is not None and self.drafters[seq.drafter].needs_features}
+        prompt_tokens = sum(min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                            for seq, n in zip(batch.seqs, batch.num_tokens)
+                            if seq.num_computed_tokens < seq.num_prompt_tokens)
         t0 = time.perf_counter()
-        result = self.runner.execute(batch, trees, feature_idx)
+        result = self.runner.execute(batch, trees, feature_idx)   # also advances lengths and block tables
         verify_time = time.perf_counter() - t0
+        self.stats.num_prompt_tokens_total += prompt_tokens
         if result.features:
             self._deliver_features(batch, result.features)
-        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.stats.num_prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-            if b not in trees:
-                seq.num_computed_tokens += n
-                if batch.draft_budgets[b]:   # reserved room for a draft that did not come
-                    self.blocks.shrink(seq.seq_id, seq.num_computed_tokens + 1)
         self._process(result, verify_time / max(1, len(trees)))
 
     def _isolate(self, batch: ScheduledBatch, exc: Exception) -> None:
@@ -344,7 +341,6 @@ class LLMEngine:
         seq = res.seq
         spec = seq.request.spec
         if res.tree is not None:
-            seq.num_computed_tokens = res.num_computed
             num_acc = len(res.verify.accepted_nodes)
             spec.num_draft_tokens += res.tree.num_draft_tokens
             spec.num_accepted_tokens += num_acc

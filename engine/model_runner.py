@@ -1,28 +1,44 @@
-"""Turns a scheduled batch into tensors, runs the target forward, samples or verifies, and prunes
-the KV cache of verified trees.
+"""One engine step as tensors in, tensors out: prepare the flattened batch, run the target once,
+compute the logits of every row that needs them in one GEMM, sample the plain rows and verify
+every draft tree on the device, commit the accepted KV on the device, and bring everything back
+to the host in **one** transfer.
 
-The only place that builds `input_ids`, `positions` and `AttnMetadata`. Sequences with a draft
-tree and sequences without (prefill chunks, plain decoding) ride in the same forward: a tree's
-nodes are written to the cache positions after the sequence's committed tokens, RoPE positions are
-committed length + depth, and the attention mask is the tree's ancestor mask. Policy lives in the
-scheduler, stop handling in the engine core.
+    prepare()   host: ids, positions, logit rows, tree indices -> one int64 staging buffer
+                (pinned on CUDA) -> one non-blocking copy; tree masks/depths from `pack_trees`
+    forward     model(ids, positions, kv cache, attention metadata) -> hidden [tokens, H]
+    logits      lm_head(hidden[plain rows ++ every tree node]) -> [P + nodes, V]   (one GEMM)
+    sample      plain rows: `sampler.sample`                                         (device)
+    verify      trees: `verify.verify_batched` over [T, N, V] padded logits          (device)
+    commit KV   `kernels.kv_compact.compact_tree_kv`: accepted nodes move after the prefix (device)
+    transfer    one int64 tensor: sampled tokens, committed tokens [T, D+1] (padded with
+                PAD_TOKEN), paths, counts, roots, alternates, and logprobs bit-cast into it
+    update      `_update_lengths`: the one place where sequence lengths and block tables
+                change after a step, for plain and tree rows alike
+
+Sequences with a draft tree and sequences without (prefill chunks, plain decoding) ride in the
+same forward: a tree's nodes are written to the cache positions after the sequence's committed
+tokens, RoPE positions are committed length + depth, and the attention mask is the tree's
+ancestor mask. Policy lives in the scheduler, stop handling in the engine core.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from specserve.engine.attention import build_attn_metadata
-from specserve.engine.kv_cache import BlockManager, KVCache, commit_accepted
+from specserve.engine.attention import AttnMetadata, build_attn_metadata
+from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine.model import LlamaModel
 from specserve.engine.outputs import TokenLogprob
-from specserve.engine.sampler import SamplingTensors, processed_probs, sample
+from specserve.engine.sampler import SamplingTensors, sample
 from specserve.engine.scheduler import ScheduledBatch
 from specserve.engine.sequence import Sequence
-from specserve.engine.tree import TokenTree, build_tree_buffers
-from specserve.engine.verify import VerifyResult, verify_greedy, verify_sampling
+from specserve.engine.tree import PackedTrees, TokenTree, pack_trees, tree_depths
+from specserve.engine.verify import BatchVerifyResult, VerifyResult, verify_batched, verify_results_from_stacked
+from specserve.kernels.kv_compact import compact_tree_kv
 
 
 @dataclass
@@ -42,18 +58,46 @@ class StepResult:
     # final norm) of the tokens whose KV entered the cache this step, in position order; only for
     # the batch indices asked for (drafters that read target features)
     features: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    num_transfers: int = 0                   # device-to-host transfers this step made (1)
 
 
-def _logprob_entries(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
-    """OpenAI-style logprobs (raw log_softmax) for `tokens[i]` under row i of `logits`."""
-    lp = logits.float().log_softmax(dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
-    top = lp.topk(k, dim=-1) if k > 0 else None
-    entries = []
-    for i, tok in enumerate(tokens):
-        alts = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else []
-        entries.append(TokenLogprob(tok, chosen[i], alts))
-    return entries
+@dataclass
+class StepInputs:
+    """Everything one forward needs, on the device, plus the host-side bookkeeping of the batch."""
+
+    input_ids: torch.Tensor          # [num_tokens] int64
+    positions: torch.Tensor          # [num_tokens] int64
+    meta: AttnMetadata
+    logit_rows: torch.Tensor         # [P + nodes] rows of the hidden states that get logits
+    starts: list[int]                # committed length of every batch entry before the step
+    plain: list[int]                 # batch indices that sample one token (their chunk reaches the end)
+    tree_idx: list[int]              # batch indices verifying a tree, in tree order t
+    tree_rows: list[int]             # first row of tree t in the flat batch
+    packed: PackedTrees | None = None
+    tree_pad_index: torch.Tensor | None = None   # [T, N] row of the tree part of the logits (padding: a real node)
+    tree_starts: torch.Tensor | None = None      # [T] int64 committed lengths of the tree sequences
+    tree_block_tables: torch.Tensor | None = None   # [T, max_blocks] their block tables
+
+
+class _Staging:
+    """A growing host buffer (pinned when the device is CUDA) that carries one step's integer
+    inputs to the device in a single copy. On the CPU the host tensor is used as is."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.host = torch.empty(0, dtype=torch.int64)
+
+    def upload(self, values: list[int]) -> torch.Tensor:
+        n = len(values)
+        if self.device.type == "cpu":
+            return torch.tensor(values, dtype=torch.int64)
+        if self.host.numel() < n:
+            self.host = torch.empty(max(n, 2 * self.host.numel()), dtype=torch.int64, pin_memory=self.pinned)
+        # a copy still in flight from the previous step must not see its source change
+        torch.cuda.current_stream(self.device).synchronize() if self.pinned else None
+        self.host[:n] = torch.from_numpy(np.asarray(values, dtype=np.int64))
+        return self.host[:n].to(self.device, non_blocking=True)
 
 
 class ModelRunner:
@@ -63,92 +107,240 @@ class ModelRunner:
         self.blocks = blocks
         self.device = device
         self.block_size = blocks.block_size
+        self._staging = _Staging(device)
+
+    # ---- inputs ---------------------------------------------------------------------------
+
+    def prepare(self, batch: ScheduledBatch, trees: dict[int, TokenTree]) -> StepInputs:
+        """Flatten the batch: each entry's new tokens (a prefill chunk, one decode token, or a
+        tree's nodes), their positions, the rows needing logits, and the packed trees."""
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        tree_idx = [b for b in range(len(batch.seqs)) if b in trees]
+        packed = pack_trees([trees[b] for b in tree_idx], self.device) if tree_idx else None
+        ids: list[int] = []
+        positions: list[int] = []
+        qlens: list[int] = []
+        masks: list[torch.Tensor | None] = []
+        plain: list[int] = []
+        plain_rows: list[int] = []
+        tree_rows: list[int] = []
+        for b, (seq, start, n) in enumerate(zip(batch.seqs, starts, batch.num_tokens)):
+            tree = trees.get(b)
+            if tree is not None:
+                t = len(tree_rows)
+                tree_rows.append(len(ids))
+                ids.extend(tree.tokens)
+                positions.extend(start + d for d in tree_depths(tree.parents))
+                qlens.append(tree.num_nodes)
+                masks.append(packed.mask[t, :tree.num_nodes, :tree.num_nodes])
+                continue
+            ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            qlens.append(n)
+            masks.append(None)
+            if start + n == len(seq.token_ids):   # this chunk reaches the end: the next token is due
+                plain.append(b)
+                plain_rows.append(len(ids) - 1)
+        logit_rows = plain_rows + [r0 + i for r0, b in zip(tree_rows, tree_idx) for i in range(trees[b].num_nodes)]
+        pad_index: list[int] = []
+        if packed is not None:   # [T, N] index into the tree logits; padding repeats the tree's last node
+            width, offset = packed.tokens.shape[1], 0
+            for size in packed.sizes:
+                pad_index.extend(offset + min(i, size - 1) for i in range(width))
+                offset += size
+        tree_start_list = [starts[b] for b in tree_idx]
+        n_tok, n_logit = len(ids), len(logit_rows)
+        staged = self._staging.upload(ids + positions + logit_rows + pad_index + tree_start_list + tree_idx)
+        input_ids, pos, rows, rest = staged.split([n_tok, n_tok, n_logit, len(pad_index) + 2 * len(tree_idx)])
+        tables = [self.blocks.block_tables[seq.seq_id] for seq in batch.seqs]
+        _, meta = build_attn_metadata(tables, self.block_size, starts, qlens, masks, self.device)
+        inputs = StepInputs(input_ids, pos, meta, rows, starts, plain, tree_idx, tree_rows, packed)
+        if packed is not None:
+            pad, tree_starts, tree_batch_idx = rest.split([len(pad_index), len(tree_idx), len(tree_idx)])
+            inputs.tree_pad_index = pad.view(len(tree_idx), -1)
+            inputs.tree_starts = tree_starts
+            inputs.tree_block_tables = meta.block_tables.index_select(0, tree_batch_idx)
+        return inputs
+
+    # ---- the step -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, trees: dict[int, TokenTree] | None = None,
                 feature_idx: set[int] | frozenset = frozenset()) -> StepResult:
-        """Run one forward. `trees` maps a batch index to the draft tree of that (decode)
-        sequence; its KV blocks must already hold committed length + tree size tokens. For the
-        batch indices in `feature_idx` the result carries the hidden states of the tokens that
-        entered the KV cache (prefill chunk, decoded token, or the tree's root + accepted path)."""
+        """Run one step. `trees` maps a batch index to the draft tree of that (decode) sequence;
+        its KV blocks must already hold committed length + tree size tokens. For the batch
+        indices in `feature_idx` the result carries the hidden states of the tokens that entered
+        the KV cache (prefill chunk, decoded token, or the tree's root + accepted path).
+
+        Nothing a sequence owns changes until the host transfer has succeeded; then
+        `_update_lengths` commits lengths and block tables for the whole batch."""
         trees = trees or {}
-        dev = self.device
-        starts = [seq.num_computed_tokens for seq in batch.seqs]
-        ids: list[int] = []
-        qlens: list[int] = []
-        masks: list[torch.Tensor | None] = []
-        depth_segments: dict[int, torch.Tensor] = {}
-        plain_rows: list[int] = []
-        plain_seqs: list[Sequence] = []
-        tree_rows: dict[int, tuple[int, int]] = {}
-        row = 0
-        for b, (seq, start, n) in enumerate(zip(batch.seqs, starts, batch.num_tokens)):
-            tree = trees.get(b)
-            if tree is not None:
-                buf = build_tree_buffers(tree.parents)
-                ids.extend(tree.tokens)
-                qlens.append(tree.num_nodes)
-                masks.append(buf.mask.to(dev))
-                depth_segments[row] = start + buf.depths
-                tree_rows[b] = (row, tree.num_nodes)
-                row += tree.num_nodes
-                continue
-            ids.extend(seq.token_ids[start:start + n])
-            qlens.append(n)
-            masks.append(None)
-            row += n
-            if start + n == len(seq.token_ids):   # this chunk reaches the end: the next token is due
-                plain_rows.append(row - 1)
-                plain_seqs.append(seq)
-        tables = [self.blocks.block_tables[seq.seq_id] for seq in batch.seqs]
-        positions, meta = build_attn_metadata(tables, self.block_size, starts, qlens, masks, dev)
-        for r0, seg in depth_segments.items():
-            positions[r0:r0 + seg.numel()] = seg.to(dev)
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64).to(dev), positions, self.cache, meta)
+        inp = self.prepare(batch, trees)
+        hidden = self.model(inp.input_ids, inp.positions, self.cache, inp.meta)
+        logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows))   # [P + nodes, V]
+        num_plain = len(inp.plain)
+        device_out: list[torch.Tensor] = []
 
-        result = StepResult()
-        for b in feature_idx:
-            if b not in trees:
-                r0 = meta.cu_query_lens[b]
-                result.features[b] = (starts[b], hidden[r0:r0 + batch.num_tokens[b]].clone())
+        plain_seqs = [batch.seqs[b] for b in inp.plain]
+        plain_lp = None
         if plain_seqs:
-            logits = self.model.compute_logits(hidden[torch.tensor(plain_rows, device=dev)])
-            params = [seq.params for seq in plain_seqs]
-            out = sample(logits, SamplingTensors.from_params(params, dev), [s.generator for s in plain_seqs])
-            token_ids = out.token_ids.tolist()
-            chosen = out.logprobs.tolist() if out.logprobs is not None else None
-            top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-            top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            for k, seq in enumerate(plain_seqs):
-                lps = None
-                if chosen is not None and seq.params.logprobs is not None:
-                    n_top = seq.params.logprobs
-                    lps = [TokenLogprob(token_ids[k], chosen[k], list(zip(top_ids[k][:n_top], top_lps[k][:n_top])))]
-                result.results.append(SeqResult(seq, [token_ids[k]], lps, seq.num_computed_tokens))
+            st = SamplingTensors.from_params([s.params for s in plain_seqs], self.device)
+            out = sample(logits[:num_plain], st, [s.generator for s in plain_seqs])
+            device_out.append(out.token_ids)
+            if out.logprobs is not None:
+                plain_lp = (out.logprobs, out.top_ids, out.top_logprobs)
 
-        if tree_rows:
-            commits = []
-            for b, (r0, n) in tree_rows.items():
-                seq, tree = batch.seqs[b], trees[b]
-                logits = self.model.compute_logits(hidden[r0:r0 + n])                  # [n, vocab]
-                if seq.params.greedy:
-                    v = verify_greedy(tree.tokens, tree.parents, logits.argmax(dim=-1).tolist())
-                else:
-                    st = SamplingTensors.from_params([seq.params] * n, dev)
-                    v = verify_sampling(tree.tokens, tree.parents, processed_probs(logits, st),
-                                        tree.draft_probs, seq.generator, tree.next_roots)
-                path = [v.root] + v.accepted_nodes   # the nodes whose KV stays, in order
-                lps = None
-                if seq.params.logprobs is not None:
-                    path_rows = path                     # committed token i is drawn at row path_rows[i]
-                    lps = _logprob_entries(logits[path_rows], v.tokens, seq.params.logprobs)
-                result.results.append(SeqResult(seq, v.tokens, lps, 0, tree, v))
-                if b in feature_idx:
-                    rows = torch.tensor([r0 + i for i in path], device=dev)
-                    result.features[b] = (starts[b], hidden.index_select(0, rows))
-                commits.append((seq, starts[b], path, result.results[-1]))
-            new_lens = commit_accepted(self.blocks, self.cache, [c[0].seq_id for c in commits],
-                                       [c[1] for c in commits], [c[2] for c in commits])
-            for (_, _, _, res), n in zip(commits, new_lens):
-                res.num_computed = n
+        verified: BatchVerifyResult | None = None
+        tree_lp = None
+        tree_seqs = [batch.seqs[b] for b in inp.tree_idx]
+        if inp.packed is not None:
+            packed = inp.packed
+            tree_logits = logits[num_plain:].index_select(0, inp.tree_pad_index.reshape(-1))
+            tree_logits = tree_logits.view(*inp.tree_pad_index.shape, -1)                 # [T, N, V]
+            st = SamplingTensors.from_params([s.params for s in tree_seqs], self.device)
+            verified = verify_batched(packed, tree_logits, st, [s.generator for s in tree_seqs])
+            path_lens = verified.num_accepted + 1
+            compact_tree_kv(self.cache.kv, inp.tree_block_tables, self.block_size, inp.tree_starts,
+                            verified.path, path_lens)
+            stacked = verified.stacked()
+            device_out.append(stacked.reshape(-1))
+            if st.max_logprobs is not None:
+                tree_lp = _path_logprobs(tree_logits, verified, st.max_logprobs)
+
+        for lp in (plain_lp, tree_lp):
+            if lp is not None:
+                chosen, top_ids, top_lps = lp
+                device_out += [top_ids.reshape(-1), _float_bits(chosen), _float_bits(top_lps)]
+
+        host = torch.cat(device_out).tolist() if device_out else []   # the one device-to-host transfer
+        result = StepResult(num_transfers=1 if device_out else 0)
+        reader = _Reader(host)
+
+        tokens = reader.ints(num_plain)
+        vrs: list[VerifyResult] = []
+        if verified is not None:
+            T, width = verified.tokens.shape
+            flat, cols = reader.ints(stacked.numel()), stacked.shape[1]
+            vrs = verify_results_from_stacked([flat[t * cols:(t + 1) * cols] for t in range(T)], width - 1)
+        plain_lps = (_read_logprobs(reader, plain_seqs, [[t] for t in tokens], 1, plain_lp[1].shape[-1])
+                     if plain_lp else None)
+        tree_lps = (_read_logprobs(reader, tree_seqs, [v.tokens for v in vrs], width, tree_lp[1].shape[-1])
+                    if tree_lp else None)
+        for k, seq in enumerate(plain_seqs):
+            result.results.append(SeqResult(seq, [tokens[k]], plain_lps[k] if plain_lps else None))
+        for t, (b, seq, v) in enumerate(zip(inp.tree_idx, tree_seqs, vrs)):
+            result.results.append(SeqResult(seq, v.tokens, tree_lps[t] if tree_lps else None, 0, trees[b], v))
+
+        self._collect_features(result, batch, inp, hidden, feature_idx)
+        self._update_lengths(batch, inp, result)
         return result
+
+    def _collect_features(self, result: StepResult, batch: ScheduledBatch, inp: StepInputs,
+                          hidden: torch.Tensor, feature_idx) -> None:
+        row0 = inp.meta.cu_query_lens
+        tree_of = {b: t for t, b in enumerate(inp.tree_idx)}
+        for b in feature_idx:
+            if b in tree_of:
+                t = tree_of[b]
+                v = next(r.verify for r in result.results if r.seq is batch.seqs[b])
+                rows = [inp.tree_rows[t] + i for i in [v.root, *v.accepted_nodes]]
+                result.features[b] = (inp.starts[b], hidden.index_select(0, torch.tensor(rows, device=self.device)))
+            else:
+                result.features[b] = (inp.starts[b], hidden[row0[b]:row0[b] + batch.num_tokens[b]].clone())
+
+    def _update_lengths(self, batch: ScheduledBatch, inp: StepInputs, result: StepResult) -> None:
+        """The one owner of sequence lengths and block tables after a step: a plain entry has
+        computed its chunk; a tree entry keeps its prefix plus the accepted path (root included).
+        Blocks reserved for nodes that did not stay return to the pool."""
+        committed = {id(r.seq): r for r in result.results if r.tree is not None}
+        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            res = committed.get(id(seq))
+            if res is not None:
+                seq.num_computed_tokens = inp.starts[b] + len(res.verify.accepted_nodes) + 1
+                res.num_computed = seq.num_computed_tokens
+                self.blocks.shrink(seq.seq_id, seq.num_computed_tokens)
+            else:
+                seq.num_computed_tokens = inp.starts[b] + n
+                if batch.draft_budgets[b]:   # reserved room for a draft that did not come
+                    self.blocks.shrink(seq.seq_id, seq.num_computed_tokens + 1)
+        for res in result.results:
+            if res.tree is None:
+                res.num_computed = res.seq.num_computed_tokens
+
+    # ---- calibration ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_forward(self, num_tokens: int, repeats: int = 2) -> float:
+        """Seconds of one forward + LM head of `num_tokens` new tokens (one sequence, causal),
+        best of `repeats`, on a scratch KV cache of its own: the live cache is not touched."""
+        cfg = self.model.cfg
+        blocks = -(-num_tokens // self.block_size)
+        scratch = KVCache(cfg.num_layers, blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                          self.cache.kv.dtype, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            positions, meta = build_attn_metadata([list(range(blocks))], self.block_size, [0], [num_tokens],
+                                                  None, self.device)
+            hidden = self.model(ids, positions, scratch, meta)
+            self.model.compute_logits(hidden[-1:])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+
+def _float_bits(x: torch.Tensor) -> torch.Tensor:
+    """float32 values carried in an int64 tensor (bit pattern), so they ride the same transfer."""
+    return x.float().contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+
+
+class _Reader:
+    """Consumes the host list of the step's single transfer, in the order it was packed."""
+
+    def __init__(self, values: list[int]):
+        self.values = values
+        self.pos = 0
+
+    def ints(self, n: int) -> list[int]:
+        out = self.values[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def floats(self, n: int) -> list[float]:
+        return np.asarray(self.ints(n), dtype=np.int64).astype(np.int32).view(np.float32).tolist()
+
+
+def _path_logprobs(tree_logits: torch.Tensor, v: BatchVerifyResult, k: int):
+    """OpenAI-style logprobs (raw log_softmax) of the committed tokens of every tree: committed
+    token i is drawn at path node i. Returns (chosen [T, D+1], top ids and logprobs [T, D+1, k])."""
+    rows = v.path.clamp(min=0)                                                     # padding: node 0
+    lp = tree_logits[torch.arange(rows.shape[0], device=rows.device)[:, None], rows].log_softmax(-1)
+    chosen = lp.gather(2, v.tokens.clamp(min=0)[:, :, None]).squeeze(2)
+    top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+    return chosen, top.indices, top.values
+
+
+def _read_logprobs(reader: _Reader, seqs: list[Sequence], tokens: list[list[int]], width: int,
+                   k: int) -> list[list[TokenLogprob] | None]:
+    """Per sequence, the logprob entries of its committed tokens (None where it asked for none),
+    read in the packed order: top ids [rows, width, k], chosen [rows, width], top logprobs
+    [rows, width, k] (width 1 for plain rows, D+1 for trees)."""
+    rows = len(seqs)
+    top_ids = reader.ints(rows * width * k)
+    chosen = reader.floats(rows * width)
+    top_lps = reader.floats(rows * width * k)
+    out: list[list[TokenLogprob] | None] = []
+    for r, (seq, toks) in enumerate(zip(seqs, tokens)):
+        n_top = seq.params.logprobs
+        if n_top is None:
+            out.append(None)
+            continue
+        entries = []
+        for i, tok in enumerate(toks):
+            base = (r * width + i) * k
+            alts = list(zip(top_ids[base:base + n_top], top_lps[base:base + n_top]))
+            entries.append(TokenLogprob(tok, chosen[r * width + i], alts))
+        out.append(entries)
+    return out

@@ -247,6 +247,6 @@ def test_the_law_test_sees_a_wrong_residual(peaky_target, monkeypatch):
     """Control: with the rejected draft's mass left in p the same bound fails."""
     from specserve.engine import verify
 
-    monkeypatch.setattr(verify, "residual", lambda p, q: p)
+    monkeypatch.setattr(verify, "residual_rows", lambda p, q: p)
     emp, _ = empirical_first_two_law(peaky_target, "eagle", SAMPLING_OPTIONS, PROMPT, SAMPLING, TRIALS)
     assert total_variation(emp, exact_first_two_law(peaky_target, PROMPT, SAMPLING)) > TV_BOUND

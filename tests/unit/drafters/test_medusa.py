@@ -268,6 +268,6 @@ def test_sampling_follows_the_target_law(peaky_target, peaky_heads, exact_law):
 
 
 def test_a_wrong_residual_update_is_caught(peaky_target, peaky_heads, exact_law, monkeypatch):
-    monkeypatch.setattr(verify, "residual", lambda p, q: p)   # forget the rejected draft's mass
+    monkeypatch.setattr(verify, "residual_rows", lambda p, q: p)   # forget the rejected draft's mass
     emp, _ = empirical_law(peaky_target, peaky_heads)
     assert total_variation(emp, exact_law) > TV_BOUND

@@ -175,7 +175,7 @@ def test_a_wrong_residual_update_is_caught(peaky_target, peaky_checkpoint, exact
     """The same run with a residual that forgets the rejected draft: the bound must then fail
     (the test has the power to see a broken one-hot residual: TV about 0.11 against 0.02; 1000
     trials are enough for that gap)."""
-    monkeypatch.setattr(verify, "residual", lambda p, q: p)
+    monkeypatch.setattr(verify, "residual_rows", lambda p, q: p)
     emp, _ = empirical_law(peaky_target, peaky_checkpoint, trials=1000)
     assert total_variation(emp, exact_law) > TV_BOUND
 
