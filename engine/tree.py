@@ -227,7 +227,7 @@ def _build_topology(parents: tuple[int, ...]) -> TreeTopology:
             kids[p].append(i)
     c = max(len(k) for k in kids)
     children = torch.tensor([k + [-1] * (c - len(k)) for k in kids], dtype=torch.int64).reshape(n, c)
-    return TreeTopology(buf.mask, buf.depths, children, num_roots(parents), int(buf.depths.max()))
+    return TreeTopology(buf.mask, buf.depths, children, num_roots(parents), max(tree_depths(parents)))
 
 
 def tree_topology(parents: Sequence[int]) -> TreeTopology:

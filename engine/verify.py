@@ -290,7 +290,8 @@ def _uniforms(T: int, N: int, sizes: Sequence[int], generators: Sequence[torch.G
 
 
 def verify_sampling_batched(packed: PackedTrees, target_probs: torch.Tensor,
-                            generators: Sequence[torch.Generator | None] | None = None) -> BatchVerifyResult:
+                            generators: Sequence[torch.Generator | None] | None = None,
+                            compact: bool | None = None) -> BatchVerifyResult:
     """`verify_sampling` for T trees at once (its distribution, not its random stream).
 
     target_probs: [T, N, V] float32, the distribution plain sampling would draw from at every node
@@ -311,29 +312,67 @@ def verify_sampling_batched(packed: PackedTrees, target_probs: torch.Tensor,
     one root). The bonus token is drawn from the winner's final p by the exponential race
     argmax p / E, E ~ Exp(1); with next_roots W > 1 the W largest keys give W distinct tokens drawn
     without replacement (Gumbel top-W), the first being the bonus, the others `alternates` (fewer
-    where p has less support). Inactive trees (finished, or without root r) are frozen by masks;
-    nothing leaves the device."""
+    where p has less support).
+
+    Random numbers: u[t, c] ~ U(0, 1) decides the try of node c (a node is tried at most once), and
+    E[t] ~ Exp(1)^V; a tree with a generator draws its num_nodes uniforms and V exponentials from it,
+    the others from the global RNG, so a seeded tree's result does not depend on the batch.
+
+    compact: False (the default on CUDA) runs every (root, depth, child) iteration on all T rows,
+    inactive ones frozen by masks — a fixed kernel sequence, no host sync. True (the default on
+    CPU, where reading a count costs nothing) runs each iteration on the rows still trying a child
+    (`nonzero`), so finished walks cost nothing; same random numbers, same results."""
+    T = packed.num_trees
+    dev = packed.tokens.device
+    target_probs = target_probs.float()
+
+    def probs_at(ix: torch.Tensor | None, nodes: torch.Tensor) -> torch.Tensor:
+        return target_probs[torch.arange(T, device=dev) if ix is None else ix, nodes]
+
+    return _sampling_walk(packed, probs_at, target_probs.shape[-1], generators, None,
+                          dev.type == "cpu" if compact is None else compact)
+
+
+def _sampling_walk(packed: PackedTrees, probs_at, V: int, generators, active: torch.Tensor | None,
+                   compact: bool) -> BatchVerifyResult:
+    """The walk of `verify_sampling_batched`. probs_at(ix, nodes) gives the target distribution at
+    node nodes[i] of tree ix[i] (ix None: all trees, in order). active: [T] bool, the trees to walk
+    (None: all); the others' results are unspecified (verify_batched overwrites them)."""
     T, N = packed.tokens.shape
     D, C, R, W = packed.max_depth, packed.max_children, packed.max_roots, packed.max_next_roots
     dev = packed.tokens.device
-    V = target_probs.shape[-1]
     generators = list(generators) if generators is not None else [None] * T
     assert len(generators) == T, (len(generators), T)
-    target_probs = target_probs.float()
     rows = torch.arange(T, device=dev)
     u = _uniforms(T, N, packed.sizes, generators, dev)
     noise = exponential_noise((T, V), generators, dev)
     tokens, children, draft = packed.tokens, packed.children, packed.draft_probs
-    stochastic = packed.stochastic[:, None]
+    stochastic = packed.stochastic
+
+    def select(mask: torch.Tensor) -> torch.Tensor | None:
+        """The rows an iteration works on: those in `mask` (compact) or all (None)."""
+        return mask.nonzero().squeeze(1) if compact else None
+
+    def take(x: torch.Tensor, ix: torch.Tensor | None) -> torch.Tensor:
+        return x if ix is None else x[ix]
+
+    def put(dst: torch.Tensor, ix: torch.Tensor | None, val: torch.Tensor) -> torch.Tensor:
+        if ix is None:
+            return val
+        return dst.index_copy(0, ix, val)
 
     best_num = torch.full((T,), -1, dtype=torch.int64, device=dev)
     best_path = torch.full((T, D + 1), -1, dtype=torch.int64, device=dev)
-    best_p = target_probs[:, 0].clone()
+    best_p = torch.zeros((T, V), dtype=torch.float32, device=dev)
     best_root = torch.zeros(T, dtype=torch.int64, device=dev)
     for r in range(R):
-        cur = torch.full((T,), r, dtype=torch.int64, device=dev)
         alive = packed.num_roots > r                                           # [T]
-        p = target_probs[:, r].clone()
+        if active is not None:
+            alive = alive & active
+        started = alive
+        cur = torch.full((T,), r, dtype=torch.int64, device=dev)
+        ix = select(alive)
+        p = put(torch.zeros((T, V), dtype=torch.float32, device=dev), ix, probs_at(ix, take(cur, ix)))
         path = torch.full((T, D + 1), -1, dtype=torch.int64, device=dev)
         path[:, 0] = r
         num = torch.zeros(T, dtype=torch.int64, device=dev)
@@ -341,38 +380,47 @@ def verify_sampling_batched(packed: PackedTrees, target_probs: torch.Tensor,
             removed = torch.zeros((T, V), dtype=torch.bool, device=dev)
             chosen = torch.full((T,), -1, dtype=torch.int64, device=dev)
             for k in range(C):
-                c = children[rows, cur, k]                                     # [T], -1: no such child
-                trying = alive & (c >= 0) & (chosen < 0)
+                c_all = children[rows, cur, k]                                 # [T], -1: no such child
+                trying_all = alive & (c_all >= 0) & (chosen < 0)
+                ix = select(trying_all)
+                rx = take(rows, ix)
+                c, trying = take(c_all, ix), take(trying_all, ix)
                 cs = c.clamp_min(0)
-                x = torch.where(c >= 0, tokens[rows, cs], 0)                   # [T] (0: no child here)
-                onehot = torch.zeros((T, V), device=dev).scatter_(1, x[:, None], 1.0)
+                x = torch.where(c >= 0, tokens[rx, cs], 0)                     # (0: no child here)
+                p_ix = take(p, ix)
+                onehot = torch.zeros_like(p_ix).scatter_(1, x[:, None], 1.0)
                 if draft is not None:
-                    qd = draft[rows, cs].masked_fill(removed, 0.0)
+                    qd = draft[rx, cs].masked_fill(take(removed, ix), 0.0)
                     total = qd.sum(dim=-1, keepdim=True)
                     has_mass = total > 0
                     qd = qd / torch.where(has_mass, total, 1.0)
-                    q = torch.where(stochastic, qd, onehot)
-                    trying = trying & (has_mass.squeeze(1) | ~packed.stochastic)
+                    st = take(stochastic, ix)
+                    q = torch.where(st[:, None], qd, onehot)
+                    trying = trying & (has_mass.squeeze(1) | ~st)               # no mass left: skip the child
                 else:
                     q = onehot
                 qx = q.gather(1, x[:, None]).squeeze(1)
-                px = p.gather(1, x[:, None]).squeeze(1)
-                accept = trying & (qx > 0) & (u[rows, cs] * qx < px)
+                px = p_ix.gather(1, x[:, None]).squeeze(1)
+                accept = trying & (qx > 0) & (u[rx, cs] * qx < px)             # w.p. min(1, p(x) / q(x))
                 reject = trying & ~accept
-                chosen = torch.where(accept, c, chosen)
-                p = torch.where(reject[:, None], _residual(p, q), p)
-                removed = removed | (reject[:, None] & (onehot > 0))
+                chosen = put(chosen, ix, torch.where(accept, c, take(chosen, ix)))
+                p = put(p, ix, torch.where(reject[:, None], _residual(p_ix, q), p_ix))
+                removed[rx, x] = removed[rx, x] | reject                       # x leaves q for the next siblings
             moved = chosen >= 0
             cur = torch.where(moved, chosen, cur)
-            p = torch.where(moved[:, None], target_probs[rows, cur], p)
+            ix = select(moved)
+            p_next = probs_at(ix, take(cur, ix))
+            p = put(p, ix, p_next if compact else torch.where(moved[:, None], p_next, p))
             num = num + moved.to(torch.int64)
             path[:, depth + 1] = torch.where(moved, chosen, -1)
             alive = alive & moved
-        better = (packed.num_roots > r) & (num > best_num)
+        better = started & (num > best_num)
         best_num = torch.where(better, num, best_num)
         best_path = torch.where(better[:, None], path, best_path)
-        best_p = torch.where(better[:, None], p, best_p)
+        ix = select(better)
+        best_p = put(best_p, ix, take(p, ix) if compact else torch.where(better[:, None], p, best_p))
         best_root = torch.where(better, r, best_root)
+    best_num = best_num.clamp_min(0)
 
     keys = best_p / noise
     if W > 1:
@@ -397,23 +445,27 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return globals()["residual_rows"](p, q)
 
 
-def _per_node(st: SamplingTensors, n: int) -> SamplingTensors:
-    """One row per tree -> one row per node (each tree's settings repeated n times)."""
-    return SamplingTensors(st.temperature.repeat_interleave(n), st.top_k.repeat_interleave(n),
-                           st.top_p.repeat_interleave(n), st.all_greedy, st.any_top_k, st.any_top_p,
-                           None, st.max_top_k)
+def _rows_of(st: SamplingTensors, ix: torch.Tensor) -> SamplingTensors:
+    """The settings of rows ix (host flags kept: they stay valid bounds for a subset)."""
+    return SamplingTensors(st.temperature[ix], st.top_k[ix], st.top_p[ix], st.all_greedy, st.any_top_k,
+                           st.any_top_p, None, st.max_top_k)
 
 
 def verify_batched(packed: PackedTrees, target_logits: torch.Tensor, sampling: SamplingTensors,
                    generators: Sequence[torch.Generator | None] | None = None,
-                   any_greedy: bool | None = None) -> BatchVerifyResult:
+                   any_greedy: bool | None = None, compact: bool | None = None) -> BatchVerifyResult:
     """Verify T trees from the target's raw logits [T, N, V] (any float dtype), sampling settings
-    one row per tree. Greedy trees (temperature 0) take `verify_greedy_batched` on the argmax of
-    the raw logits, the others `verify_sampling_batched` on `processed_probs`; rows are merged with
-    torch.where. The sampling work is skipped when `sampling.all_greedy`; the greedy work when the
-    caller says no row is greedy (`any_greedy=False`, or a host `any_greedy` attribute on
-    `sampling`) — otherwise it is done, being cheap."""
+    one row per tree (`SamplingTensors.from_params`), generators one per tree.
+
+    Greedy trees (temperature 0) take `verify_greedy_batched` on the argmax of the raw logits, the
+    others the walk of `verify_sampling_batched` on `processed_probs` of the logits (temperature,
+    top-k, top-p) — computed only at the nodes a walk visits (roots and accepted nodes), not at all
+    T * N nodes; rows are merged with torch.where. The sampling work is skipped when
+    `sampling.all_greedy`; the greedy work when the caller says no row is greedy (`any_greedy=False`,
+    or a host `any_greedy` attribute on `sampling`) — otherwise it is done, being cheap. `compact`
+    as in `verify_sampling_batched`."""
     T, N, V = target_logits.shape
+    dev = target_logits.device
     if any_greedy is None:
         any_greedy = getattr(sampling, "any_greedy", None)
     greedy_res = None
@@ -421,11 +473,18 @@ def verify_batched(packed: PackedTrees, target_logits: torch.Tensor, sampling: S
         greedy_res = verify_greedy_batched(packed, target_logits.argmax(dim=-1))
         if sampling.all_greedy:
             return greedy_res
-    probs = processed_probs(target_logits.reshape(T * N, V), _per_node(sampling, N)).view(T, N, V)
-    sampled = verify_sampling_batched(packed, probs, generators)
+    rows = torch.arange(T, device=dev)
+
+    def probs_at(ix: torch.Tensor | None, nodes: torch.Tensor) -> torch.Tensor:
+        if ix is None:
+            return processed_probs(target_logits[rows, nodes], sampling)
+        return processed_probs(target_logits[ix, nodes], _rows_of(sampling, ix))
+
+    g = sampling.temperature == 0                                              # [T]
+    sampled = _sampling_walk(packed, probs_at, V, generators, ~g if greedy_res is not None else None,
+                             dev.type == "cpu" if compact is None else compact)
     if greedy_res is None:
         return sampled
-    g = sampling.temperature == 0                                              # [T]
     col = g[:, None]
     return BatchVerifyResult(
         torch.where(col, greedy_res.path, sampled.path),

@@ -289,10 +289,10 @@ def test_the_statistical_test_catches_a_wrong_residual_update(monkeypatch, broke
 
 # --- verify_batched, reproducibility, no host sync -------------------------------------------------
 
-def mixed_batch(rng: random.Random, T: int, vocab: int):
+def mixed_batch(rng: random.Random, T: int, vocab: int, max_nodes: int = 14):
     trees = []
     for t in range(T):
-        tr = random_tree(rng, vocab)
+        tr = random_tree(rng, vocab, max_nodes)
         if t % 3 == 1:
             tr = TokenTree(tr.tokens, tr.parents, torch.softmax(torch.randn(tr.num_nodes, vocab), 1))
         if t % 4 == 2:
@@ -388,12 +388,41 @@ def test_batched_verification_does_no_host_sync():
     probs = torch.softmax(logits, -1)
     argmax = logits.argmax(-1)
     with no_host_sync():
-        out = [verify_batched(packed, logits, st, gens), verify_batched(packed, logits, st_greedy, gens),
-               verify_batched(packed, logits, st_random, gens, any_greedy=False),
-               verify_greedy_batched(packed, argmax), verify_sampling_batched(packed, probs, gens)]
+        # compact=False: the CUDA path (the compacting CPU path reads row counts, free on a CPU)
+        out = [verify_batched(packed, logits, st, gens, compact=False),
+               verify_batched(packed, logits, st_greedy, gens, compact=False),
+               verify_batched(packed, logits, st_random, gens, any_greedy=False, compact=False),
+               verify_greedy_batched(packed, argmax), verify_sampling_batched(packed, probs, gens, compact=False)]
         stacked = [r.stacked() for r in out]
     with pytest.raises(AssertionError, match="host sync"):
         with no_host_sync():
             argmax.tolist()
     for s in stacked:   # and the results are sane once on the host
         assert len(verify_results_from_stacked(s.tolist(), packed.max_depth)) == T
+
+
+def test_compacting_and_masked_paths_give_the_same_results():
+    """The CPU path (rows still walking selected with nonzero) and the CUDA path (every row, masks)
+    draw the same random numbers and must decide the same, for every tree."""
+    rng = random.Random(21)
+    vocab = 9
+    for trial in range(12):
+        T = rng.randint(1, 10)
+        trees = mixed_batch(rng, T, vocab, max_nodes=10)
+        packed = pack_trees(trees)
+        logits = torch.randn(T, packed.max_nodes, vocab) * 2
+        for t, tr in enumerate(trees):        # make the target like the first child: deeper walks
+            for i, par in enumerate(tr.parents):
+                if par != NO_PARENT and rng.random() < 0.7:
+                    logits[t, par, tr.tokens[i]] += 3
+        params = [SamplingParams(temperature=0.0) if t % 4 == 0 else SamplingParams(temperature=0.9, top_p=0.9)
+                  for t in range(T)]
+        st = SamplingTensors.from_params(params, "cpu")
+        probs = torch.softmax(logits, -1)
+        results = []
+        for compact in (True, False):
+            torch.manual_seed(trial)
+            gens = [torch.Generator().manual_seed(trial * 100 + t) if t % 2 else None for t in range(T)]
+            results.append([host_results(verify_batched(packed, logits, st, gens, compact=compact)),
+                            host_results(verify_sampling_batched(packed, probs, gens, compact=compact))])
+        assert results[0] == results[1]
