@@ -21,6 +21,12 @@ longest walk biases the output towards easily drafted continuations — hence op
 `num_candidates = W > 1` the walk ends by drawing W distinct tokens from the final p (Gumbel
 top-W, without replacement): the first is the bonus, exactly as lossless as the single draw; the
 others are the next forest's extra roots.
+
+Batched (the engine's path): `verify_batched` / `verify_greedy_batched` / `verify_sampling_batched`
+verify all trees of a step at once on the device (`tree.pack_trees` layout) with no host sync and
+return a `BatchVerifyResult` of device tensors, read back in one transfer. The Python functions
+above are the reference they are tested against: greedy results are identical, sampling results
+have the same distribution (not the same random stream).
 """
 
 from __future__ import annotations
