@@ -198,7 +198,8 @@ class ModelRunner:
             tree_logits = logits[num_plain:].index_select(0, inp.tree_pad_index.reshape(-1))
             tree_logits = tree_logits.view(*inp.tree_pad_index.shape, -1)                 # [T, N, V]
             st = SamplingTensors.from_params([s.params for s in tree_seqs], self.device)
-            verified = verify_batched(packed, tree_logits, st, [s.generator for s in tree_seqs])
+            verified = verify_batched(packed, tree_logits, st, [s.generator for s in tree_seqs],
+                                      any_greedy=any(s.params.greedy for s in tree_seqs))
             path_lens = verified.num_accepted + 1
             compact_tree_kv(self.cache.kv, inp.tree_block_tables, self.block_size, inp.tree_starts,
                             verified.path, path_lens)
