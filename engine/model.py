@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.engine.attention import AttnMetadata, paged_attention_reference
+from specserve.engine.attention import AttnMetadata, paged_attention
 from specserve.engine.config import ModelConfig
 
 
@@ -120,7 +120,7 @@ class DecoderLayer(nn.Module):
         k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         k_cache[meta.slot_mapping] = k
         v_cache[meta.slot_mapping] = v.view(n, self.num_kv_heads, self.head_dim)
-        h = h + linear(paged_attention_reference(q, k_cache, v_cache, meta, self.scale), self.o.weight)
+        h = h + linear(paged_attention(q, k_cache, v_cache, meta, self.scale), self.o.weight)
         gate, up = linear(rms_norm(h, self.post_attn_norm, self.eps), self.gate_up.weight).chunk(2, dim=-1)
         return h + linear(F.silu(gate) * up, self.down.weight)
 
