@@ -70,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most draft-tree nodes per sequence per step (default: %(default)s)")
     ap.add_argument("--max-draft-tokens-per-step", type=int, default=64, metavar="N",
                     help="draft nodes of the whole batch per step (default: %(default)s)")
-    ap.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=True,
-                    help="per-sequence draft budgets follow acceptance, as served (default: on)")
+    ap.add_argument("--draft-budget", default="goodput", choices=("goodput", "adaptive", "fixed"),
+                    help="how draft budgets are chosen, as `specserve serve --draft-budget` (default: %(default)s)")
+    ap.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=None,
+                    help="the older switch: on = --draft-budget adaptive, off = fixed (default: unset)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="float32 makes the greedy check exact (default: %(default)s)")
@@ -201,14 +203,15 @@ def drafter_row(tally: Tally, delta: dict) -> dict:
         "num_fallbacks": delta["num_fallbacks"],
         "draft_time_s": delta["draft_time_s"],
         "verify_time_s": delta["verify_time_s"],
+        "budget_counts": delta.get("budget_counts", []),   # index b: decoding steps given b draft nodes
     }
 
 
 ROW_FIELDS = ("dataset", "temperature", "method", "kind", "num_prompts", "num_tokens", "seconds", "tok_s",
               "speedup", "speedup_vs_hf", "tau", "num_target_forwards", "num_draft_steps", "num_draft_tokens",
               "num_accepted_tokens", "accepted_per_step", "emitted_per_draft_step", "alpha", "accepted_by_depth",
-              "accepted_length_counts", "num_fallbacks", "draft_time_s", "verify_time_s", "greedy_mismatches",
-              "identical_to_plain", "error")
+              "accepted_length_counts", "num_fallbacks", "draft_time_s", "verify_time_s", "budget_counts",
+              "greedy_mismatches", "identical_to_plain", "error")
 
 
 def make_row(**values) -> dict:
@@ -255,7 +258,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                           max_model_len=max_model_len, seed=args.seed, drafters=(PLAIN, *drafters),
                           drafter_options=options, num_speculative_tokens=args.num_speculative_tokens,
                           max_draft_tokens_per_step=args.max_draft_tokens_per_step,
-                          adaptive_draft_length=args.adaptive_draft_length)
+                          draft_budget=args.draft_budget, adaptive_draft_length=args.adaptive_draft_length)
     engine = LLMEngine(config, loaded=loaded)
     hf = build_hf_model(loaded, engine.device, engine.dtype) if args.hf else None
     pad_id = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
@@ -368,7 +371,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             "hf_batch_size": 1 if hf is not None else None, "seed": args.seed, "drafters": drafters,
             "skipped_drafters": skipped, "drafter_options": options,
             "num_speculative_tokens": args.num_speculative_tokens,
-            "adaptive_draft_length": args.adaptive_draft_length,
+            "draft_budget": engine.config.draft_budget,
+            "adaptive_draft_length": engine.config.draft_budget == "adaptive",
             "max_draft_tokens_per_step": args.max_draft_tokens_per_step, "max_model_len": max_model_len,
             "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS if hf is not None else None,
             "load_seconds": load_s, "notes": notes,

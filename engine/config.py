@@ -10,6 +10,7 @@ import torch
 from specserve.engine.errors import InvalidRequestError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,17 @@ class EngineConfig:
     seed: int = 0                       # seeds unseeded sampling
     drafters: tuple[str, ...] = ()      # drafters to load; the first is the default ("none" = plain decoding)
     num_speculative_tokens: int = 8     # max draft-tree nodes per sequence per step
-    max_draft_tokens_per_step: int = 64 # all sequences' draft nodes together per step (adaptive budget)
+    max_draft_tokens_per_step: int = 64 # all sequences' draft nodes together per step
     drafter_options: dict = field(default_factory=dict)  # drafter name -> its keyword options
-    adaptive_draft_length: bool = True  # per-sequence draft budget follows its acceptance (grow +2 / shrink -1)
+    # how each decoding sequence's draft budget is chosen (within the two caps above):
+    #   goodput  - per step, from measured acceptance and step/draft costs, to maximise the batch's
+    #              committed tokens per second (0 where drafting does not pay); engine/budget.py
+    #   adaptive - the per-step cap split evenly, each sequence's share following its acceptance (+2 / -1)
+    #   fixed    - the per-step cap split evenly
+    draft_budget: str = "goodput"
+    # the older switch, kept working: True = "adaptive", False = "fixed", None = as draft_budget says
+    adaptive_draft_length: bool | None = None
+    step_cost_calibration: bool = True  # goodput: time a few forwards at start-up (off: learn from steps only)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -45,6 +54,14 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queue_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
+        if self.draft_budget not in DRAFT_BUDGETS:
+            raise ValueError(f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {self.draft_budget!r}")
+        if self.adaptive_draft_length is not None:
+            implied = "adaptive" if self.adaptive_draft_length else "fixed"
+            if self.draft_budget not in ("goodput", implied):   # goodput is the default: the old switch wins
+                raise ValueError(f"adaptive_draft_length={self.adaptive_draft_length} contradicts "
+                                 f"draft_budget={self.draft_budget!r}")
+            object.__setattr__(self, "draft_budget", implied)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

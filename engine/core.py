@@ -61,7 +61,7 @@ class LLMEngine:
                              self.dtype, self.device)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.num_speculative_tokens, config.max_draft_tokens_per_step, self.max_model_len,
-                                   config.adaptive_draft_length)
+                                   draft_budget=config.draft_budget)
         self.drafters = self._load_drafters(config.drafters)
         self.default_drafter = config.drafters[0] if config.drafters and config.drafters[0] != NO_DRAFTER else None
         self.drafter_stats: dict[str, DrafterStats] = {name: DrafterStats() for name in self.drafters}
@@ -69,6 +69,13 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
+        self.scheduler.attach_stats(self.stats, self.drafter_stats)
+        profile_forward = getattr(self.runner, "profile_forward", None)   # the goodput budget's step cost curve
+        if self.drafters and config.draft_budget == "goodput" and config.step_cost_calibration and profile_forward:
+            t0 = time.perf_counter()
+            points = self.scheduler.calibrate(profile_forward)
+            logger.info("step cost calibrated in %.2f s: %s", time.perf_counter() - t0,
+                        ", ".join(f"{n} tokens {s * 1e3:.1f} ms" for n, s in points.items()))
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
                     config.block_size, self.max_model_len)
@@ -183,7 +190,11 @@ class LLMEngine:
             for seq in first:
                 seq.request.metrics.first_scheduled_time = now
             try:
-                self._run_batch(batch, self._propose(batch))
+                trees = self._propose(batch)
+                t0 = time.perf_counter()
+                self._run_batch(batch, trees)
+                self.scheduler.observe_step(batch.total_tokens + sum(t.num_draft_tokens for t in trees.values()),
+                                            time.perf_counter() - t0, len(trees))
             except Exception as exc:
                 if is_unrecoverable(exc):
                     raise
@@ -263,7 +274,8 @@ class LLMEngine:
                 stats.num_fallbacks += len(idx)
                 continue
             finally:
-                stats.draft_time_s += time.perf_counter() - t0
+                draft_time = time.perf_counter() - t0
+                stats.draft_time_s += draft_time
             for b, seq, tree in zip(idx, seqs, proposed):
                 if tree is None:
                     continue
@@ -274,6 +286,8 @@ class LLMEngine:
                     continue
                 if tree.num_draft_tokens > 0:
                     trees[b] = tree
+            self.scheduler.observe_draft(name, seqs, [batch.draft_budgets[b] for b in idx],
+                                         [trees[b].num_draft_tokens if b in trees else 0 for b in idx], draft_time)
         return trees
 
     def _deliver_features(self, batch, features: dict[int, tuple[int, torch.Tensor]]) -> None:

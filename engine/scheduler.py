@@ -6,10 +6,19 @@ when the KV pool cannot hold a running sequence's next tokens the most recently 
 is preempted (its blocks freed, recomputed later from its tokens). Waiting sequences are admitted
 in arrival order while the budget, the sequence cap and the free blocks allow.
 
-Speculation budget (adaptive): a decoding sequence with a drafter may add up to
-`max_draft_per_seq` draft-tree nodes, but all such sequences together get at most
-`max_draft_tokens_per_step`, split evenly. As the batch grows each tree shrinks, down to plain
-decoding, so speculation never turns a loaded step into a much larger forward.
+Speculation budget: a decoding sequence with a drafter may add up to `max_draft_per_seq` draft-tree
+nodes, all such sequences together at most `max_draft_tokens_per_step` (and what the step's token
+budget leaves). Within these caps the `draft_budget` policy picks each sequence's budget:
+
+* "goodput" (the engine's default): `engine/budget.py` chooses every sequence's budget from a fixed
+  set of sizes (0 included) to maximise the expected committed tokens per second of the whole batch,
+  from measured acceptance (per drafter, per sequence) and a measured cost model of a step and of
+  each drafter. It stops drafting where drafting does not pay (many sequences on a CPU) and keeps
+  drafting where it does (batch 1, good acceptance). It needs the engine's observations:
+  `observe_step`, `observe_draft`, `observe_acceptance`, and `calibrate` at start-up.
+* "fixed": the per-step cap split evenly, at most `max_draft_per_seq` each. As the batch grows each
+  tree shrinks, down to plain decoding.
+* "adaptive": "fixed", with each sequence's draft length following its acceptance (below).
 
 Draft length (adaptive, per sequence): a sequence whose drafts keep failing should not pay for
 long ones. After each verification its cap grows by 2 nodes when the whole drafted path was
@@ -25,10 +34,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from specserve.engine.budget import GoodputBudget
 from specserve.engine.kv_cache import BlockManager
 from specserve.engine.sequence import Sequence, SeqStatus
 
 MAX_DRAFT_PAUSE = 32   # steps without a draft, at most, after repeated misses at one node
+DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")
 
 
 @dataclass
@@ -50,9 +61,22 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_draft_per_seq: int = 0, max_draft_tokens_per_step: int = 0, max_model_len: int | None = None,
-                 adaptive_draft_length: bool = False):
+                 adaptive_draft_length: bool = False, draft_budget: str | None = None):
+        """`draft_budget`: "goodput", "adaptive" or "fixed"; None = "adaptive" when
+        `adaptive_draft_length`, else "fixed" (the older switch)."""
+        if draft_budget is None:
+            draft_budget = "adaptive" if adaptive_draft_length else "fixed"
+        if draft_budget not in DRAFT_BUDGETS:
+            raise ValueError(f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {draft_budget!r}")
+        self.draft_budget = draft_budget
+        self.adaptive_draft_length = draft_budget == "adaptive"
         self.blocks = blocks
-        self.adaptive_draft_length = adaptive_draft_length
+        self.budget: GoodputBudget | None = None
+        if draft_budget == "goodput":
+            self.budget = GoodputBudget(max_draft_per_seq, max(max_num_batched_tokens,
+                                                               max_num_seqs + max_draft_tokens_per_step))
+        self.engine_stats = None     # EngineStats / {drafter: DrafterStats} to count budgets in (`attach_stats`)
+        self.drafter_stats: dict | None = None
         self.max_draft_per_seq = max_draft_per_seq
         self.max_draft_tokens_per_step = max_draft_tokens_per_step
         self.max_model_len = max_model_len
@@ -73,6 +97,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.seq_id)
+        if self.budget is not None:
+            self.budget.forget(seq)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -92,15 +118,61 @@ class Scheduler:
         if seq.draft_pause > 0:
             seq.draft_pause -= 1
             return 0
-        left = per_seq if seq.draft_limit is None else min(per_seq, seq.draft_limit)
+        return self._seq_cap(seq, per_seq if seq.draft_limit is None else min(per_seq, seq.draft_limit))
+
+    def _seq_cap(self, seq: Sequence, left: int) -> int:
+        """`left` capped by the tokens `seq` may still produce (one comes free as the bonus) and by
+        its context's room."""
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
         if self.max_model_len is not None:
             left = min(left, self.max_model_len - len(seq.token_ids) - 1)
         return max(0, left)
 
+    # ---- what the engine observes (the goodput budget learns from it) ----------------------
+
+    def attach_stats(self, engine_stats=None, drafter_stats: dict | None = None) -> None:
+        """Count the budgets handed out in `drafter_stats[name]` (DrafterStats) and keep the cost
+        model's estimates in `engine_stats` (EngineStats)."""
+        self.engine_stats, self.drafter_stats = engine_stats, drafter_stats
+        self._export_cost()
+
+    def calibrate(self, profile_forward) -> dict[int, float]:
+        """Goodput budget: time a few forwards (`profile_forward(num_tokens) -> seconds`) of up to
+        the largest decode step's tokens to set the step cost curve. Returns {tokens: seconds}."""
+        if self.budget is None:
+            return {}
+        largest = min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.max_draft_per_seq),
+                      self.max_num_seqs + self.max_draft_tokens_per_step)
+        points = self.budget.calibrate(profile_forward, largest)
+        self._export_cost()
+        return points
+
+    def observe_step(self, num_tokens: int, seconds: float, num_trees: int = 0) -> None:
+        """A step of `num_tokens` tokens (draft nodes included) verifying `num_trees` draft trees
+        took `seconds` (target forward, verification, commit; not drafting)."""
+        if self.budget is not None:
+            self.budget.observe_step(num_tokens, seconds, num_trees)
+            self._export_cost()
+
+    def observe_draft(self, drafter: str, seqs: list[Sequence], budgets: list[int], nodes: list[int],
+                      seconds: float) -> None:
+        """`drafter` proposed for `seqs` (with these budgets) in `seconds`; nodes[i] draft nodes
+        came back for seqs[i] (0: no tree)."""
+        if self.budget is not None:
+            self.budget.observe_draft(drafter, seqs, budgets, nodes, seconds)
+
+    def _export_cost(self) -> None:
+        if self.budget is not None and self.engine_stats is not None:
+            estimates = self.budget.cost.estimates()
+            self.engine_stats.step_cost_tokens = [n for n, _ in estimates]
+            self.engine_stats.step_cost_seconds = [s for _, s in estimates]
+
     def observe_acceptance(self, seq: Sequence, num_accepted: int, drafted_depth: int) -> None:
         """A verification accepted `num_accepted` draft tokens of a tree `drafted_depth` deep."""
+        if self.budget is not None:
+            self.budget.observe_acceptance(seq, num_accepted, drafted_depth)
+            return
         if not self.adaptive_draft_length:
             return
         limit = self.max_draft_per_seq if seq.draft_limit is None else seq.draft_limit
@@ -119,21 +191,36 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         speculating = sum(1 for s in self.running if s.drafter is not None and s.num_uncomputed_tokens == 1)
         per_seq = 0
+        goodput: dict[int, int] | None = None
         if speculating:
             per_seq = min(self.max_draft_per_seq, self.max_draft_tokens_per_step // speculating,
                           max(0, budget - len(self.running)) // speculating)
+            if self.budget is not None:
+                goodput = self._goodput_budgets()
+        decoding: list[Sequence] = []   # decoding sequences with a drafter, as scheduled
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             try:
-                scheduled = self._schedule_running(batch, seq, budget, per_seq)
+                drafts = seq.drafter is not None and seq.num_uncomputed_tokens == 1
+                if not drafts:
+                    draft = 0
+                elif goodput is not None:
+                    draft = goodput.get(seq.seq_id, 0)
+                else:
+                    draft = self._draft_budget(seq, per_seq)
+                scheduled = self._schedule_running(batch, seq, budget, draft)
             except Exception as exc:   # this sequence alone is dropped (the engine fails its request)
                 self._drop(batch, seq, exc)
                 continue
             if scheduled is None:
                 break
+            if drafts:
+                decoding.append(seq)
             budget -= scheduled
             i += 1
+        if decoding:
+            self._record_budgets(batch, decoding)
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
@@ -147,11 +234,40 @@ class Scheduler:
             budget -= scheduled
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, seq: Sequence, budget: int, per_seq: int) -> int | None:
-        """Put running `seq` in the batch, preempting the newest sequences if the pool is short.
-        Returns the step tokens it takes, or None when it was preempted itself (stop scheduling)."""
+    def _goodput_budgets(self) -> dict[int, int]:
+        """The goodput budget's choice for the decoding sequences of this step (seq_id -> nodes)."""
+        left = self.max_num_batched_tokens
+        base_tokens = base_commits = 0
+        candidates = []
+        for seq in self.running:
+            n = min(seq.num_uncomputed_tokens, left)
+            if n <= 0:
+                break
+            left -= n
+            base_tokens += n
+            base_commits += n == seq.num_uncomputed_tokens   # a decode, or a prompt's last chunk: one token
+            if seq.drafter is not None and seq.num_uncomputed_tokens == 1:
+                candidates.append((seq, self._seq_cap(seq, self.max_draft_per_seq)))
+        max_total = min(self.max_draft_tokens_per_step, left)
+        return self.budget.allocate(candidates, base_tokens, base_commits, max_total).budgets
+
+    def _record_budgets(self, batch: ScheduledBatch, decoding: list[Sequence]) -> None:
+        """Tell the goodput budget what each decoding sequence got; count the budgets per drafter."""
+        granted = {seq.seq_id: d for seq, d in zip(batch.seqs, batch.draft_budgets)}
+        for seq in decoding:
+            if seq.seq_id not in granted:   # preempted after being scheduled
+                continue
+            draft = granted[seq.seq_id]
+            if self.budget is not None:
+                self.budget.record(seq, draft)
+            if self.drafter_stats is not None and seq.drafter in self.drafter_stats:
+                self.drafter_stats[seq.drafter].observe_budget(draft)
+
+    def _schedule_running(self, batch: ScheduledBatch, seq: Sequence, budget: int, draft: int) -> int | None:
+        """Put running `seq` in the batch (with a draft budget of `draft` nodes), preempting the newest
+        sequences if the pool is short. Returns the step tokens it takes, or None when it was preempted
+        itself (stop scheduling)."""
         n = min(seq.num_uncomputed_tokens, budget)
-        draft = self._draft_budget(seq, per_seq) if seq.num_uncomputed_tokens == 1 else 0
         if draft and not self.blocks.can_grow(seq.seq_id, seq.num_computed_tokens + 1 + draft):
             draft = 0   # the pool is short: decode plainly rather than preempt for a draft
         target = seq.num_computed_tokens + n + draft

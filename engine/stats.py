@@ -19,6 +19,10 @@ class EngineStats:
     num_step_failures_total: int = 0      # steps that raised and were retried sequence by sequence
     num_failed_requests_total: int = 0    # requests the engine failed (a step, scheduling or a drafter raised)
     drafters: dict[str, "DrafterStats"] = field(default_factory=dict)   # copies, by drafter name
+    # the goodput draft budget's step cost model: estimated seconds of a step of step_cost_tokens[i]
+    # tokens (target forward + verification + commit); empty under the other budgets
+    step_cost_tokens: list[int] = field(default_factory=list)
+    step_cost_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -50,6 +54,13 @@ class DrafterStats:
     verify_time_s: float = 0.0
     accepted_by_depth: list[int] = field(default_factory=list)        # index d-1: accepted at depth d
     accepted_length_counts: list[int] = field(default_factory=list)   # index k: steps accepting k drafts
+    budget_counts: list[int] = field(default_factory=list)   # index b: decoding sequence steps given b draft nodes
+
+    def observe_budget(self, budget: int) -> None:
+        """The scheduler gave a decoding sequence of this drafter `budget` draft nodes (0: none) this step."""
+        while len(self.budget_counts) <= budget:
+            self.budget_counts.append(0)
+        self.budget_counts[budget] += 1
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         self.num_steps += 1

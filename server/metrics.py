@@ -55,6 +55,18 @@ drafter_fallbacks_total{drafter}           counter    sequence steps where the d
                                                       malformed tree) -> plain decoding; not steps
 draft_time_seconds_total{drafter}          counter    time spent proposing
 verify_time_seconds_total{drafter}         counter    time spent verifying
+draft_budget_tokens{drafter}               histogram  draft-tree nodes the scheduler allowed a decoding
+                                                      sequence per step (0 = no draft); le = the budget
+                                                      sizes (0, 1, 2, 4, 8, .. up to
+                                                      ``--num-speculative-tokens``, which is one)
+=========================================  =========  =================================================
+
+The goodput draft budget's step cost model (``--draft-budget goodput``; absent under the others):
+
+=========================================  =========  =================================================
+specserve_step_cost_estimate_seconds       gauge      estimated seconds of one engine step (target
+  {tokens}                                            forward + verification + commit) of ``tokens``
+                                                      tokens, at the model's knots 1, 2, 4, ..
 =========================================  =========  =================================================
 
 The Grafana dashboard (``deploy/grafana/specserve.json``) shows, per panel, the PromQL below, where
@@ -112,6 +124,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from specserve.engine.budget import budget_sizes
 from specserve.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -147,12 +160,20 @@ def _max_position(engine) -> int:
     return max(1, min(MAX_POSITION, int(depth))) if isinstance(depth, int) else 1
 
 
+def _budget_buckets(engine) -> list[int]:
+    """`le` values of the draft budget histogram: the budget sizes up to ``--num-speculative-tokens``."""
+    config = getattr(_core_engine(engine), "config", None)
+    cap = getattr(config, "num_speculative_tokens", None)
+    return budget_sizes(int(cap)) if isinstance(cap, int) else list(budget_sizes(8))
+
+
 class _EngineStatsCollector(Collector):
     """Reads `engine.get_stats()` at scrape time."""
 
     def __init__(self, engine: "AsyncEngine"):
         self._engine = engine
         self._max_position = _max_position(engine)
+        self._budget_buckets = _budget_buckets(engine)
 
     def _families(self, stats) -> list[Metric]:
         def value(name: str) -> float:
@@ -180,19 +201,37 @@ class _EngineStatsCollector(Collector):
         ]
 
     def describe(self) -> Iterable[Metric]:
-        return self._families(None) + _drafter_families({})
+        return self._families(None) + _drafter_families({}) + _cost_families(None)
 
     def collect(self) -> Iterable[Metric]:
         stats = self._engine.get_stats()
-        return self._families(stats) + _drafter_families(getattr(stats, "drafters", None) or {}, self._max_position)
+        return (self._families(stats)
+                + _drafter_families(getattr(stats, "drafters", None) or {}, self._max_position, self._budget_buckets)
+                + _cost_families(stats))
 
 
-def _drafter_families(drafters: dict, max_position: int = 1) -> list[Metric]:
+def _cost_families(stats) -> list[Metric]:
+    """The goodput budget's step cost estimates (`EngineStats.step_cost_tokens/seconds`); no family without them."""
+    tokens = list(getattr(stats, "step_cost_tokens", None) or [])
+    seconds = list(getattr(stats, "step_cost_seconds", None) or [])
+    if stats is not None and not tokens:
+        return []
+    gauge = GaugeMetricFamily("specserve_step_cost_estimate_seconds", "The goodput draft budget's current estimate "
+                              "of one engine step's seconds (target forward, verification, commit) for `tokens` "
+                              "tokens in the step.", labels=["tokens"])
+    for n, s in zip(tokens, seconds):
+        gauge.add_metric([str(n)], s)
+    return [gauge]
+
+
+def _drafter_families(drafters: dict, max_position: int = 1, budget_buckets: list[int] | None = None) -> list[Metric]:
     """Per-drafter speculation counters from `EngineStats.drafters` ({name: DrafterStats}).
 
     Label sets stay bounded: `drafter` takes the loaded drafters' names; `position` runs 1 .. MAX_POSITION
     (series 1 .. `max_position` exist from the start, at 0, so `rate()` sees their first increase);
-    the `accepted_length` buckets are fixed (le = 0 .. MAX_POSITION, +Inf)."""
+    the `accepted_length` buckets are fixed (le = 0 .. MAX_POSITION, +Inf), the `draft_budget_tokens`
+    ones are the budget sizes (`budget_buckets`, +Inf)."""
+    budget_buckets = list(budget_buckets) if budget_buckets is not None else budget_sizes(8)
     p = "specserve_spec_decode_"
     steps = CounterMetricFamily(p + "verification_steps", "Verification steps that carried a draft.",
                                 labels=["drafter"])
@@ -214,6 +253,9 @@ def _drafter_families(drafters: dict, max_position: int = 1) -> list[Metric]:
     draft_time = CounterMetricFamily(p + "draft_time_seconds", "Time spent proposing drafts.", labels=["drafter"])
     verify_time = CounterMetricFamily(p + "verify_time_seconds", "Time spent verifying drafts (a batched "
                                       "verification counts once per sequence it carried).", labels=["drafter"])
+    budget = HistogramMetricFamily(p + "draft_budget_tokens", "Draft-tree nodes the scheduler allowed a decoding "
+                                   "sequence in a step (0 = no draft), one observation per sequence step.",
+                                   labels=["drafter"])
     for name, st in sorted(drafters.items()):
         steps.add_metric([name], st.num_steps)
         draft.add_metric([name], st.num_draft_tokens)
@@ -232,7 +274,11 @@ def _drafter_families(drafters: dict, max_position: int = 1) -> list[Metric]:
         fallbacks.add_metric([name], st.num_fallbacks)
         draft_time.add_metric([name], st.draft_time_s)
         verify_time.add_metric([name], st.verify_time_s)
-    return [steps, draft, accepted, emitted, by_position, length, fallbacks, draft_time, verify_time]
+        budget_counts = list(getattr(st, "budget_counts", []))
+        buckets = [(f"{float(le)}", sum(budget_counts[:le + 1])) for le in budget_buckets]
+        buckets.append(("+Inf", sum(budget_counts)))
+        budget.add_metric([name], buckets, sum_value=sum(b * c for b, c in enumerate(budget_counts)))
+    return [steps, draft, accepted, emitted, by_position, length, fallbacks, draft_time, verify_time, budget]
 
 
 class ServerMetrics:

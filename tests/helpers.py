@@ -25,13 +25,18 @@ LAW_ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=1024, num_kv_blocks=24
 def make_llm_engine(model_dir, drafters: Sequence[str] = (), drafter_options: dict | None = None, *,
                     loaded=None, **config):
     """An fp32 CPU `LLMEngine` over `model_dir` (block size 4, 4 sequences, 200 KV blocks, context 160,
-    up to 10 draft tokens per sequence and 40 per step unless `config` says otherwise)."""
+    up to 10 draft tokens per sequence and 40 per step, the fixed draft budget, unless `config` says
+    otherwise)."""
     from specserve.engine.config import EngineConfig
     from specserve.engine.core import LLMEngine
 
     cfg = dict(model=str(model_dir), dtype="float32", device="cpu", max_num_seqs=4, block_size=4,
                max_num_batched_tokens=64, num_kv_blocks=200, max_model_len=160, drafters=tuple(drafters),
                drafter_options=drafter_options or {}, num_speculative_tokens=10, max_draft_tokens_per_step=40)
+    if "adaptive_draft_length" not in config:
+        # every draft is verified: these engines test drafters and verification, not the budget
+        # policy (the goodput budget's own tests ask for draft_budget="goodput")
+        cfg["draft_budget"] = "fixed"
     cfg.update(config)
     return LLMEngine(EngineConfig(**cfg), loaded)
 

@@ -30,7 +30,7 @@ def test_harness_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, capsys):
     rc = spec_decode.main(["--model", str(tiny_llama_dir), "--datasets", str(tiny_dataset), "--num-prompts", "2",
                            "--max-tokens", "8", "--drafters", "ngram", "draft_model",
                            "--drafter-option", "draft_model.draft_layers=1", "--temperature", "0", "0.7",
-                           "--out", str(out)])
+                           "--draft-budget", "fixed", "--out", str(out)])   # every draft verified
     assert rc == 0
     result = json.loads(out.with_suffix(".json").read_text())
     meta = result["meta"]

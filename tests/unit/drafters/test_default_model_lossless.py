@@ -42,7 +42,7 @@ def test_every_drafter_reproduces_plain_greedy_decoding(default_model):
     corpus = data_dir() / "mt_bench.jsonl"     # a small corpus keeps mag's bigram table quick to build
     engine = LLMEngine(EngineConfig(
         model="default", dtype="float32", device="cpu", max_num_seqs=4, max_model_len=512,
-        drafters=("none", *DRAFTERS), num_speculative_tokens=6, max_draft_tokens_per_step=24,
+        drafters=("none", *DRAFTERS), num_speculative_tokens=6, max_draft_tokens_per_step=24, draft_budget="fixed",
         drafter_options={"draft_model": {"draft_layers": 20, "k_config": "2,2,1"},
                          "mag": {"corpus": str(corpus) if corpus.is_file() else None}}), loaded=default_model)
     tok = engine.tokenizer

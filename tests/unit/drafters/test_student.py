@@ -15,7 +15,8 @@ from specserve.engine.sampling_params import SamplingParams
 def engine_with(tiny_llama_dir, drafters=(), options=None) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", max_num_seqs=8,
                                   block_size=4, max_num_batched_tokens=128, num_kv_blocks=400, max_model_len=128,
-                                  drafters=tuple(drafters), drafter_options=options or {}, num_speculative_tokens=12))
+                                  drafters=tuple(drafters), drafter_options=options or {}, num_speculative_tokens=12,
+                                  draft_budget="fixed"))
 
 
 def run(engine, prompts, params) -> dict[str, list[int]]:

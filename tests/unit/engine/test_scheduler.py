@@ -1,5 +1,5 @@
 """Scheduler policy on real Sequence objects (no model): budgets, chunked prefill, admission by
-free blocks, the sequence cap, preemption."""
+free blocks, the sequence cap, preemption; the draft budgets (fixed, adaptive, goodput)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def test_draft_length_follows_acceptance():
     """+2 nodes after a fully accepted draft (up to the per-sequence maximum), -1 after a miss (down
     to 1); the budget the scheduler hands out follows; off means the maximum always."""
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
-                      max_draft_tokens_per_step=64, adaptive_draft_length=True)
+                      max_draft_tokens_per_step=64, draft_budget="adaptive")
     seq = make_seq(5)
     seq.drafter = "d"
     sched.add(seq)
@@ -110,7 +110,7 @@ def test_draft_length_follows_acceptance():
     assert sched.schedule().draft_budgets == [3]
 
     fixed = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
-                      max_draft_tokens_per_step=64, adaptive_draft_length=False)
+                      max_draft_tokens_per_step=64, draft_budget="fixed")
     other = make_seq(5)
     fixed.observe_acceptance(other, 0, 8)
     assert other.draft_limit is None
@@ -122,7 +122,7 @@ def test_misses_at_one_node_pause_drafting_with_backoff():
     from specserve.engine.scheduler import MAX_DRAFT_PAUSE
 
     sched = Scheduler(BlockManager(256, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
-                      max_draft_tokens_per_step=64, adaptive_draft_length=True)
+                      max_draft_tokens_per_step=64, draft_budget="adaptive")
     seq = make_seq(5, max_tokens=1000)
     seq.drafter = "d"
     sched.add(seq)
@@ -146,3 +146,77 @@ def test_misses_at_one_node_pause_drafting_with_backoff():
     seq.draft_limit = 1
     sched.observe_acceptance(seq, 0, 1)
     assert len(budgets_until_next_draft()) - 1 == 2
+
+
+def test_the_older_switch_picks_the_budget():
+    blocks = BlockManager(8, 4)
+    assert Scheduler(blocks, 4, 64, 8, 64, adaptive_draft_length=True).draft_budget == "adaptive"
+    assert Scheduler(blocks, 4, 64, 8, 64).draft_budget == "fixed"
+    assert Scheduler(blocks, 4, 64, 8, 64, adaptive_draft_length=True, draft_budget="goodput").budget is not None
+    import pytest
+    with pytest.raises(ValueError):
+        Scheduler(blocks, 4, 64, 8, 64, draft_budget="sometimes")
+
+
+def test_fixed_budget_splits_the_step_cap_evenly():
+    sched = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=128, max_draft_per_seq=8,
+                      max_draft_tokens_per_step=12, draft_budget="fixed")
+    seqs = [make_seq(5, str(i)) for i in range(4)]
+    for s in seqs:
+        s.drafter = "d"
+        sched.add(s)
+    run_step(sched)
+    assert sched.schedule().draft_budgets == [3, 3, 3, 3]
+
+
+def _goodput_scheduler(num_seqs: int, step_seconds, max_draft_tokens_per_step: int = 64):
+    """A goodput scheduler over `num_seqs` decoding sequences, its step cost calibrated to `step_seconds(n)`."""
+    from specserve.engine.stats import DrafterStats, EngineStats
+
+    sched = Scheduler(BlockManager(1024, 4), max_num_seqs=16, max_num_batched_tokens=512, max_draft_per_seq=8,
+                      max_draft_tokens_per_step=max_draft_tokens_per_step, max_model_len=4096, draft_budget="goodput")
+    stats, drafter_stats = EngineStats(), {"d": DrafterStats()}
+    sched.attach_stats(stats, drafter_stats)
+    assert sched.calibrate(step_seconds) and stats.step_cost_tokens[0] == 1
+    seqs = [make_seq(5, str(i), max_tokens=1000) for i in range(num_seqs)]
+    for s in seqs:
+        s.drafter = "d"
+        sched.add(s)
+    run_step(sched)   # prefill
+    return sched, seqs, drafter_stats["d"]
+
+
+def _goodput_step(sched: Scheduler, accept, step_seconds) -> list[int]:
+    """One step as the engine runs it: budgets, drafts of the full budget, `accept(seq, budget)` accepted,
+    the step taking `step_seconds(tokens)`."""
+    batch = sched.schedule()
+    drafting = [(s, b) for s, b in zip(batch.seqs, batch.draft_budgets) if b]
+    if drafting:
+        sched.observe_draft("d", [s for s, _ in drafting], [b for _, b in drafting], [b for _, b in drafting], 1e-4)
+    for seq, n, budget in zip(batch.seqs, batch.num_tokens, batch.draft_budgets):
+        accepted = accept(seq, budget) if budget else 0
+        if budget:
+            sched.observe_acceptance(seq, accepted, budget)
+        seq.token_ids.extend([7] * (accepted + 1))
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        sched.blocks.shrink(seq.seq_id, seq.num_computed_tokens + 1)
+    tokens = batch.total_tokens + sum(batch.draft_budgets)
+    sched.observe_step(tokens, step_seconds(tokens), sum(1 for b in batch.draft_budgets if b))
+    return batch.draft_budgets
+
+
+def test_goodput_budget_in_the_scheduler():
+    """Batch 1 with everything accepted drafts the most; the budgets handed out are counted per drafter."""
+    cost = lambda n: 0.02 + 0.0025 * n   # noqa: E731
+    sched, seqs, st = _goodput_scheduler(1, cost)
+    budgets = [_goodput_step(sched, lambda s, b: b, cost)[0] for _ in range(10)]
+    assert budgets[-1] == 8 and all(b in (0, 1, 2, 4, 8) for b in budgets)
+    assert sum(st.budget_counts) == 10 and st.budget_counts[8] >= 5
+
+
+def test_goodput_budget_stops_drafting_for_a_crowd_on_a_steep_curve():
+    cost = lambda n: 0.02 + 0.0025 * n   # noqa: E731
+    sched, seqs, st = _goodput_scheduler(16, cost)
+    history = [_goodput_step(sched, lambda s, b: b // 2, cost) for _ in range(40)]
+    assert sum(b > 0 for step in history[-20:] for b in step) <= 16   # probes only: one per sequence at most
+    assert st.budget_counts[0] > 0.8 * sum(st.budget_counts)

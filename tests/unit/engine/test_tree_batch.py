@@ -162,7 +162,7 @@ def test_kv_after_many_speculative_steps_equals_a_fresh_prefill(tiny_llama_dir):
         return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", max_num_seqs=4,
                                       block_size=4, max_num_batched_tokens=96, num_kv_blocks=200, max_model_len=160,
                                       drafters=tuple(drafters), num_speculative_tokens=10,
-                                      max_draft_tokens_per_step=40))
+                                      max_draft_tokens_per_step=40, draft_budget="fixed"))
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 21, 5, 14)]

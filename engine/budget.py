@@ -1,0 +1,703 @@
+"""The goodput draft budget: how many draft-tree nodes each decoding sequence gets this step.
+
+Pure Python (no torch), deterministic given the same observations (no randomness, ties go to the
+earlier sequence). Every step the scheduler asks `GoodputBudget.allocate` for the budgets b_i of
+the decoding sequences that have a drafter, maximising the expected committed tokens per second of
+the whole batch:
+
+    G(b) = (C0 + sum_i E_i(b_i)) / (E[T_step] + sum_d T_draft_d(seqs_d, nodes_d))
+
+C0: tokens the batch commits anyway (one per decoding sequence or finishing prompt), E_i(b): expected
+accepted draft tokens of sequence i for a budget of b nodes, T_step: seconds of a target step
+(forward + verification + commit) as a function of its tokens and of the draft trees it verifies (a
+fixed cost for having any, one per tree), T_draft_d: seconds of drafter d's `propose` call for its
+sequences and node budgets (0 when it has none). The expectation is over whether trees come back
+at all (a drafter may return none: an n-gram drafter without a match): with probability
+prod_i (1 - P_i(tree)) the step is a plain one of n0 tokens (decode tokens and prefill chunks),
+else it holds n0 plus the expected draft nodes given that some tree came; averaging token counts
+instead would overcharge the jump a CPU forward makes from 1 token to 2.
+
+Budgets come from a small fixed set of sizes (`budget_sizes`: 0, 1, 2, 4, 8, 16, 32 up to
+`num_speculative_tokens`, which is a size too), so a later step can capture one CUDA graph per
+size. Allocation is greedy: starting from 0 everywhere, among the moves (one sequence raised to
+any larger size) that raise the batch goodput even when only GAIN_TRUST of their expected gain is
+counted and that promise at least MIN_GAIN more accepted tokens, take the one with the largest
+goodput gain per draft node, until none is left; the per-step node cap and each sequence's cap
+(its num_speculative_tokens, tokens left, context room) bound it.
+
+The models, all learnt online from what the engine observes:
+
+* Step cost (`StepCostModel`): piecewise linear over knots at powers of two; calibrated at start-up
+  from a few timed forwards (`ModelRunner.profile_forward`), then corrected by an exponentially
+  weighted ridge fit of (tokens, seconds) of real steps: an offset per knot with a smoothness prior
+  (neighbouring offsets alike), so the overhead real steps have and the calibration forward has not
+  carries over to token counts not seen yet, while regions that are observed keep their own shape.
+* Draft cost (`_DrafterModel.cost`): per drafter, seconds ~ a + b * sequences + c * node budget,
+  the same kind of weighted ridge fit over its `propose` calls (0 before the first: optimistic).
+* Acceptance, per drafter: for each budget size, the mean accepted draft tokens, nodes and depth of
+  the trees it returned at that size (blended with an optimistic prior worth PRIOR_WEIGHT
+  observations: a geometric chain accepting each token with PRIOR_ACCEPT_RATE while no smaller
+  size is measured, else the largest measured smaller size's estimate scaled by the node ratio),
+  and its per-depth acceptance rate (accepted depths over depths tested: verification stops at the
+  first rejected depth; depths past a tree's end are not counted, so trees cut short by the budget
+  do not read as rejections).
+* Acceptance, per sequence: its chance that the drafter returns a tree at all (an n-gram drafter
+  finds no match in many contexts), a multiplier (its recent accepted tokens over what the
+  drafter's per-size means predicted for it), and its own per-depth rate (the drafter's as prior).
+  E_i(b) = P(tree) * max(multiplier * drafter mean(b), chain(own rate, drafter depth(b))): the
+  second term sees that a sequence whose drafts are accepted whole would gain from larger ones
+  even where the drafter's mean for those sizes was measured on other sequences.
+* Exploration: sizes never tried get the optimistic prior; a sequence left at 0 is given a probe
+  budget (PROBE_SIZE nodes) after 8, 16, 32, ... MAX_PROBE_PAUSE steps at 0 (the pause doubles with
+  every probe and starts over once the allocator picks the sequence by itself), so its estimates
+  do not freeze; but only where a probe could pay: were the sequence to accept nearly everything,
+  drafting it would raise the goodput (otherwise, as for a crowd on a CPU, it waits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+BUDGET_SIZES = (0, 1, 2, 4, 8, 16, 32)
+# allocation
+GAIN_TRUST = 0.75           # a move is judged on this share of its expected gain (estimates are noisy;
+                            # a move that only just pays on paper is more often a loss than a win)
+MIN_GAIN = 0.05             # a move must promise this many more accepted tokens (cost-model noise margin)
+# exploration
+FIRST_PROBE_PAUSE = 8       # steps at 0 before a sequence's first probe
+MAX_PROBE_PAUSE = 128       # the pause doubles with every probe, up to this
+PROBE_SIZE = 1              # a probe's budget
+PROBE_OPTIMISM = 0.9        # a probe is made where a sequence accepting this share per node would pay
+# acceptance
+PRIOR_ACCEPT_RATE = 0.7     # optimistic prior: a chain accepting each next token with this probability
+PRIOR_WEIGHT = 0.25         # the prior counts as this many observations
+MAX_EVIDENCE = 20.0         # a size's mean moves as an EMA of rate 1/MAX_EVIDENCE once it has that many
+SEQ_DECAY = 0.7             # per-sequence sums decay by this per observation (about the last 3 steps)
+SEQ_PRIOR = 1.0             # pseudo accepted tokens shrinking the per-sequence multiplier towards 1
+MAX_MULTIPLIER = 4.0
+TREE_RATE_SEQ = 0.3         # EMA rate of a sequence's chance of getting a tree
+DEPTH_DECAY_SEQ = 0.8       # a sequence's per-depth acceptance counts decay by this per observation
+DEPTH_DECAY_DRAFTER = 0.99  # its drafter's (the prior of the sequence's rate)
+DEPTH_PRIOR_WEIGHT = 2.0    # trials the drafter's rate counts for in a sequence's
+TREE_RATE_DRAFTER = 0.05    # EMA rate of a drafter's chance of returning a tree (its new sequences' prior)
+# costs
+STEP_FORGET = 0.98          # step cost fit: weight of an observation decays by this per step
+DRAFT_FORGET = 0.95         # draft cost fit: the same per `propose` call
+MAX_STEP_RATIO = 4.0        # a step slower than this times the estimate counts as this much (GC, noise)
+CALIBRATION_SECONDS = 1.5   # start-up timing stops once it spent this long
+UNCALIBRATED_FLAT = 32      # without calibration: T(n) ~ UNCALIBRATED_FLAT + n, scaled by the first step
+
+
+def budget_sizes(max_per_seq: int) -> list[int]:
+    """The budget sizes for a per-sequence maximum of `max_per_seq` nodes: BUDGET_SIZES up to it,
+    and the maximum itself."""
+    if max_per_seq <= 0:
+        return [0]
+    return sorted({s for s in BUDGET_SIZES if s < max_per_seq} | {max_per_seq})
+
+
+def prior_accepted(size: int, rate: float = PRIOR_ACCEPT_RATE) -> float:
+    """Expected accepted tokens of a `size`-node chain accepting each token with probability `rate`."""
+    return rate * (1 - rate ** size) / (1 - rate) if size > 0 else 0.0
+
+
+# ---- small weighted ridge regression -----------------------------------------------------------
+
+
+class _Ridge:
+    """Exponentially weighted ridge regression y ~ theta . phi with a Gaussian prior (mean 0,
+    precision matrix `prior`, or its diagonal) forgotten towards itself:
+    A = rho A + phi phi^T + (1 - rho) A0, b = rho b + phi y, theta = A^-1 b."""
+
+    def __init__(self, prior: list[float] | list[list[float]], forget: float):
+        k = len(prior)
+        if prior and not isinstance(prior[0], list):
+            prior = [[prior[i] if i == j else 0.0 for j in range(k)] for i in range(k)]
+        self.prior = [list(row) for row in prior]
+        self.forget = forget
+        self.A = [list(row) for row in prior]
+        self.b = [0.0] * k
+        self.num_observations = 0
+        self._theta: list[float] | None = [0.0] * k
+
+    def update(self, phi: dict[int, float], y: float) -> None:
+        rho, A, b = self.forget, self.A, self.b
+        for i, (row, prior_row) in enumerate(zip(A, self.prior)):
+            for j in range(len(row)):
+                row[j] = rho * row[j] + (1 - rho) * prior_row[j]
+            b[i] *= rho
+        for i, x in phi.items():
+            b[i] += x * y
+            for j, z in phi.items():
+                A[i][j] += x * z
+        self.num_observations += 1
+        self._theta = None
+
+    @property
+    def theta(self) -> list[float]:
+        if self._theta is None:
+            self._theta = _solve(self.A, self.b)
+        return self._theta
+
+
+def _solve(A: list[list[float]], b: list[float]) -> list[float]:
+    """x with A x = b (Gaussian elimination, partial pivoting; A is small and positive definite)."""
+    n = len(b)
+    m = [list(row) + [bi] for row, bi in zip(A, b)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[p] = m[p], m[c]
+        piv = m[c][c]
+        if abs(piv) < 1e-300:
+            continue
+        for r in range(c + 1, n):
+            f = m[r][c] / piv
+            if f:
+                row, top = m[r], m[c]
+                for k in range(c, n + 1):
+                    row[k] -= f * top[k]
+    x = [0.0] * n
+    for c in range(n - 1, -1, -1):
+        piv = m[c][c]
+        x[c] = (m[c][n] - sum(m[c][k] * x[k] for k in range(c + 1, n))) / piv if abs(piv) >= 1e-300 else 0.0
+    return x
+
+
+# ---- step cost -----------------------------------------------------------------------------------
+
+
+class StepCostModel:
+    """Seconds of one engine step (target forward, verification, commit) as a function of its
+    tokens and of the draft trees it verifies: F(n) + any_tree * [a tree in it] + per_tree * trees.
+    F is piecewise linear between knots 1, 2, 4, ... (the first power of two >= `max_tokens`),
+    linear beyond the last; `calibrate` sets its base curve, `observe` corrects all of it online.
+    The tree terms are the verification work a tree costs beyond its tokens (0 until observed)."""
+
+    def __init__(self, max_tokens: int):
+        top = 1
+        while top < max(1, max_tokens):
+            top *= 2
+        self.knots = [2 ** i for i in range(top.bit_length())]
+        self.base: list[float] | None = None       # the calibrated (or scaled prior) curve at the knots
+        self.calibrated = False
+        k = len(self.knots)
+        # offsets at the knots: neighbours alike (precision 1 on each difference), each held near 0
+        # (precision 0.05: an offset seen at one knot carries over to knots a few doublings away,
+        # fading, so neither a per-step overhead nor a calibration outlier is all of the answer);
+        # then the two tree terms, held at 0 as firmly as neighbouring offsets are held alike: where
+        # every step with a tree also has more tokens (batch 1) the data cannot tell them from the
+        # curve, and the curve (calibrated) should explain it; where the number of trees varies at
+        # similar token counts (larger batches) the data shows them
+        prior = [[0.0] * (k + 2) for _ in range(k + 2)]
+        for i in range(k):
+            prior[i][i] += 0.05
+            if i + 1 < k:
+                prior[i][i] += 1.0
+                prior[i + 1][i + 1] += 1.0
+                prior[i][i + 1] -= 1.0
+                prior[i + 1][i] -= 1.0
+        prior[k][k] = 0.2          # a step-level cost (a CPU forward's path for non-decode rows) is
+        prior[k + 1][k + 1] = 2.0  # likelier than one per tree where the data cannot tell them apart
+        self._fit = _Ridge(prior, STEP_FORGET)
+        self._values: list[float] | None = None
+        self._tree_terms = (0.0, 0.0)
+
+    # -- base curve --
+
+    def calibrate(self, points: dict[int, float]) -> None:
+        """Base curve from measured (tokens -> seconds) points: interpolated between them,
+        extrapolated with the slope of the last two beyond, made non-decreasing."""
+        pts = sorted((n, s) for n, s in points.items() if n > 0 and s > 0 and math.isfinite(s))
+        if not pts:
+            return
+        self.base = _monotone([_interp(pts, k) for k in self.knots])
+        self.calibrated = True
+        self._values = None
+
+    def calibration_order(self, max_tokens: int) -> list[int]:
+        """Knots to time, most useful first: 1, the first covering `max_tokens`, then the middles
+        (log scale), so a calibration cut short by its time limit still spans the decode range."""
+        top = next((i for i, k in enumerate(self.knots) if k >= max_tokens), len(self.knots) - 1)
+        order, spans = [0, top] if top else [0], [(0, top)]
+        while spans:
+            lo, hi = spans.pop(0)
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                order.append(mid)
+                spans += [(lo, mid), (mid, hi)]
+        return [self.knots[i] for i in order]
+
+    def _prior_base(self, n: float, seconds: float) -> list[float]:
+        scale = seconds / (UNCALIBRATED_FLAT + n)
+        return [scale * (UNCALIBRATED_FLAT + k) for k in self.knots]
+
+    # -- online --
+
+    def observe(self, num_tokens: int, seconds: float, num_trees: int = 0) -> None:
+        if num_tokens <= 0 or not (seconds > 0) or not math.isfinite(seconds):
+            return
+        if self.base is None:   # no calibration: the prior shape, scaled to the first step seen
+            self.base = self._prior_base(num_tokens, seconds)
+            self._values = None
+            return
+        base = _interp_knots(self.knots, self.base, num_tokens)
+        seconds = min(seconds, MAX_STEP_RATIO * max(self.predict(num_tokens, num_trees), base))
+        k = len(self.knots)
+        phi: dict[int, float] = {}
+        for i, w in self._hat(num_tokens):
+            phi[i] = phi.get(i, 0.0) + w
+        if num_trees > 0:
+            phi[k], phi[k + 1] = 1.0, float(num_trees)
+        self._fit.update(phi, seconds - base)
+        self._values = None
+
+    # -- prediction --
+
+    def _hat(self, n: float) -> list[tuple[int, float]]:
+        knots = self.knots
+        if n <= knots[0]:
+            return [(0, 1.0)]
+        if n >= knots[-1]:
+            return [(len(knots) - 1, 1.0)]
+        j = max(0, int(math.floor(math.log2(n))))
+        j = min(j, len(knots) - 2)
+        w = (n - knots[j]) / (knots[j + 1] - knots[j])
+        return [(j, 1.0 - w), (j + 1, w)]
+
+    def _solve(self) -> None:
+        base = self.base if self.base is not None else [UNCALIBRATED_FLAT + k for k in self.knots]
+        theta = self._fit.theta
+        k = len(self.knots)
+        self._values = _monotone([max(1e-6, b + theta[i]) for i, b in enumerate(base)])
+        self._tree_terms = (max(0.0, theta[k]), max(0.0, theta[k + 1]))
+
+    @property
+    def values(self) -> list[float]:
+        """Current estimate of F at each knot (seconds)."""
+        if self._values is None:
+            self._solve()
+        return self._values
+
+    @property
+    def tree_terms(self) -> tuple[float, float]:
+        """(seconds a step with any draft tree costs extra, seconds each tree costs extra)."""
+        if self._values is None:
+            self._solve()
+        return self._tree_terms
+
+    def predict(self, num_tokens: float, num_trees: float = 0) -> float:
+        t = _interp_knots(self.knots, self.values, num_tokens)
+        if num_trees > 0:
+            any_tree, per_tree = self._tree_terms
+            t += any_tree + per_tree * num_trees
+        return t
+
+    def estimates(self) -> list[tuple[int, float]]:
+        return list(zip(self.knots, self.values))
+
+
+def _monotone(values: list[float]) -> list[float]:
+    out, top = [], 0.0
+    for v in values:
+        top = max(top, v)
+        out.append(top)
+    return out
+
+
+def _interp(pts: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through sorted `pts`; flat below the first, the last slope (>= 0) beyond
+    (one point: proportional beyond it)."""
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if len(pts) == 1:
+        return pts[0][1] * x / pts[0][0]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)
+
+
+def _interp_knots(knots: list[int], values: list[float], x: float) -> float:
+    if x <= knots[0]:
+        return values[0]
+    if x >= knots[-1]:
+        if len(knots) == 1:
+            return values[0]
+        slope = max(0.0, (values[-1] - values[-2]) / (knots[-1] - knots[-2]))
+        return values[-1] + slope * (x - knots[-1])
+    j = min(int(math.floor(math.log2(x))), len(knots) - 2)
+    w = (x - knots[j]) / (knots[j + 1] - knots[j])
+    return values[j] + (values[j + 1] - values[j]) * w
+
+
+# ---- per drafter and per sequence ------------------------------------------------------------------
+
+
+@dataclass
+class _SizeStats:
+    accepted: float = 0.0      # mean accepted draft tokens when a tree came back (EMA once MAX_EVIDENCE seen)
+    nodes: float = 0.0         # mean draft nodes of such trees
+    depth: float = 0.0         # mean depth of such trees
+    weight: float = 0.0        # observations (the prior's share fades as 1 / weight)
+
+
+def _depth_trials(accepted: int, depth: int) -> int:
+    """Depths a verification tested: each up to the first rejected one (or the tree's last)."""
+    return max(1, min(accepted + 1, depth))
+
+
+def chain_accepted(rate: float, depth: float) -> float:
+    """Expected accepted tokens of a path `depth` deep accepting each next token with `rate`."""
+    rate = min(max(rate, 0.0), 0.999)
+    return rate * (1 - rate ** depth) / (1 - rate) if depth > 0 else 0.0
+
+
+class _DrafterModel:
+    def __init__(self):
+        self.sizes: dict[int, _SizeStats] = {}
+        self.tree_rate = 1.0                                  # P(a tree comes back), the prior of new sequences
+        self.cost = _Ridge([1e-3, 1e-3, 1e-3], DRAFT_FORGET)  # seconds ~ a + b * seqs + c * nodes
+        self.depth_hits = 0.0                                 # accepted depths (decayed)
+        self.depth_trials = 0.0                               # depths tested (decayed)
+
+    @property
+    def depth_rate(self) -> float:
+        """P(the next depth is accepted | the ones above were): over its trees, depths past a
+        tree's end not counted (so a cap that cut the trees short does not read as rejection)."""
+        return (self.depth_hits + PRIOR_ACCEPT_RATE) / (self.depth_trials + 1.0)
+
+    def observe(self, size: int, accepted: int, nodes: int, depth: int | None = None) -> None:
+        st = self.sizes.setdefault(size, _SizeStats())
+        st.weight = min(1e6, st.weight + 1.0)
+        rate = max(1.0 / st.weight, 1.0 / MAX_EVIDENCE)
+        depth = depth if depth is not None else nodes
+        st.accepted += rate * (accepted - st.accepted)
+        st.nodes += rate * (nodes - st.nodes)
+        st.depth += rate * (depth - st.depth)
+        self.depth_hits = DEPTH_DECAY_DRAFTER * self.depth_hits + accepted
+        self.depth_trials = DEPTH_DECAY_DRAFTER * self.depth_trials + _depth_trials(accepted, depth)
+
+    def depths(self, sizes: list[int]) -> list[float]:
+        """Expected tree depth for each budget size (the size itself until measured: a chain)."""
+        out = []
+        for s in sizes:
+            st = self.sizes.get(s)
+            out.append(float(s) if st is None else (PRIOR_WEIGHT * s + st.weight * st.depth) / (PRIOR_WEIGHT + st.weight))
+        return out
+
+    def accepted(self, sizes: list[int]) -> list[float]:
+        """Expected accepted tokens given a tree, for each of `sizes` (all budget sizes up to some
+        cap, ascending): the measured mean blended with a prior, never below what a smaller size gets
+        (a larger budget never hurts). The prior is optimistic but consistent with what smaller
+        sizes measured: a geometric chain while none did, else the largest measured smaller size's
+        estimate scaled by the node ratio (each extra node at most as useful as the average one)."""
+        out, best = [], 0.0
+        ref: tuple[int, float] | None = None   # the largest measured size so far and its estimate
+        for s in sizes:
+            if s == 0:
+                out.append(0.0)
+                continue
+            prior = prior_accepted(s) if ref is None else ref[1] * s / ref[0]
+            prior = min(prior, float(s))
+            st = self.sizes.get(s)
+            if st is None:
+                est = prior
+            else:
+                est = (PRIOR_WEIGHT * prior + st.weight * st.accepted) / (PRIOR_WEIGHT + st.weight)
+                if st.weight >= 1:
+                    ref = (s, est)
+            best = max(best, min(est, float(s)))
+            out.append(best)
+        return out
+
+    def nodes(self, sizes: list[int]) -> list[float]:
+        out = []
+        for s in sizes:
+            st = self.sizes.get(s)
+            out.append(float(s) if st is None else (PRIOR_WEIGHT * s + st.weight * st.nodes) / (PRIOR_WEIGHT + st.weight))
+        return out
+
+    def draft_seconds(self, num_seqs: int, num_nodes: int) -> float:
+        if num_seqs <= 0:
+            return 0.0
+        a, b, c = self.cost.theta
+        return max(0.0, a + b * num_seqs + c * num_nodes)
+
+
+@dataclass
+class _SeqState:
+    tree_rate: float = 1.0     # P(its drafter proposes a tree)
+    acc_sum: float = 0.0       # decayed sum of its accepted tokens (steps with a tree)
+    pred_sum: float = 0.0      # decayed sum of what its drafter's estimates predicted for them
+    idle: int = 0              # consecutive steps at 0 while it could have drafted
+    pause: int = FIRST_PROBE_PAUSE
+    probing: bool = False      # this step's budget is a probe
+    pending: int = 0           # the size granted this step, until its outcome is known
+    pending_pred: float = 0.0  # the drafter's estimate for that size when granted
+    pending_nodes: int = 0
+    depth_hits: float = 0.0    # its accepted depths (decayed)
+    depth_trials: float = 0.0  # its depths tested (decayed)
+
+    @property
+    def multiplier(self) -> float:
+        return min(MAX_MULTIPLIER, (self.acc_sum + SEQ_PRIOR) / (self.pred_sum + SEQ_PRIOR))
+
+    def depth_rate(self, prior: float) -> float:
+        return (self.depth_hits + DEPTH_PRIOR_WEIGHT * prior) / (self.depth_trials + DEPTH_PRIOR_WEIGHT)
+
+
+@dataclass
+class BudgetDecision:
+    """What `allocate` chose, for tests and debugging."""
+
+    budgets: dict[int, int] = field(default_factory=dict)    # seq_id -> nodes
+    goodput: float = 0.0                                     # expected committed tokens per second
+    step_seconds: float = 0.0                                # the cost model's estimate of the step
+    probes: list[int] = field(default_factory=list)          # seq_ids given a probe budget
+
+
+class GoodputBudget:
+    """See the module docstring. `max_per_seq`: num_speculative_tokens; `max_step_tokens`: the
+    most tokens a step can hold (the cost model's range)."""
+
+    def __init__(self, max_per_seq: int, max_step_tokens: int):
+        self.sizes = budget_sizes(max_per_seq)
+        self.cost = StepCostModel(max(max_step_tokens, 1))
+        self.drafters: dict[str, _DrafterModel] = {}
+        self.seqs: dict[int, _SeqState] = {}
+        self.last: BudgetDecision | None = None
+
+    # ---- calibration ----
+
+    def calibrate(self, profile_forward: Callable[[int], float], max_tokens: int,
+                  time_limit: float = CALIBRATION_SECONDS, clock: Callable[[], float] | None = None) -> dict[int, float]:
+        """Time forwards of 1 token and of the first knot covering `max_tokens` (the largest decode
+        step), then of the knots between, while under `time_limit` seconds, with
+        `profile_forward(n) -> seconds`, and set the base cost curve from them. Returns the points."""
+        import time
+
+        clock = clock or time.perf_counter
+        start = clock()
+        profile_forward(1)                   # warm-up, discarded
+        points: dict[int, float] = {}
+        for n in self.cost.calibration_order(max(1, max_tokens)):
+            points[n] = float(profile_forward(n))
+            if len(points) >= 2 and clock() - start > time_limit:
+                break
+        self.cost.calibrate(points)
+        return dict(sorted(points.items()))
+
+    # ---- models ----
+
+    def _drafter(self, name: str) -> _DrafterModel:
+        model = self.drafters.get(name)
+        if model is None:
+            model = self.drafters[name] = _DrafterModel()
+        return model
+
+    def _seq(self, seq) -> _SeqState:
+        st = self.seqs.get(seq.seq_id)
+        if st is None:
+            st = self.seqs[seq.seq_id] = _SeqState(tree_rate=self._drafter(seq.drafter).tree_rate)
+        return st
+
+    def forget(self, seq) -> None:
+        self.seqs.pop(seq.seq_id, None)
+
+    def _gains(self, st: _SeqState, dm: _DrafterModel, sizes: list[int]) -> list[float]:
+        """Expected accepted tokens of a sequence for each budget size: the better of two estimates,
+        its drafter's per-size curve times the sequence's multiplier, and a path as deep as its
+        drafter's trees of that size accepting each depth at the sequence's own per-depth rate (which
+        sees that a sequence whose drafts are accepted whole would gain from larger ones); times its
+        chance of getting a tree at all."""
+        m, p = st.multiplier, st.tree_rate
+        rate = st.depth_rate(dm.depth_rate)
+        gains, best = [], 0.0
+        for s, a, d in zip(sizes, dm.accepted(sizes), dm.depths(sizes)):
+            best = max(best, min(float(s), max(m * a, chain_accepted(rate, d))))
+            gains.append(p * best)
+        return gains
+
+    # ---- the allocation ----
+
+    def allocate(self, candidates: Iterable[tuple[object, int]], base_tokens: int, base_commits: int,
+                 max_total: int) -> BudgetDecision:
+        """Budgets for `candidates` ((sequence, its cap) for each decoding sequence with a drafter)
+        in a step of `base_tokens` tokens committing `base_commits` tokens without drafts, with at
+        most `max_total` draft nodes in all.
+
+        Greedy: among the moves that raise the batch goodput (one sequence to any larger size), take
+        the one with the largest gain per draft node (so a binding node cap is spread where it
+        helps most, and a size worth drafting only as a whole, past a drafter's fixed cost, is still
+        reached), until none raises it. Then sequences left at 0 long enough get their probe."""
+        predict = self.cost.predict
+        t_cache: dict[float, float] = {}
+
+        def step_seconds(tokens: float) -> float:
+            t = t_cache.get(tokens)
+            if t is None:
+                t = t_cache[tokens] = predict(tokens)
+            return t
+
+        d_cache: dict[tuple[str, int, int], float] = {}
+
+        def draft_seconds(name: str, num_seqs: int, num_nodes: int) -> float:
+            key = (name, num_seqs, num_nodes)
+            d = d_cache.get(key)
+            if d is None:
+                d = d_cache[key] = self.drafters[name].draft_seconds(num_seqs, num_nodes)
+            return d
+
+        any_tree, per_tree = self.cost.tree_terms
+        cands = []   # [seq, sizes, gains, nodes, index of the current size, P(tree)]
+        for seq, cap in candidates:
+            sizes = [s for s in self.sizes if s <= cap] if max_total > 0 else [0]
+            st, dm = self._seq(seq), self._drafter(seq.drafter)
+            if len(sizes) < 2:
+                cands.append([seq, [0], [0.0], [0.0], 0, 0.0])
+                continue
+            gains = self._gains(st, dm, sizes)
+            nodes = [st.tree_rate * x for x in dm.nodes(sizes)]   # expected: P(tree) * its nodes
+            cands.append([seq, sizes, gains, nodes, 0, st.tree_rate])
+        n0 = float(base_tokens)
+        t0 = step_seconds(n0)
+
+        def seconds(no_tree: float, extra: float, trees: float) -> float:
+            """Expected step seconds: with probability `no_tree` no tree comes back at all (the step
+            is a plain one), else `extra` expected nodes among the trees that do, plus the trees'
+            own verification costs (an n-gram drafter often returns none: averaging the token
+            count instead would overcharge the jump a CPU forward makes from 1 token to 2)."""
+            if no_tree >= 1.0:
+                return t0
+            some = 1.0 - no_tree
+            return no_tree * t0 + some * (step_seconds(n0 + extra / some) + any_tree) + per_tree * trees
+
+        commits, total = float(base_commits), 0
+        group: dict[str, tuple[int, int]] = {}    # drafter -> (sequences drafting, nodes granted)
+        draft_s = 0.0
+        no_tree, extra, trees = 1.0, 0.0, 0.0      # P(no tree at all), expected nodes, expected trees
+        goodput = commits / t0 if t0 > 0 else 0.0
+        while True:
+            best, best_score, best_g = None, 0.0, goodput
+            for ci, (seq, sizes, gains, nodes, cur, p_tree) in enumerate(cands):
+                if cur + 1 >= len(sizes):
+                    continue
+                name = seq.drafter
+                g_seqs, g_nodes = group.get(name, (0, 0))
+                d_now = draft_seconds(name, g_seqs, g_nodes)
+                if cur == 0:
+                    no_tree2, trees2 = no_tree * (1.0 - p_tree), trees + p_tree
+                else:
+                    no_tree2, trees2 = no_tree, trees
+                for j in range(cur + 1, len(sizes)):
+                    size_extra = sizes[j] - sizes[cur]
+                    if total + size_extra > max_total:
+                        break
+                    d_commit = gains[j] - gains[cur]
+                    if d_commit < MIN_GAIN:
+                        continue
+                    extra2 = extra + nodes[j] - nodes[cur]
+                    d_new = draft_seconds(name, g_seqs + (cur == 0), g_nodes + size_extra)
+                    denom = seconds(no_tree2, extra2, trees2) + draft_s - d_now + d_new
+                    if denom <= 0:
+                        continue
+                    g_sure = (commits + GAIN_TRUST * d_commit) / denom
+                    if g_sure <= goodput * (1 + 1e-9):
+                        continue
+                    g = (commits + d_commit) / denom
+                    score = (g_sure - goodput) / size_extra
+                    if score > best_score:
+                        best, best_score, best_g = (ci, j, d_new - d_now, no_tree2, extra2, trees2), score, g
+            if best is None:
+                break
+            ci, j, d_delta, no_tree, extra, trees = best
+            c = cands[ci]
+            seq, sizes, gains, cur = c[0], c[1], c[2], c[4]
+            g_seqs, g_nodes = group.get(seq.drafter, (0, 0))
+            group[seq.drafter] = (g_seqs + (cur == 0), g_nodes + sizes[j] - sizes[cur])
+            commits += gains[j] - gains[cur]
+            total += sizes[j] - sizes[cur]
+            draft_s += d_delta
+            goodput = best_g
+            c[4] = j
+        decision = BudgetDecision(goodput=goodput, step_seconds=seconds(no_tree, extra, trees))
+        # probes, for sequences at 0 long enough, where a probe could pay: were the sequence to accept
+        # nearly everything (PROBE_OPTIMISM per node), drafting it would raise the goodput; else a
+        # good outcome would change nothing (a crowd on a CPU) and the probe waits
+        for seq, sizes, gains, nodes, cur, p_tree in cands:
+            st = self.seqs[seq.seq_id]
+            size = sizes[cur]
+            st.probing = False
+            j = max((i for i, x in enumerate(sizes) if 0 < x <= PROBE_SIZE), default=0)
+            if size == 0 and j and st.idle >= st.pause and total + sizes[j] <= max_total:
+                g_seqs, g_nodes = group.get(seq.drafter, (0, 0))
+                d_delta = draft_seconds(seq.drafter, g_seqs + 1, g_nodes + sizes[j]) - \
+                    draft_seconds(seq.drafter, g_seqs, g_nodes)
+                hopeful = chain_accepted(PROBE_OPTIMISM, sizes[j])
+                denom = seconds(0.0, extra + sizes[j], trees + 1) + draft_s + d_delta
+                if denom > 0 and (commits + hopeful) / denom > goodput:
+                    size = sizes[j]
+                    total += size
+                    group[seq.drafter] = (g_seqs + 1, g_nodes + size)
+                    draft_s += d_delta
+                    no_tree, extra, trees = no_tree * (1.0 - p_tree), extra + nodes[j], trees + p_tree
+                    commits += gains[j]
+                    st.probing = True
+                    decision.probes.append(seq.seq_id)
+            decision.budgets[seq.seq_id] = size
+        self.last = decision
+        return decision
+
+    def record(self, seq, granted: int) -> None:
+        """The budget `seq` finally got this step (0 when the pool could not hold its draft)."""
+        st = self._seq(seq)
+        st.pending, st.pending_nodes = 0, 0
+        if granted > 0:
+            st.pending = granted
+            sizes = [s for s in self.sizes if s <= granted]
+            st.pending_pred = self._drafter(seq.drafter).accepted(sizes)[-1]
+            st.idle = 0
+            st.pause = min(MAX_PROBE_PAUSE, 2 * st.pause) if st.probing else FIRST_PROBE_PAUSE
+        else:
+            st.idle += 1
+        st.probing = False
+
+    # ---- observations ----
+
+    def observe_step(self, num_tokens: int, seconds: float, num_trees: int = 0) -> None:
+        self.cost.observe(num_tokens, seconds, num_trees)
+
+    def observe_draft(self, drafter: str, seqs: list, budgets: list[int], nodes: list[int], seconds: float) -> None:
+        """Drafter `drafter` proposed for `seqs` with these budgets in `seconds`; `nodes[i]` draft
+        nodes came back for seqs[i] (0: no tree)."""
+        dm = self._drafter(drafter)
+        if seqs:
+            dm.cost.update({0: 1.0, 1: float(len(seqs)), 2: float(sum(budgets))}, seconds)
+        for seq, budget, n in zip(seqs, budgets, nodes):
+            st = self.seqs.get(seq.seq_id)
+            if st is None or not st.pending:
+                continue
+            got = 1.0 if n > 0 else 0.0
+            st.tree_rate += TREE_RATE_SEQ * (got - st.tree_rate)
+            dm.tree_rate += TREE_RATE_DRAFTER * (got - dm.tree_rate)
+            if n > 0:
+                st.pending_nodes = n
+            else:
+                st.pending = 0
+
+    def observe_acceptance(self, seq, num_accepted: int, depth: int | None = None) -> None:
+        """`seq`'s tree (`depth` deep) got `num_accepted` draft tokens accepted."""
+        st = self.seqs.get(seq.seq_id)
+        if st is None or not st.pending or seq.drafter is None:
+            return
+        nodes = st.pending_nodes or st.pending
+        depth = depth if depth is not None else nodes
+        self._drafter(seq.drafter).observe(st.pending, num_accepted, nodes, depth)
+        st.acc_sum = SEQ_DECAY * st.acc_sum + num_accepted
+        st.pred_sum = SEQ_DECAY * st.pred_sum + st.pending_pred
+        st.depth_hits = DEPTH_DECAY_SEQ * st.depth_hits + num_accepted
+        st.depth_trials = DEPTH_DECAY_SEQ * st.depth_trials + _depth_trials(num_accepted, depth)
+        st.pending, st.pending_nodes = 0, 0
