@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -91,6 +92,7 @@ def test_topology_cache_builds_each_shape_once(monkeypatch):
 
 def test_topology_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(tree_mod, "TOPOLOGY_CACHE_SIZE", 4)
+    monkeypatch.setattr(tree_mod, "_TOPOLOGY_CACHE", OrderedDict())   # whatever earlier tests cached
     for n in range(2, 12):
         tree_topology([NO_PARENT] + list(range(n - 1)))
     assert len(tree_mod._TOPOLOGY_CACHE) <= 4
