@@ -103,6 +103,17 @@ def parse_drafter_options(items: Seq[str]) -> dict[str, dict]:
     return options
 
 
+_NOT_DRAFTERS = {"base", "draft_vocab"}
+
+
 def _import_builtin() -> None:
-    from specserve.drafters import (draft_model, eagle, mag, medusa, ngram, parallelspec,  # noqa: F401  (they register themselves)
-                                    student)
+    """Import every drafter module of this package (each registers itself): adding a drafter is
+    adding its file."""
+    import importlib
+    import pkgutil
+
+    import specserve.drafters as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        if not info.ispkg and info.name not in _NOT_DRAFTERS and not info.name.startswith("_"):
+            importlib.import_module(f"{package.__name__}.{info.name}")

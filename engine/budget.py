@@ -62,7 +62,7 @@ from typing import Callable, Iterable
 
 BUDGET_SIZES = (0, 1, 2, 4, 8, 16, 32)
 # allocation
-GAIN_TRUST = 0.75           # a move is judged on this share of its expected gain (estimates are noisy;
+GAIN_TRUST = 0.85           # a move is judged on this share of its expected gain (estimates are noisy;
                             # a move that only just pays on paper is more often a loss than a win)
 MIN_GAIN = 0.05             # a move must promise this many more accepted tokens (cost-model noise margin)
 # exploration
@@ -431,19 +431,21 @@ class _DrafterModel:
 class _SeqState:
     tree_rate: float = 1.0     # P(its drafter proposes a tree)
     acc_sum: float = 0.0       # decayed sum of its accepted tokens (steps with a tree)
-    pred_sum: float = 0.0      # decayed sum of what its drafter's estimates predicted for them
+    size_weights: dict = field(default_factory=dict)   # budget size -> decayed count of those steps
     idle: int = 0              # consecutive steps at 0 while it could have drafted
     pause: int = FIRST_PROBE_PAUSE
     probing: bool = False      # this step's budget is a probe
     pending: int = 0           # the size granted this step, until its outcome is known
-    pending_pred: float = 0.0  # the drafter's estimate for that size when granted
     pending_nodes: int = 0
     depth_hits: float = 0.0    # its accepted depths (decayed)
     depth_trials: float = 0.0  # its depths tested (decayed)
 
-    @property
-    def multiplier(self) -> float:
-        return min(MAX_MULTIPLIER, (self.acc_sum + SEQ_PRIOR) / (self.pred_sum + SEQ_PRIOR))
+    def multiplier(self, estimates: dict[int, float]) -> float:
+        """Its recent accepted tokens over what its drafter's current per-size `estimates` predict
+        for the same steps (recomputed each time: no stale predictions from the drafter's first,
+        optimistic, steps), shrunk towards 1 by SEQ_PRIOR tokens."""
+        pred = sum(w * estimates.get(size, 0.0) for size, w in self.size_weights.items())
+        return min(MAX_MULTIPLIER, (self.acc_sum + SEQ_PRIOR) / (pred + SEQ_PRIOR))
 
     def depth_rate(self, prior: float) -> float:
         return (self.depth_hits + DEPTH_PRIOR_WEIGHT * prior) / (self.depth_trials + DEPTH_PRIOR_WEIGHT)
@@ -513,10 +515,11 @@ class GoodputBudget:
         drafter's trees of that size accepting each depth at the sequence's own per-depth rate (which
         sees that a sequence whose drafts are accepted whole would gain from larger ones); times its
         chance of getting a tree at all."""
-        m, p = st.multiplier, st.tree_rate
+        estimates = dict(zip(self.sizes, dm.accepted(self.sizes)))
+        m, p = st.multiplier(estimates), st.tree_rate
         rate = st.depth_rate(dm.depth_rate)
         gains, best = [], 0.0
-        for s, a, d in zip(sizes, dm.accepted(sizes), dm.depths(sizes)):
+        for s, a, d in zip(sizes, [estimates[s] for s in sizes], dm.depths(sizes)):
             best = max(best, min(float(s), max(m * a, chain_accepted(rate, d))))
             gains.append(p * best)
         return gains
@@ -657,8 +660,6 @@ class GoodputBudget:
         st.pending, st.pending_nodes = 0, 0
         if granted > 0:
             st.pending = granted
-            sizes = [s for s in self.sizes if s <= granted]
-            st.pending_pred = self._drafter(seq.drafter).accepted(sizes)[-1]
             st.idle = 0
             st.pause = min(MAX_PROBE_PAUSE, 2 * st.pause) if st.probing else FIRST_PROBE_PAUSE
         else:
@@ -697,7 +698,9 @@ class GoodputBudget:
         depth = depth if depth is not None else nodes
         self._drafter(seq.drafter).observe(st.pending, num_accepted, nodes, depth)
         st.acc_sum = SEQ_DECAY * st.acc_sum + num_accepted
-        st.pred_sum = SEQ_DECAY * st.pred_sum + st.pending_pred
+        for size in st.size_weights:
+            st.size_weights[size] *= SEQ_DECAY
+        st.size_weights[st.pending] = st.size_weights.get(st.pending, 0.0) + 1.0
         st.depth_hits = DEPTH_DECAY_SEQ * st.depth_hits + num_accepted
         st.depth_trials = DEPTH_DECAY_SEQ * st.depth_trials + _depth_trials(num_accepted, depth)
         st.pending, st.pending_nodes = 0, 0
