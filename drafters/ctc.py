@@ -56,6 +56,7 @@ Options (`--drafter-option ctc.KEY=VALUE`):
 
 from __future__ import annotations
 
+import copy
 import logging
 from functools import lru_cache
 from itertools import product
@@ -236,7 +237,11 @@ class CTCDrafter(Drafter):
                 trained_vocab = meta.hyperparams.get("vocab")
                 tuned = meta.hyperparams.get("selection") or {}
                 logger.info("ctc: checkpoint %s (trained for %s, tau %s)", path, meta.target_name, meta.tau)
-        self.net = net.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
+        else:   # an in-memory net is read by reference (a trainer's evals see its latest weights) ...
+            p = next(net.parameters())
+            if p.device != self.device or p.dtype != dtype:   # ... unless it must be converted
+                net = copy.deepcopy(net)
+        self.net = net.to(device=self.device, dtype=dtype).eval()
         self.num_slots = self.net.num_slots
         self.top_k = int(top_k if top_k is not None else tuned.get("top_k", DEFAULT_TOP_K))
         self.num_candidates = int(candidates if candidates is not None else tuned.get("candidates", DEFAULT_CANDIDATES))
@@ -264,7 +269,7 @@ class CTCDrafter(Drafter):
             st = self.state.setdefault(seq.seq_id, _SeqState())
             hidden = hidden.detach().to(self.dtype, copy=True)
             end = st.pend_start + st.pending_len()
-            if start < st.kv_len:
+            if start < st.kv_len or start == 0:
                 # features again for rows already computed (preemption: recomputed from 0): redo them
                 st.kv_len, st.last_row = start, None
                 st.pend_start, st.pending = start, [hidden]

@@ -61,6 +61,12 @@ def test_propose_respects_budgets_and_needs_the_features_before_the_root(tiny_en
     assert d.propose([seqs[2]], [3]) == [None]
     d.observe([seqs[2]], [(4, torch.randn(1, 64))])
     assert d.propose([seqs[2]], [3])[0] is not None
+    # a gap in the features: no draft until they start again from position 0 (a recomputation)
+    seqs[2].token_ids.extend([12, 13])
+    d.observe([seqs[2]], [(6, torch.randn(1, 64))])
+    assert d.propose([seqs[2]], [3]) == [None]
+    d.observe([seqs[2]], [(0, torch.randn(7, 64))])
+    assert d.propose([seqs[2]], [3])[0] is not None
     d.finish(seqs[2])
     assert seqs[2].seq_id not in d.state
 

@@ -131,8 +131,9 @@ def test_dense_training_forward_is_the_serving_drafters_arithmetic(tiny_target):
 
 
 def test_loss_falls_and_held_back_tau_is_the_engines(tiny_distill, tiny_llama_dir):
-    """A few epochs on the tiny target's own greedy answers: the CTC loss falls; the offline decoding
-    walk of the serving drafter's trees predicts the engine's τ on those answers."""
+    """A few epochs on the tiny target's own greedy answers: the CTC loss falls; through the engine the
+    trained drafter decodes exactly the plain greedy tokens, and the offline decoding walk of the
+    serving drafter's trees predicts the engine's τ on those answers."""
     from helpers import make_llm_engine, run_requests
 
     from specserve.drafters.train.data import render_prompt
@@ -154,7 +155,11 @@ def test_loss_falls_and_held_back_tau_is_the_engines(tiny_distill, tiny_llama_di
                              {"ctc": {"net": fit.net}}, max_num_seqs=8, max_num_batched_tokens=512,
                              num_kv_blocks=800, max_model_len=256, num_speculative_tokens=8,
                              max_draft_tokens_per_step=64)
-    run_requests(engine, prompts, SamplingParams(temperature=0.0, max_tokens=48), stagger=False)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    got = run_requests(engine, prompts, params, stagger=False)
+    plain = make_llm_engine(tiny_llama_dir, max_num_seqs=8, max_num_batched_tokens=512, num_kv_blocks=800,
+                            max_model_len=256)
+    assert got == run_requests(plain, prompts, params, stagger=False)          # greedy: lossless when trained too
     stats = engine.get_stats().drafters["ctc"]
     engine_tau = (stats.num_accepted_tokens + stats.num_steps) / stats.num_steps
     slots = held_back_slots(fit.net, held, embed=target.model.embed, vocab_weight=fit.vocab_weight,
