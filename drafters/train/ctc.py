@@ -53,7 +53,7 @@ logger = logging.getLogger("specserve")
 FIELDS = ("input_ids", "hidden", "labels")
 BATCH_TOKENS = 2048
 EVAL_POSITIONS = 2048              # held-back positions per loop eval
-FINAL_POSITIONS = 8192             # held-back positions of the reported figures
+FINAL_POSITIONS = 4096             # held-back positions of the reported figures
 EVAL_BUDGET = 8
 BUDGETS = (4, 8, 16, 32)
 SELECTIONS = ((2, 16), (2, 32), (3, 32), (3, 64), (4, 32), (4, 64), (4, 128), (5, 64), (5, 128))
@@ -241,8 +241,11 @@ def accepted_lengths(slots: dict[str, Any], *, top_k: int, candidates: int, budg
 
 
 def selection_tau(slots: dict[str, Any], *, top_k: int, candidates: int, budget: int,
-                  keep: Callable[[Any], bool] | None = None) -> float:
-    acc = accepted_lengths(slots, top_k=top_k, candidates=candidates, budget=budget)
+                  keep: Callable[[Any], bool] | None = None, accepted: Sequence[int] | None = None) -> float:
+    """The decoding-walk τ of one selection and budget over the held-back positions (those of the
+    sequences `keep` accepts); `accepted` reuses `accepted_lengths` already computed for them."""
+    acc = accepted if accepted is not None else accepted_lengths(slots, top_k=top_k, candidates=candidates,
+                                                                 budget=budget)
     rows = [(s, t, a) for (s, t), a in zip(slots["rows"], acc) if keep is None or keep(s)]
     return walk_tau(rows)
 
@@ -264,13 +267,16 @@ def evaluate(net: CTCDraftNet, batches: list[dict], *, embed, vocab_weight, voca
     res: dict[str, Any] = {"positions": len(slots["rows"]), "sequences": len(seqs)}
     res["tau_default"] = {b: round(selection_tau(slots, top_k=DEFAULT_TOP_K, candidates=DEFAULT_CANDIDATES,
                                                  budget=b), 4) for b in budgets}
-    grid_fit, grid_all = {}, {}
+    grid_fit, grid_check, grid_all = {}, {}, {}
     for k, m in selections:
-        grid_fit[(k, m)] = selection_tau(slots, top_k=k, candidates=m, budget=budget, keep=lambda s: s in fit)
-        grid_all[(k, m)] = selection_tau(slots, top_k=k, candidates=m, budget=budget)
+        acc = accepted_lengths(slots, top_k=k, candidates=m, budget=budget)
+        grid_fit[(k, m)] = selection_tau(slots, top_k=k, candidates=m, budget=budget, keep=lambda s: s in fit,
+                                         accepted=acc)
+        grid_check[(k, m)] = selection_tau(slots, top_k=k, candidates=m, budget=budget,
+                                           keep=lambda s: s not in fit, accepted=acc)
+        grid_all[(k, m)] = selection_tau(slots, top_k=k, candidates=m, budget=budget, accepted=acc)
     k_half, m_half = max(grid_fit, key=lambda km: (grid_fit[km], -km[0], -km[1]))
-    res["tau_tuned_half"] = round(selection_tau(slots, top_k=k_half, candidates=m_half, budget=budget,
-                                                keep=lambda s: s not in fit), 4)
+    res["tau_tuned_half"] = round(grid_check[(k_half, m_half)], 4)
     res["selection_half"] = {"top_k": k_half, "candidates": m_half}
     k_all, m_all = max(grid_all, key=lambda km: (grid_all[km], -km[0], -km[1]))
     res["selection"] = {"top_k": k_all, "candidates": m_all}
@@ -362,7 +368,7 @@ def train_ctc(options: dict, target, data) -> Path:
     ranking, the tuned selection and the τ of the saved weights. Options besides the loop's
     (epochs, lr, max_seconds, eval_every, patience, seed, device, ...): num_slots (5), label_len (4),
     vocab (4096 output tokens), train_batch_tokens (2048), keep_fraction (1.0: the share of each
-    batch's positions trained), eval_positions (2048 per loop eval), final_positions (8192),
+    batch's positions trained), eval_positions (2048 per loop eval), final_positions (4096),
     engine_tau_prompts (8 held-back prompts through the engine at the end; 0 = offline τ only),
     engine_tau_max_tokens (64)."""
     from specserve.drafters.train.checkpoint import CheckpointMeta, describe_device, save_checkpoint
