@@ -8,25 +8,49 @@ engine falls back to plain decoding for those sequences for that step and counts
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, Sequence as Seq
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence as Seq
 
 if TYPE_CHECKING:
     import torch
 
+from specserve.engine.sequence import DraftRequest  # noqa: F401  (re-exported for drafters)
 from specserve.engine.tree import TokenTree
 from specserve.engine.verify import VerifyResult
 
 
 class Drafter(ABC):
-    """Hooks, in call order for a sequence: start, (propose, accept)*, finish.
+    """Hooks, in call order for a sequence: start, (propose, observe?, accept)*, finish.
 
-    `seq` objects are the engine's sequences: `seq.seq_id`, `seq.token_ids` (prompt + output,
-    the last one being the tree root), `seq.params`. Budgets are the maximum number of draft
-    nodes (root excluded) the scheduler allows for each sequence this step; 0 means "no draft"."""
+    `seq` objects are `DraftRequest` views the engine builds for each call (never its own
+    sequences): `seq.seq_id`, `seq.token_ids` (prompt + output, the last one being the tree
+    root; possibly followed by `seq.hypothetical` tokens when asked to draft from an extended
+    prefix), `seq.params`, `seq.generator`, `seq.options` (the request's own options),
+    `seq.extra_roots`. Budgets are the maximum number of draft nodes (root excluded) the scheduler
+    allows for each sequence this step; 0 means "no draft".
+
+    A drafter is one file in this package: a `Drafter` subclass decorated with `@register(name)`
+    whose constructor is `__init__(self, ctx: DrafterContext, *, option=default, ...)`. The
+    keyword parameters are its options (`--drafter-option name.option=value`), validated by
+    `make_drafter`; `request_options` names those a request may also set."""
 
     name: str = "base"
     needs_features: bool = False   # True: the engine calls `observe` with the target's hidden states
+    # option names a request may set in its `speculative` block (handed on as `seq.options`)
+    request_options: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def check_request_options(cls, options: dict) -> dict:
+        """A request's options, validated: an undeclared key raises DrafterOptionError (the server
+        answers 400 naming `speculative.<key>`); override to check values too (raise ValueError)."""
+        for key in options:
+            if key not in cls.request_options:
+                raise DrafterOptionError(unknown_option_message(f"drafter {cls.name!r} (per request)", key,
+                                                                cls.request_options))
+        return dict(options)
 
     def start(self, seq) -> None:
         """A sequence joins (after its prompt is known)."""
@@ -53,6 +77,44 @@ class Drafter(ABC):
 DrafterFactory = Callable[..., Drafter]
 _REGISTRY: dict[str, DrafterFactory] = {}
 
+# the engine's context, as keyword names: what `make_drafter` takes apart from the drafter's options
+CONTEXT_FIELDS = ("tokenizer", "target", "model_config", "device", "dtype", "max_model_len", "max_num_seqs",
+                  "features")
+
+
+@dataclass(frozen=True)
+class DrafterContext:
+    """What the engine hands every drafter at construction, apart from the drafter's own options.
+
+    `target` is the target `LlamaModel` (its embedding and LM head are shared by reference, never
+    copied); `model_config` its `ModelConfig`; `max_model_len` / `max_num_seqs` size a drafter's
+    own state (e.g. its paged KV); `features` the engine's feature store of the target's hidden
+    states (None where the engine keeps none)."""
+
+    tokenizer: Any = None
+    target: Any = None
+    model_config: Any = None
+    device: Any = "cpu"
+    dtype: Any = None
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    features: Any = None
+
+    def __post_init__(self) -> None:
+        import torch
+
+        object.__setattr__(self, "device", torch.device(self.device))
+        if self.dtype is None:
+            object.__setattr__(self, "dtype", torch.float32)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(getattr(self.model_config, "vocab_size", 0) or 0)
+
+
+class DrafterOptionError(ValueError):
+    """An option a drafter does not declare (a start-up error naming the valid ones)."""
+
 
 def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
     def wrap(factory: DrafterFactory) -> DrafterFactory:
@@ -66,13 +128,83 @@ def available_drafters() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_drafter(name: str, **kwargs) -> Drafter:
-    """Build a registered drafter; kwargs are the drafter's own options plus engine context
-    (e.g. `tokenizer`, `target_model`) that a drafter may take or ignore."""
+def drafter_class(name: str) -> DrafterFactory:
     _import_builtin()
     if name not in _REGISTRY:
         raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](**kwargs)
+    return _REGISTRY[name]
+
+
+def _takes_context(factory) -> bool:
+    """New-style drafters take the context as their first positional parameter `ctx`."""
+    try:
+        params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0].name == "ctx" and params[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def drafter_options(factory) -> dict[str, Any]:
+    """The options a drafter declares: its constructor's keyword parameters (context names and
+    `ctx` excluded) -> default (`inspect.Parameter.empty` when required). A subclass constructor
+    that forwards `**kwargs` to its parent's also takes the parent's options."""
+    inits = [factory]
+    if isinstance(factory, type):
+        inits = [c.__dict__["__init__"] for c in factory.__mro__
+                 if "__init__" in c.__dict__ and c not in (Drafter, object)] or [factory]
+    out: dict[str, Any] = {}
+    for init in inits:
+        forwards = False
+        for i, p in enumerate(inspect.signature(init).parameters.values()):
+            if p.kind is p.VAR_KEYWORD:
+                forwards = True
+            elif p.kind is p.VAR_POSITIONAL or p.name in ("self", "ctx") or p.name in CONTEXT_FIELDS:
+                continue
+            else:
+                out.setdefault(p.name, p.default)
+        if not forwards or init is factory:
+            break
+    return out
+
+
+def unknown_option_message(what: str, key: str, valid: Seq[str]) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    names = ", ".join(sorted(valid)) or "none"
+    return f"{what} has no option {key!r}{hint}; valid options: {names}"
+
+
+def check_options(name: str, factory, options: dict) -> None:
+    """Raise DrafterOptionError for the first option `factory` does not declare."""
+    valid = drafter_options(factory)
+    for key in options:
+        if key not in valid:
+            raise DrafterOptionError(unknown_option_message(f"drafter {name!r}", key, valid))
+
+
+def make_drafter(name: str, ctx: DrafterContext | None = None, /, **kwargs) -> Drafter:
+    """Build a registered drafter from the engine's context and the drafter's own options.
+
+    `kwargs` are options, plus (for callers without a `DrafterContext`) context fields by name
+    (`tokenizer=`, `target=`, ...). An option the drafter does not declare raises
+    DrafterOptionError naming the valid ones. A drafter constructor either takes `ctx` first and
+    its options as keywords (`__init__(self, ctx, *, max_ngram=4)`), or, the older form, the context
+    fields themselves as keywords; both are validated the same way."""
+    factory = drafter_class(name)
+    context = {k: kwargs.pop(k) for k in CONTEXT_FIELDS if k in kwargs}
+    if ctx is None:
+        ctx = DrafterContext(**context)
+    elif context:
+        ctx = replace(ctx, **context)
+    check_options(name, factory, kwargs)
+    if _takes_context(factory):
+        return factory(ctx, **kwargs)
+    # the older form: context fields as keywords, as many as the constructor takes
+    params = inspect.signature(factory).parameters
+    open_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    given = {k: getattr(ctx, k) for k in CONTEXT_FIELDS if open_kw or k in params}
+    return factory(**given, **kwargs)
 
 
 def parse_option_value(text: str):

@@ -14,6 +14,10 @@ the target's. Each step, per sequence:
    prefix plus its own ancestors (tree mask over the tree so far);
 3. after verification keep only the accepted path's KV.
 
+Proposing from an extended prefix (`DraftRequest.hypothetical`, e.g. for a cascade): the catch-up
+feeds the hypothetical tokens like committed ones, and after the proposal the drafter's cache is
+cut back to the committed prefix (those entries are rewritten when the real tokens come).
+
 The tree is cut to the scheduler's budget (level-major order keeps every prefix a valid tree).
 
 `target_init_width` = W > 1 is MCSD's target-initialised roots, an explicitly LOSSY opt-in for
@@ -33,14 +37,13 @@ from typing import Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, register
+from specserve.drafters.base import Drafter, DrafterContext, register
 from specserve.drafters.draft_vocab import DraftVocab
-from specserve.engine.attention import build_attn_metadata
 from specserve.engine.config import ModelConfig
-from specserve.engine.kv_cache import BlockManager, KVCache, commit_accepted
+from specserve.engine.kv_cache import PagedDraftKV
 from specserve.engine.model import LlamaModel
 from specserve.engine.sampler import SamplingTensors, processed_probs
-from specserve.engine.tree import NO_PARENT, TokenTree, TreeTemplate, num_roots, tree_depths
+from specserve.engine.tree import TokenTree, TreeTemplate, ancestor_mask, num_roots, tree_depths
 
 
 def parse_k_config(value) -> tuple[int, ...]:
@@ -73,11 +76,12 @@ class _SeqState:
 class DraftModelDrafter(Drafter):
     name = "draft_model"
 
-    def __init__(self, *, target: LlamaModel, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, tokenizer=None, draft_model: str | None = None, draft_layers: int | None = None,
-                 k_config="chain:4", num_blocks: int | None = None, block_size: int = 16, max_num_seqs: int = 8,
+    def __init__(self, ctx: DrafterContext, *, draft_model: str | None = None, draft_layers: int | None = None,
+                 k_config="chain:4", num_blocks: int | None = None, block_size: int = 16,
                  target_init_width: int = 1, deterministic: bool = False, prebuilt: LlamaModel | None = None,
-                 draft_vocab: int | None = None, vocab_rank: torch.Tensor | None = None, **_):
+                 draft_vocab: int | None = None, vocab_rank: torch.Tensor | None = None):
+        target, model_config, device, dtype = ctx.target, ctx.model_config, ctx.device, ctx.dtype
+        max_model_len, max_num_seqs = ctx.max_model_len, ctx.max_num_seqs
         if int(target_init_width) < 1:
             raise ValueError(f"target_init_width must be >= 1, got {target_init_width}")
         self.k_config = parse_k_config(k_config)
@@ -107,11 +111,10 @@ class DraftModelDrafter(Drafter):
                                 full_logits=self.model.compute_logits)
         nodes = max(t.num_nodes for t in [self.template, *self.forests.values()])
         self.max_model_len = max_model_len
-        blocks_per_seq = -(-(max_model_len + nodes) // block_size)
-        num_blocks = num_blocks or blocks_per_seq * max_num_seqs
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.cache = KVCache(self.model.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                             dtype, device)
+        self.kv = PagedDraftKV(self.model.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device,
+                               max_model_len=max_model_len, max_num_seqs=max_num_seqs, extra_tokens=nodes,
+                               block_size=block_size, num_blocks=num_blocks)
+        self.blocks, self.cache = self.kv.blocks, self.kv.cache
         self.vocab_size = model_config.vocab_size
         self.state: dict[int, _SeqState] = {}
 
@@ -122,7 +125,7 @@ class DraftModelDrafter(Drafter):
 
     def finish(self, seq) -> None:
         self.state.pop(seq.seq_id, None)
-        self.blocks.free(seq.seq_id)
+        self.kv.free(seq.seq_id)
 
     @torch.inference_mode()
     def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
@@ -135,12 +138,12 @@ class DraftModelDrafter(Drafter):
         states = [self.state.setdefault(s.seq_id, _SeqState()) for s in seqs]
         # the template cut to each budget (level-major so a prefix is a valid tree); a forest over
         # the held-back token and its alternatives when the target initialised several roots
-        templates = [self.forests.get(1 + len(s.alt_roots), self.template) if s.held_back else self.template
+        templates = [self.forests.get(1 + len(s.extra_roots), self.template) if s.extra_roots else self.template
                      for s in seqs]
         parents = [list(t.parents[:b + 1]) for t, b in zip(templates, budgets)]
         depths = [tree_depths(p) for p in parents]
         roots = [num_roots(p) for p in parents]
-        tokens = [[s.token_ids[-1], *s.alt_roots[:r - 1]] for s, r in zip(seqs, roots)]
+        tokens = [[s.token_ids[-1], *s.extra_roots[:r - 1]] for s, r in zip(seqs, roots)]
         probs: list[list[torch.Tensor | None]] = [[None] * r for r in roots]
         # top-k children, one-hot q (deterministic drafts) for greedy requests or when asked for;
         # otherwise children drawn from q without replacement (stochastic drafts)
@@ -154,11 +157,9 @@ class DraftModelDrafter(Drafter):
                 st.draft_len -= 1
                 chunks[b] = s.token_ids[st.draft_len:]
                 starts[b] = st.draft_len
-            if not self.blocks.grow(s.seq_id, st.draft_len + len(chunks[b]) + len(parents[b])):
+            if not self.kv.grow(s.seq_id, st.draft_len + len(chunks[b]) + len(parents[b])):
                 raise RuntimeError("draft KV pool exhausted")
-        positions, meta = build_attn_metadata([self.blocks.block_tables[s.seq_id] for s in seqs],
-                                              self.blocks.block_size, starts, [len(c) for c in chunks], None,
-                                              self.device)
+        positions, meta = self.kv.metadata([s.seq_id for s in seqs], starts, [len(c) for c in chunks])
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.device)
         hidden = self.model(ids, positions, self.cache, meta)
         last_rows = torch.tensor(meta.cu_query_lens[1:], device=self.device) - 1
@@ -214,6 +215,10 @@ class DraftModelDrafter(Drafter):
             for b in range(len(seqs)):
                 frontier[b] = new_nodes[b] if b in feed else []
 
+        for s, st in zip(seqs, states):
+            if s.is_extended:   # drafted after hypothetical tokens: keep only the committed prefix's KV
+                st.draft_len, st.fed = min(st.draft_len, s.num_committed), []
+                self.kv.shrink(s.seq_id, st.draft_len)
         for b, i in enumerate(live):
             if len(tokens[b]) > 1:
                 dp = None
@@ -238,19 +243,12 @@ class DraftModelDrafter(Drafter):
             depth = tree_depths(parents[b])
             starts.append(st.draft_len - 1 + nodes[0])
             qlens.append(len(nodes))
-            mask = torch.zeros(len(nodes), nodes[-1] + 1, dtype=torch.bool)   # over tree nodes 0..last fed
-            for r, node in enumerate(nodes):
-                a = node
-                while a != NO_PARENT:
-                    mask[r, a] = True
-                    a = parents[b][a]
-            masks.append(mask.to(self.device))
+            masks.append(ancestor_mask(parents[b], nodes))   # over tree nodes 0..last fed
             pos.extend(st.draft_len - 1 + depth[n] for n in nodes)
             ids.extend(tokens[b][n] for n in nodes)
             st.fed.extend([False] * (nodes[0] - len(st.fed)))
             st.fed.extend([True] * len(nodes))
-        _, meta = build_attn_metadata([self.blocks.block_tables[seqs[b].seq_id] for b in feed],
-                                      self.blocks.block_size, starts, qlens, masks, self.device)
+        _, meta = self.kv.metadata([seqs[b].seq_id for b in feed], starts, qlens, masks)
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
                             torch.tensor(pos, dtype=torch.int64, device=self.device), self.cache, meta)
         return self.vocab.expanded_logits(hidden)
@@ -261,7 +259,7 @@ class DraftModelDrafter(Drafter):
         ids, prefixes, paths = [], [], []
         for seq, res in zip(seqs, results):
             st = self.state.get(seq.seq_id)
-            if st is None:
+            if st is None or not st.fed:   # no tree of this drafter in its cache (an extended-prefix draft)
                 continue
             path = [res.root]
             for node in res.accepted_nodes:
@@ -272,6 +270,6 @@ class DraftModelDrafter(Drafter):
             ids.append(seq.seq_id)
             prefixes.append(st.draft_len - 1)
             paths.append(path)
-        new_lens = commit_accepted(self.blocks, self.cache, ids, prefixes, paths)
+        new_lens = self.kv.commit(ids, prefixes, paths)
         for sid, n in zip(ids, new_lens):
             self.state[sid].draft_len = n

@@ -1,7 +1,7 @@
 """EAGLE-style drafter: one decoder layer predicts the target's next feature, the target's own LM
 head turns features into draft tokens, and a dynamic token tree grows level by level.
 
-The head (`specserve.drafters.train.eagle.EagleHead`): row p reads fc([f_p ‖ e(x_{p+1})]) (f = the
+The head (`specserve.drafters.nets.eagle.EagleHead`): row p reads fc([f_p ‖ e(x_{p+1})]) (f = the
 target's post-norm last-layer feature, e = the target's frozen embedding) and outputs f̂_{p+1};
 the draft distribution after x_{p+1} is softmax(LMHead(f̂_{p+1})) with the target's frozen LM
 head applied directly (post-norm features in, post-norm features out). The embedding and LM head
@@ -10,9 +10,10 @@ are the target's tensors, shared by reference.
 Per sequence the drafter keeps its own paged KV cache (one layer) holding **only rows computed
 from the target's real features**: rows 0 .. L-1, row p = (f_p, x_{p+1}). Each step:
 
-1. catch up: the engine delivered (through `observe`) the real features of every token that
-   entered the target's KV since the last step (prefill chunks, plain decodes, the verified root
-   and accepted path). Rows L .. N-2 are computed from them (N = len(token_ids); the root
+1. catch up: the engine's feature store (engine/features.py) holds the real features of every
+   token in the target's KV (prefill chunks, plain decodes, the verified root and accepted path;
+   `observe` only says which positions were rewritten). Rows L .. N-2 are computed from them
+   (N = len(token_ids); the root
    x_{N-1} has no feature yet, it is the token half of the last row). The last row's output
    f̂_{N-1} gives the root's children. This is also where the previous step's tree rows --
    computed from *predicted* features -- are overwritten: they are never kept.
@@ -24,8 +25,8 @@ from the target's real features**: rows 0 .. L-1, row p = (f_p, x_{p+1}). Each s
    (nodes that cannot reach the budget's best are skipped), and the tree sent for verification
    is the `budget` best nodes overall (an ancestor scores at least as high as its descendants,
    so the set is a tree), in level-major order, children of a node in rank order.
-3. `accept` only releases the blocks past L: the accepted path's features arrive through
-   `observe` and are caught up at the next step (recomputed from the real features).
+3. `accept` only releases the blocks past L: the accepted path's features enter the store and
+   are caught up at the next step (recomputed from the real features).
 
 Drafts are deterministic (top-k children, one-hot q: `draft_probs=None`), which verification
 accepts losslessly for greedy and sampling requests alike.
@@ -45,29 +46,24 @@ from typing import Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, register
+from specserve.drafters.base import Drafter, DrafterContext, register
 from specserve.drafters.draft_vocab import DraftVocab
-from specserve.drafters.train.eagle import EagleHead, load_head, shipped_checkpoint
-from specserve.engine.attention import build_attn_metadata
+from specserve.drafters.nets.eagle import EagleHead, load_head, shipped_checkpoint
 from specserve.engine.config import ModelConfig
-from specserve.engine.kv_cache import BlockManager, KVCache
+from specserve.engine.features import FeatureStore
+from specserve.engine.kv_cache import PagedDraftKV
 from specserve.engine.model import LlamaModel, rope_tables
-from specserve.engine.tree import NO_PARENT, TokenTree
+from specserve.engine.tree import NO_PARENT, TokenTree, ancestor_mask
 
 logger = logging.getLogger("specserve")
 
 
 class _SeqState:
-    __slots__ = ("kv_len", "pend_start", "pending", "root_feat")
+    __slots__ = ("kv_len", "root_feat")
 
     def __init__(self):
         self.kv_len = 0                              # L: rows 0..L-1 (real features) are in the drafter's cache
-        self.pend_start = 0                          # position of pending[0]'s first row (== kv_len when in order)
-        self.pending: list[torch.Tensor] = []        # real features not yet turned into rows
         self.root_feat: torch.Tensor | None = None   # output of row L-1 (f̂ at the root), valid while L == N-1
-
-    def pending_len(self) -> int:
-        return sum(p.shape[0] for p in self.pending)
 
 
 class _Node:
@@ -91,11 +87,11 @@ class EagleDrafter(Drafter):
     name = "eagle"
     needs_features = True
 
-    def __init__(self, *, target: LlamaModel, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, max_num_seqs: int = 8, tokenizer=None, checkpoint: str | None = None,
-                 random_init: bool = False, init: str = "random", head: EagleHead | None = None,
-                 depth: int = 6, top_k: int = 4,
-                 width: int = 4, draft_vocab: int | None = None, block_size: int = 16, num_blocks: int | None = None, **_):
+    def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, random_init: bool = False,
+                 init: str = "random", head: EagleHead | None = None, depth: int = 6, top_k: int = 4, width: int = 4,
+                 draft_vocab: int | None = None, block_size: int = 16, num_blocks: int | None = None):
+        target, model_config, device, dtype = ctx.target, ctx.model_config, ctx.device, ctx.dtype
+        max_model_len, max_num_seqs = ctx.max_model_len, ctx.max_num_seqs
         if min(depth, top_k, width) < 1:
             raise ValueError(f"eagle: depth, top_k and width must be >= 1 (got {depth}, {top_k}, {width})")
         self.depth, self.top_k, self.width = int(depth), int(top_k), int(width)
@@ -115,12 +111,16 @@ class EagleDrafter(Drafter):
         self.max_rows = max_model_len + self.depth + 1
         self.rope_cos, self.rope_sin = rope_tables(model_config, self.max_rows, self.device)
         self.max_tree_rows = self.width * max(0, self.depth - 1)
-        blocks_per_seq = -(-(max_model_len + self.max_tree_rows) // block_size)
-        num_blocks = num_blocks or blocks_per_seq * max_num_seqs
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.cache = KVCache(1, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim,
-                             dtype, self.device)
+        self.kv = PagedDraftKV(1, model_config.num_kv_heads, model_config.head_dim, dtype, self.device,
+                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                               extra_tokens=self.max_tree_rows, block_size=block_size, num_blocks=num_blocks)
+        self.blocks, self.cache = self.kv.blocks, self.kv.cache
         self.state: dict[int, _SeqState] = {}
+        # the target's features: the engine's store, or (built outside an engine) one fed by `observe`
+        self._own_features = ctx.features is None
+        self.features = ctx.features
+        if self.features is None:
+            self.features = FeatureStore(model_config.hidden_size, dtype, self.device)
 
     def _load_head(self, target, model_config, checkpoint, random_init, init) -> EagleHead:
         if random_init:
@@ -142,28 +142,27 @@ class EagleDrafter(Drafter):
 
     def finish(self, seq) -> None:
         self.state.pop(seq.seq_id, None)
-        self.blocks.free(seq.seq_id)
+        self.kv.free(seq.seq_id)
+        if self._own_features:
+            self.features.free(seq.seq_id)
 
     def observe(self, seqs: Seq, features: Seq[tuple[int, torch.Tensor]]) -> None:
+        """The features themselves are read from the feature store; here only: features again for
+        rows already computed (preemption: recomputed from 0) mean those rows are redone."""
         for seq, (start, hidden) in zip(seqs, features):
             st = self.state.setdefault(seq.seq_id, _SeqState())
-            hidden = hidden.detach().to(self.dtype)
-            end = st.pend_start + st.pending_len()
+            if self._own_features:
+                self._write_own(seq.seq_id, int(start), hidden)
             if start < st.kv_len:
-                # features again for rows already computed (preemption: recomputed from 0): redo them
                 st.kv_len = start
-                self.blocks.shrink(seq.seq_id, start)
-                st.pend_start, st.pending = start, [hidden]
-            elif st.pend_start <= start <= end:
-                keep = start - st.pend_start
-                if start < end:   # features again for pending positions: the new ones win
-                    cat = torch.cat(st.pending)
-                    st.pending = [cat[:keep]] if keep else []
-                st.pending.append(hidden)
-            else:   # a gap: the features in between never came; this sequence cannot be drafted for
-                logger.warning("eagle: features of sequence %d jump from %d to %d", seq.seq_id, end, start)
-                st.pend_start, st.pending = start, [hidden]
+                self.kv.shrink(seq.seq_id, start)
             st.root_feat = None
+
+    def _write_own(self, seq_id: int, start: int, hidden: torch.Tensor) -> None:
+        try:
+            self.features.write(seq_id, start, hidden.to(self.dtype))
+        except ValueError:   # a gap: the features in between never came; no draft until they do
+            logger.warning("eagle: features of sequence %d jump to %d", seq_id, start)
 
     def accept(self, seqs: Seq, results: Seq) -> None:
         """The tree rows are never kept: release their blocks (the accepted path's real features
@@ -171,7 +170,7 @@ class EagleDrafter(Drafter):
         for seq in seqs:
             st = self.state.get(seq.seq_id)
             if st is not None:
-                self.blocks.shrink(seq.seq_id, st.kv_len)
+                self.kv.shrink(seq.seq_id, st.kv_len)
 
     # ---- catch-up -----------------------------------------------------------------------------
 
@@ -193,9 +192,9 @@ class EagleDrafter(Drafter):
         for b, seq in enumerate(seqs):
             st = self.state.setdefault(seq.seq_id, _SeqState())
             n_rows = len(seq.token_ids) - 1 - st.kv_len     # rows L .. N-2
-            ok = n_rows >= 0 and st.pend_start == st.kv_len and st.pending_len() >= n_rows
+            ok = n_rows >= 0 and self.features.length(seq.seq_id) >= len(seq.token_ids) - 1
             ok = ok and (n_rows > 0 or st.root_feat is not None) and len(seq.token_ids) - 1 > 0
-            if ok and not self.blocks.grow(seq.seq_id, len(seq.token_ids) - 1 + extra_rows[b]):
+            if ok and not self.kv.grow(seq.seq_id, len(seq.token_ids) - 1 + extra_rows[b]):
                 logger.warning("eagle: draft KV pool exhausted; no draft for sequence %d", seq.seq_id)
                 ok = False
             ready.append(ok)
@@ -206,19 +205,15 @@ class EagleDrafter(Drafter):
         starts, qlens, ids, feats = [], [], [], []
         for b, n_rows in todo:
             seq, st = seqs[b], self.state[seqs[b].seq_id]
-            pend = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
             starts.append(st.kv_len)
             qlens.append(n_rows)
-            feats.append(pend[:n_rows])
+            feats.append(self.features.view(seq.seq_id, st.kv_len, st.kv_len + n_rows))
             ids.extend(seq.token_ids[st.kv_len + 1:st.kv_len + 1 + n_rows])
-            st.pending = [pend[n_rows:]] if pend.shape[0] > n_rows else []
-        tables = [self.blocks.block_tables[seqs[b].seq_id] for b, _ in todo]
-        positions, meta = build_attn_metadata(tables, self.blocks.block_size, starts, qlens, None, self.device)
+        positions, meta = self.kv.metadata([seqs[b].seq_id for b, _ in todo], starts, qlens)
         out = self._rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.cat(feats), positions, meta)
         for (b, n_rows), end in zip(todo, meta.cu_query_lens[1:]):
             st = self.state[seqs[b].seq_id]
             st.kv_len += n_rows
-            st.pend_start = st.kv_len
             st.root_feat = out[end - 1].clone()
         return ready
 
@@ -252,6 +247,7 @@ class EagleDrafter(Drafter):
             for rank in range(top_k[b]):
                 nodes[b].append(_Node(toks[r][rank], -1, 1, scores[r][rank], rank))
         fed: list[list[_Node]] = [[] for _ in seqs]         # expanded nodes = this step's tree rows
+        row_parents: list[list[int]] = [[] for _ in seqs]   # per tree row: its parent's row
         for d in range(1, max(depth[b] for b in act)):
             expand: dict[int, list[int]] = {}
             for b in act:
@@ -275,22 +271,15 @@ class EagleDrafter(Drafter):
                 for node in new:
                     node.row = len(fed[b])
                     fed[b].append(node)
-                mask = torch.zeros(len(new), len(fed[b]), dtype=torch.bool)
-                for r, node in enumerate(new):
-                    a = node
-                    while True:
-                        mask[r, a.row] = True
-                        if a.parent < 0:
-                            break
-                        a = nodes[b][a.parent]
+                    # rows hang under the real rows; a depth-1 node's row has no parent row
+                    row_parents[b].append(NO_PARENT if node.parent < 0 else nodes[b][node.parent].row)
                 starts.append(st.kv_len + n_old)
                 qlens.append(len(new))
-                masks.append(mask.to(self.device))
+                masks.append(ancestor_mask(row_parents[b], [n.row for n in new], len(fed[b])))
                 pos.extend(st.kv_len - 1 + d for _ in new)
                 ids.extend(node.token for node in new)
                 feats.extend(st.root_feat if node.parent < 0 else nodes[b][node.parent].feat for node in new)
-            tables = [self.blocks.block_tables[seqs[b].seq_id] for b in order]
-            _, meta = build_attn_metadata(tables, self.blocks.block_size, starts, qlens, masks, self.device)
+            _, meta = self.kv.metadata([seqs[b].seq_id for b in order], starts, qlens, masks)
             out = self._rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.stack(feats),
                              torch.tensor(pos, dtype=torch.int64, device=self.device), meta)
             kmax = max(top_k[b] for b in order)

@@ -35,7 +35,7 @@ from typing import Iterable, Sequence as Seq
 
 import numpy as np
 
-from specserve.drafters.base import Drafter, register
+from specserve.drafters.base import Drafter, DrafterContext, register
 from specserve.engine.tree import TokenTree
 
 logger = logging.getLogger("specserve")
@@ -240,10 +240,13 @@ class MaxGramDrafter(Drafter):
     for the bigram table (default `$SPECSERVE_CACHE` or ~/.cache/specserve)."""
 
     name = "mag"
+    request_options = ("max_tokens",)
 
-    def __init__(self, max_tokens: int = 10, bigram: bool = True, corpus: str | None = None,
-                 leftmost: bool = True, max_match: int | None = 64, tokenizer=None, model_config=None,
-                 cache_dir: str | None = None, **_):
+    def __init__(self, ctx: DrafterContext | None = None, *, max_tokens: int = 10, bigram: bool = True,
+                 corpus: str | None = None, leftmost: bool = True, max_match: int | None = 64,
+                 cache_dir: str | None = None):
+        ctx = ctx or DrafterContext()
+        tokenizer, model_config = ctx.tokenizer, ctx.model_config
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if max_match is not None and max_match < 1:
@@ -263,7 +266,7 @@ class MaxGramDrafter(Drafter):
     def propose(self, seqs, budgets) -> list[TokenTree | None]:
         trees = []
         for seq, budget in zip(seqs, budgets):
-            want = min(self.max_tokens, budget)
+            want = min((getattr(seq, "options", None) or {}).get("max_tokens", self.max_tokens), budget)
             if want <= 0:
                 trees.append(None)
                 continue
@@ -273,13 +276,23 @@ class MaxGramDrafter(Drafter):
             trees.append(TokenTree.chain(seq.token_ids[-1], drafts) if drafts else None)
         return trees
 
+    @classmethod
+    def check_request_options(cls, options: dict) -> dict:
+        options = super().check_request_options(options)
+        value = options.get("max_tokens", 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"mag option max_tokens must be a positive integer, got {value!r}")
+        return options
+
     def finish(self, seq) -> None:
         self._buffers.pop(seq.seq_id, None)
 
     def _tokens(self, seq) -> np.ndarray:
-        """seq.token_ids as an int32 array [n], appending only the tokens new since the last call
-        (sequences only grow; a buffer that disagrees with the list is rebuilt)."""
-        ids = seq.token_ids
+        """seq.token_ids as an int32 array [n], appending only the committed tokens new since the
+        last call (sequences only grow; a buffer that disagrees with the list is rebuilt);
+        hypothetical tokens of an extended prefix are appended to a copy, never buffered."""
+        hyp = tuple(getattr(seq, "hypothetical", ()))
+        ids = seq.token_ids[:len(seq.token_ids) - len(hyp)] if hyp else seq.token_ids
         n = len(ids)
         buf, filled = self._buffers.get(seq.seq_id, (None, 0))
         if buf is None or filled > n or (filled and buf[filled - 1] != ids[filled - 1]):
@@ -288,4 +301,6 @@ class MaxGramDrafter(Drafter):
             buf = np.concatenate([buf[:filled], np.empty(2 * n - filled, dtype=np.int32)])
         buf[filled:n] = ids[filled:]
         self._buffers[seq.seq_id] = (buf, n)
+        if hyp:
+            return np.concatenate([buf[:n], np.asarray(hyp, dtype=np.int32)])
         return buf[:n]

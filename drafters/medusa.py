@@ -1,7 +1,8 @@
 """Medusa-1 drafter: K residual heads over the frozen target's last hidden state.
 
 Each step, per sequence: the heads read h_t, the target's last-layer hidden state of the last
-token that has features (delivered by `observe`: after a verification that is the last accepted
+token that has features (in the engine's feature store, engine/features.py: after a
+verification that is the last accepted
 node, or the root when nothing was accepted; after a prefill the last prompt token). The target's
 own LM head at h_t predicted the token at t+1, which is the bonus token = the tree root; head k
 (k = 1..K) predicts the token at t+1+k, i.e. tree depth k:
@@ -42,9 +43,10 @@ from typing import Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, register
+from specserve.drafters.base import Drafter, DrafterContext, register
 from specserve.drafters.draft_vocab import DraftVocab
-from specserve.engine.tree import TokenTree, TreeTemplate, tree_depths
+from specserve.engine.features import FeatureStore
+from specserve.engine.tree import TokenTree, TreeTemplate, cartesian_fill, preference_prefix, tree_depths
 
 logger = logging.getLogger("specserve")
 
@@ -54,7 +56,7 @@ CHECKPOINTS_DIR = Path(__file__).resolve().parent / "checkpoints"
 def _prior_order(num_heads: int, nodes: int = 64) -> list[list[int]]:
     """A fallback tree order from a generic prior: top-1 right 60 % of the time at depth 1, less
     deeper, rank r about half as likely as rank r-1."""
-    from specserve.drafters.train.tree_tuning import greedy_tree_order
+    from specserve.drafters.nets.tree_tuning import greedy_tree_order
 
     acc = [[0.6 * 0.85 ** d * 0.45 ** r for r in range(10)] for d in range(num_heads)]
     return greedy_tree_order(acc, nodes)
@@ -75,7 +77,7 @@ def parse_tree_option(value, num_heads: int, drafter: str = "medusa") -> list[li
     path = Path(text).expanduser()
     if path.is_file():
         return [list(map(int, p)) for p in json.loads(path.read_text(encoding="utf-8"))]
-    from specserve.drafters.train.medusa import load_template
+    from specserve.drafters.nets.medusa import load_template
 
     paths = load_template(text)
     if paths is None:
@@ -89,10 +91,11 @@ class MedusaDrafter(Drafter):
     name = "medusa"
     needs_features = True
 
-    def __init__(self, *, target, model_config, device, dtype, checkpoint: str | None = None, tree=None,
+    def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, tree=None,
                  num_heads: int | None = None, random_init: bool = False, init_std: float = 0.0, seed: int = 0,
-                 draft_vocab: int | None = None, heads=None, module=None, **_):
-        from specserve.drafters.train.medusa import DEFAULT_NUM_HEADS, MedusaHeads, load_template
+                 draft_vocab: int | None = None, heads=None, module=None):
+        target, model_config, device, dtype = ctx.target, ctx.model_config, ctx.device, ctx.dtype
+        from specserve.drafters.nets.medusa import DEFAULT_NUM_HEADS, MedusaHeads, load_template
 
         self.target = target                     # its LM head is used by reference, never copied
         self.device, self.dtype = device, dtype
@@ -106,7 +109,7 @@ class MedusaDrafter(Drafter):
                 self.heads.randomize_(float(init_std), int(seed))
             self.heads = self.heads.to(device=device, dtype=dtype)
         else:
-            from specserve.drafters.train.checkpoint import load_checkpoint, resolve_checkpoint, target_fingerprint
+            from specserve.drafters.nets.checkpoint import load_checkpoint, resolve_checkpoint, target_fingerprint
 
             fingerprint = target_fingerprint(model_config, target)
             checkpoint = resolve_checkpoint("medusa", fingerprint, checkpoint, CHECKPOINTS_DIR)
@@ -127,7 +130,11 @@ class MedusaDrafter(Drafter):
         if not self.order:
             raise ValueError("the medusa tree has no path within the heads' depth")
         self._templates: dict[int, tuple[TreeTemplate, list[int], int, int]] = {}
-        self.state: dict[int, tuple[int, torch.Tensor]] = {}    # seq_id -> (position, h at it)
+        # the target's features: the engine's store, or (built outside an engine) one fed by `observe`
+        self._own_features = ctx.features is None
+        self.features = ctx.features
+        if self.features is None:
+            self.features = FeatureStore(model_config.hidden_size, dtype, device)
 
     # ---- trees --------------------------------------------------------------------------------------------------
 
@@ -135,9 +142,7 @@ class MedusaDrafter(Drafter):
         """(template, depth of each node, max depth, candidates needed per head) for a budget."""
         budget = min(budget, len(self.order))
         if budget not in self._templates:
-            from specserve.drafters.train.medusa import template_prefix
-
-            tpl = TreeTemplate.from_choices(template_prefix(self.order, budget)).truncate(budget + 1)
+            tpl = TreeTemplate.from_choices(preference_prefix(self.order, budget)).truncate(budget + 1)
             depths = tree_depths(tpl.parents)
             self._templates[budget] = (tpl, depths, max(depths), max(tpl.ranks) + 1)
         return self._templates[budget]
@@ -145,20 +150,25 @@ class MedusaDrafter(Drafter):
     # ---- protocol -----------------------------------------------------------------------------------------------
 
     def observe(self, seqs: Seq, features: Seq) -> None:
+        """Features are read from the feature store; built outside an engine, `observe` fills its own."""
+        if not self._own_features:
+            return
         for seq, (start, hidden) in zip(seqs, features):
-            n = hidden.shape[0]
-            if n:
-                self.state[seq.seq_id] = (start + n - 1, hidden[n - 1].clone())
+            try:
+                self.features.write(seq.seq_id, int(start), hidden)
+            except ValueError:   # a gap: the features in between never came; no draft until they do
+                self.features.free(seq.seq_id)
 
     def finish(self, seq) -> None:
-        self.state.pop(seq.seq_id, None)
+        if self._own_features:
+            self.features.free(seq.seq_id)
 
     @torch.inference_mode()
     def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
         trees: list[TokenTree | None] = [None] * len(seqs)
         live, rows, tpls = [], [], []
         for i, (seq, budget) in enumerate(zip(seqs, budgets)):
-            st = self.state.get(seq.seq_id)
+            st = self.features.last(seq.seq_id)
             # the features must be those of the token right before the root
             if budget <= 0 or st is None or st[0] != len(seq.token_ids) - 2:
                 continue
@@ -174,9 +184,5 @@ class MedusaDrafter(Drafter):
         logits = self.vocab.logits(out.reshape(-1, out.shape[-1]))           # [N * depth, draft vocab]
         top = self.vocab.token_ids(logits.topk(width, dim=-1).indices).view(len(live), depth, width).tolist()
         for j, i in enumerate(live):
-            tpl, depths, _, _ = tpls[j]
-            cand = top[j]
-            tokens = [seqs[i].token_ids[-1]]
-            tokens.extend(cand[depths[n] - 1][tpl.ranks[n]] for n in range(1, tpl.num_nodes))
-            trees[i] = TokenTree(tokens, list(tpl.parents))
+            trees[i] = cartesian_fill(tpls[j][0], seqs[i].token_ids[-1], top[j])
         return trees

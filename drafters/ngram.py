@@ -8,14 +8,17 @@ prefixes. Deterministic drafts (one-hot q), so verification stays exact under sa
 
 Example: tokens `a b c d a b` with max_ngram 2: the suffix `a b` occurred at 0; what followed
 was `c d a b`, so the chain `c d a b` is proposed (cut to the budget).
+
+Stateless: a proposal from an extended prefix (`DraftRequest.hypothetical`) simply reads the
+extended tokens.
 """
 
 from __future__ import annotations
 
 from typing import Sequence as Seq
 
-from specserve.drafters.base import Drafter, register
-from specserve.engine.tree import NO_PARENT, TokenTree
+from specserve.drafters.base import Drafter, DrafterContext, register
+from specserve.engine.tree import TokenTree, trie_from_candidates
 
 
 def find_continuations(tokens: Seq[int], max_ngram: int, min_ngram: int, max_len: int,
@@ -42,34 +45,33 @@ def find_continuations(tokens: Seq[int], max_ngram: int, min_ngram: int, max_len
 
 
 def tree_from_continuations(root: int, conts: list[list[int]], budget: int) -> TokenTree | None:
-    """Merge continuations into a trie under the root, adding nodes level by level... in the
-    order given until the budget of draft nodes is spent."""
-    tokens, parents = [root], [NO_PARENT]
-    child: dict[tuple[int, int], int] = {}
-    for cont in conts:
-        node = 0
-        for tok in cont:
-            nxt = child.get((node, tok))
-            if nxt is None:
-                if len(tokens) - 1 >= budget:
-                    break
-                nxt = len(tokens)
-                tokens.append(tok)
-                parents.append(node)
-                child[(node, tok)] = nxt
-            node = nxt
-    return TokenTree(tokens, parents) if len(tokens) > 1 else None
+    """Merge continuations into a trie under the root (engine.tree.trie_from_candidates), the
+    earlier continuations first, until the budget of draft nodes is spent."""
+    return trie_from_candidates(root, conts, budget)
 
 
 @register("ngram")
 class NgramDrafter(Drafter):
-    name = "ngram"
+    """Options: `max_ngram`/`min_ngram` (the suffix lengths tried, longest first), `max_depth`
+    (longest continuation), `max_matches` (branches). Per request: `max_depth`, `max_matches`."""
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_depth: int = 8, max_matches: int = 3, **_):
+    name = "ngram"
+    request_options = ("max_depth", "max_matches")
+
+    def __init__(self, ctx: DrafterContext | None = None, *, max_ngram: int = 4, min_ngram: int = 1,
+                 max_depth: int = 8, max_matches: int = 3):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.max_depth, self.max_matches = max_depth, max_matches
+
+    @classmethod
+    def check_request_options(cls, options: dict) -> dict:
+        options = super().check_request_options(options)
+        for key, value in options.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ngram option {key} must be a positive integer, got {value!r}")
+        return options
 
     def propose(self, seqs, budgets) -> list[TokenTree | None]:
         trees = []
@@ -77,7 +79,9 @@ class NgramDrafter(Drafter):
             if budget <= 0:
                 trees.append(None)
                 continue
+            opts = getattr(seq, "options", None) or {}
             conts = find_continuations(seq.token_ids, self.max_ngram, self.min_ngram,
-                                       min(self.max_depth, budget), self.max_matches)
+                                       min(opts.get("max_depth", self.max_depth), budget),
+                                       opts.get("max_matches", self.max_matches))
             trees.append(tree_from_continuations(seq.token_ids[-1], conts, budget))
         return trees

@@ -1,12 +1,13 @@
 """ParallelSpec drafter (Xiao et al.): one decoder layer with k learned [MASK] embeddings drafts
-the next k+1 tokens in ONE forward (network and training: drafters/train/parallelspec.py).
+the next k+1 tokens in ONE forward (network: drafters/nets/parallelspec.py; training:
+drafters/train/parallelspec.py).
 
 Each step, per sequence whose root (the last committed token, no target feature yet) sits at
 position n-1:
 
 1. one drafter forward, batched over the sequences: the real positions not yet in the drafter's
    KV (the tokens committed since the last step, the root last), each as fc([f_{p-1} ‖ e(x_p)])
-   with the target features delivered by `observe`, followed by the k [MASK] embeddings at
+   with the target features of the engine's feature store (engine/features.py), followed by the k [MASK] embeddings at
    positions n .. n+k-1. The chunk is plain causal (the masks come last), so mask i sees the whole
    real sequence and masks 1..i, exactly the training layout's group;
 2. the root's row and the k mask rows, through the target's frozen LM head (shared by reference),
@@ -48,11 +49,11 @@ from typing import Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, register
+from specserve.drafters.base import Drafter, DrafterContext, register
 from specserve.drafters.draft_vocab import DraftVocab
-from specserve.engine.attention import build_attn_metadata
-from specserve.engine.kv_cache import BlockManager, KVCache
-from specserve.engine.tree import TokenTree, TreeTemplate
+from specserve.engine.features import FeatureStore
+from specserve.engine.kv_cache import PagedDraftKV
+from specserve.engine.tree import TokenTree, TreeTemplate, cartesian_fill, preference_prefix
 
 
 CHECKPOINTS_DIR = Path(__file__).resolve().parent / "checkpoints"
@@ -61,7 +62,7 @@ MAX_RANK = 10
 
 
 def _trees_json_paths(name: str) -> list[list[int]] | None:
-    from specserve.drafters.train.medusa import load_template
+    from specserve.drafters.nets.medusa import load_template
 
     return load_template(name)
 
@@ -73,56 +74,14 @@ def parse_tree(value, depth: int) -> list[list[int]] | None:
     return parse_tree_option(value, depth, "parallelspec")
 
 
-def prefix_tree(order: Seq[Seq[int]], budget: int) -> list[list[int]]:
-    """The first `budget` nodes of a tree given in preference order: a prefix when every path's
-    parent comes before it, else level-major truncation."""
-    seen: set[tuple[int, ...]] = {()}
-    closed = True
-    for p in order:
-        if tuple(p[:-1]) not in seen:
-            closed = False
-            break
-        seen.add(tuple(p))
-    if closed:
-        return [list(p) for p in order[:budget]]
-    level_major = sorted({tuple(p[:j]) for p in order for j in range(1, len(p) + 1)}, key=lambda p: (len(p), p))
-    return [list(p) for p in level_major[:budget]]
+prefix_tree = preference_prefix   # the first `budget` nodes of a preference order (engine.tree)
 
 
 class _SeqState:
-    __slots__ = ("kv_len", "feat_start", "feat")
+    __slots__ = ("kv_len",)
 
     def __init__(self):
         self.kv_len = 0                          # real positions 0..kv_len-1 are final in the drafter's KV
-        self.feat_start = 0                      # target features held for positions feat_start ..
-        self.feat: torch.Tensor | None = None
-
-    @property
-    def feat_end(self) -> int:
-        return self.feat_start + (0 if self.feat is None else self.feat.shape[0])
-
-    def add_features(self, start: int, hidden: torch.Tensor) -> None:
-        end = start + hidden.shape[0]
-        if self.feat is None or start > self.feat_end:          # first features, or a gap: start over there
-            self.feat_start, self.feat = start, hidden
-        elif end <= self.feat_start:                            # old positions (recomputed after preemption)
-            return
-        elif start <= self.feat_start:
-            self.feat = hidden[self.feat_start - start:]
-        else:
-            self.feat = torch.cat([self.feat[:start - self.feat_start], hidden])
-
-    def features(self, lo: int, hi: int) -> torch.Tensor | None:
-        """Features of positions lo..hi-1, or None when some are missing."""
-        if self.feat is None or lo < self.feat_start or hi > self.feat_end:
-            return None
-        return self.feat[lo - self.feat_start:hi - self.feat_start]
-
-    def trim(self, keep_from: int) -> None:
-        if self.feat is not None and keep_from > self.feat_start:
-            cut = min(keep_from, self.feat_end) - self.feat_start
-            self.feat = self.feat[cut:]
-            self.feat_start += cut
 
 
 @register("parallelspec")
@@ -130,11 +89,12 @@ class ParallelSpecDrafter(Drafter):
     name = "parallelspec"
     needs_features = True
 
-    def __init__(self, *, target, model_config, device, dtype, max_model_len: int, max_num_seqs: int = 8,
-                 checkpoint: str | None = None, tree=None, random_init: bool = False, k: int = 4, seed: int = 0,
-                 module=None, draft_vocab: int | None = None, block_size: int = 16, num_blocks: int | None = None,
-                 **_):
-        from specserve.drafters.train.parallelspec import ParallelSpecModule, load_module
+    def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, tree=None, random_init: bool = False,
+                 k: int = 4, seed: int = 0, module=None, draft_vocab: int | None = None, block_size: int = 16,
+                 num_blocks: int | None = None):
+        target, model_config, device, dtype = ctx.target, ctx.model_config, ctx.device, ctx.dtype
+        max_model_len, max_num_seqs = ctx.max_model_len, ctx.max_num_seqs
+        from specserve.drafters.nets.parallelspec import ParallelSpecModule, load_module
 
         self.device, self.dtype = torch.device(device), dtype
         max_positions = max_model_len + 64
@@ -145,7 +105,7 @@ class ParallelSpecDrafter(Drafter):
             self.module = ParallelSpecModule.random(target, model_config, k=int(k), max_positions=max_positions,
                                                     seed=int(seed))
         else:
-            from specserve.drafters.train.checkpoint import resolve_checkpoint, target_fingerprint
+            from specserve.drafters.nets.checkpoint import resolve_checkpoint, target_fingerprint
 
             fingerprint = target_fingerprint(model_config, target)
             checkpoint = resolve_checkpoint("parallelspec", fingerprint, checkpoint, CHECKPOINTS_DIR)
@@ -166,18 +126,23 @@ class ParallelSpecDrafter(Drafter):
         self.order = order
         self._templates: dict[int, TreeTemplate] = {}
         cfg = model_config
-        blocks_per_seq = -(-(max_model_len + self.k + 1) // block_size)
-        num_blocks = num_blocks or blocks_per_seq * max_num_seqs
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.cache = KVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
+        self.kv = PagedDraftKV(1, cfg.num_kv_heads, cfg.head_dim, dtype, self.device, max_model_len=max_model_len,
+                               max_num_seqs=max_num_seqs, extra_tokens=self.k + 1, block_size=block_size,
+                               num_blocks=num_blocks)
+        self.blocks, self.cache = self.kv.blocks, self.kv.cache
         self.state: dict[int, _SeqState] = {}
+        # the target's features: the engine's store, or (built outside an engine) one fed by `observe`
+        self._own_features = ctx.features is None
+        self.features = ctx.features
+        if self.features is None:
+            self.features = FeatureStore(model_config.hidden_size, dtype, self.device)
 
     # ---- tree shape ---------------------------------------------------------------------------
 
     def template(self, budget: int) -> TreeTemplate:
         t = self._templates.get(budget)
         if t is None:
-            t = TreeTemplate.from_choices(prefix_tree(self.order, budget)).truncate(budget + 1)
+            t = TreeTemplate.from_choices(preference_prefix(self.order, budget)).truncate(budget + 1)
             self._templates[budget] = t
         return t
 
@@ -188,18 +153,27 @@ class ParallelSpecDrafter(Drafter):
 
     def finish(self, seq) -> None:
         self.state.pop(seq.seq_id, None)
-        self.blocks.free(seq.seq_id)
+        self.kv.free(seq.seq_id)
+        if self._own_features:
+            self.features.free(seq.seq_id)
 
     def observe(self, seqs: Seq, features: Seq) -> None:
+        """Features are read from the feature store; built outside an engine, `observe` fills its own."""
+        if not self._own_features:
+            return
         for seq, (start, hidden) in zip(seqs, features):
-            self.state.setdefault(seq.seq_id, _SeqState()).add_features(int(start), hidden)
+            self.state.setdefault(seq.seq_id, _SeqState())
+            try:
+                self.features.write(seq.seq_id, int(start), hidden)
+            except ValueError:   # a gap: the features in between never came; no draft until they do
+                pass
 
     def accept(self, seqs: Seq, results: Seq) -> None:
         """Nothing of a tree is in the drafter's KV; return the blocks the masks borrowed."""
         for seq in seqs:
             st = self.state.get(seq.seq_id)
             if st is not None:
-                self.blocks.shrink(seq.seq_id, st.kv_len + 1)
+                self.kv.shrink(seq.seq_id, st.kv_len + 1)
 
     @torch.inference_mode()
     def draft_logits(self, seqs: Seq) -> tuple[list[int], torch.Tensor | None]:
@@ -214,12 +188,12 @@ class ParallelSpecDrafter(Drafter):
             n = len(seq.token_ids)
             start = min(st.kv_len, n - 1)        # the root is always fed again
             lo = max(start - 1, 0)
-            feats = st.features(lo, n - 1)       # f_{start-1} .. f_{n-2}
+            feats = self.features.view(seq.seq_id, lo, n - 1)       # f_{start-1} .. f_{n-2}
             if feats is None or n < 1:
                 continue
             if start == 0:
                 feats = torch.cat([torch.zeros(1, H, dtype=feats.dtype, device=feats.device), feats])
-            if not self.blocks.grow(seq.seq_id, n + k):
+            if not self.kv.grow(seq.seq_id, n + k):
                 continue
             idx.append(i)
             starts.append(start)
@@ -238,8 +212,7 @@ class ParallelSpecDrafter(Drafter):
             parts.append(masks)
             off += nr
         h = torch.cat(parts)
-        tables = [self.blocks.block_tables[seqs[i].seq_id] for i in idx]
-        positions, meta = build_attn_metadata(tables, self.blocks.block_size, starts, qlens, None, dev)
+        positions, meta = self.kv.metadata([seqs[i].seq_id for i in idx], starts, qlens)
         k_cache, v_cache = self.cache.layer(0)
         out = mod.forward_paged(h, positions, k_cache, v_cache, meta)
         ends = torch.tensor(meta.cu_query_lens[1:], device=dev)
@@ -249,7 +222,6 @@ class ParallelSpecDrafter(Drafter):
             seq = seqs[i]
             st = self.state[seq.seq_id]
             st.kv_len = len(seq.token_ids) - 1
-            st.trim(st.kv_len - 1)
         return idx, logits
 
     def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
@@ -264,15 +236,7 @@ class ParallelSpecDrafter(Drafter):
         top = self.vocab.token_ids(logits.topk(max_rank, dim=-1).indices).tolist()   # [B, k+1, R]
         for j, g in enumerate(got):
             i = live[g]
-            tpl = self.template(int(budgets[i]))
-            depth = [0] * tpl.num_nodes
-            tokens = [seqs[i].token_ids[-1]]
-            for node in range(1, tpl.num_nodes):
-                depth[node] = depth[tpl.parents[node]] + 1
-                rank = tpl.ranks[node]
-                if rank >= max_rank:
-                    break
-                tokens.append(top[j][depth[node] - 1][rank])
-            if len(tokens) > 1:
-                trees[i] = TokenTree(tokens, list(tpl.parents[:len(tokens)]))
+            tree = cartesian_fill(self.template(int(budgets[i])), seqs[i].token_ids[-1], top[j])
+            if tree.num_nodes > 1:
+                trees[i] = tree
         return trees

@@ -1,4 +1,5 @@
-"""`student`: a distilled student draft model (drafters/train/student.py) served through the
+"""`student`: a distilled student draft model (network: drafters/nets/student.py, training:
+drafters/train/student.py) served through the
 draft-model machinery — SpS chains, MCSD k-configuration trees, target-initialised roots, its own
 paged KV cache. It shares the target's embedding, LM head and RoPE tables by reference; only its
 few decoder layers and final norm come from the checkpoint.
@@ -12,7 +13,7 @@ every `draft_model` option (`k_config`, `deterministic`, `target_init_width`).
 
 from __future__ import annotations
 
-from specserve.drafters.base import register
+from specserve.drafters.base import DrafterContext, register
 from specserve.drafters.draft_model import DraftModelDrafter
 
 
@@ -20,10 +21,12 @@ from specserve.drafters.draft_model import DraftModelDrafter
 class StudentDrafter(DraftModelDrafter):
     name = "student"
 
-    def __init__(self, *, target, model_config, device, dtype, checkpoint: str | None = None,
-                 num_layers: int | None = None, random_init: bool = False, k_config="chain:4", **kw):
-        from specserve.drafters.train.student import StudentModel, load_student, shipped_checkpoint
+    def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, num_layers: int | None = None,
+                 random_init: bool = False, k_config="chain:4", deterministic: bool = False, target_init_width: int = 1,
+                 draft_vocab: int | None = None, block_size: int = 16, num_blocks: int | None = None):
+        from specserve.drafters.nets.student import StudentModel, load_student, shipped_checkpoint
 
+        target, model_config = ctx.target, ctx.model_config
         self.meta = None
         if random_init:
             student = StudentModel.from_target(target, int(num_layers or 1))
@@ -34,6 +37,7 @@ class StudentDrafter(DraftModelDrafter):
                                  "`specserve train student --model SOURCE --out DIR` and pass "
                                  "--drafter-option student.checkpoint=DIR")
             student, self.meta = load_student(path, model_config=model_config, target=target)
-        model = student.as_draft_model(target, dtype, device)
-        super().__init__(target=target, model_config=model_config, device=device, dtype=dtype,
-                         k_config=k_config, prebuilt=model, vocab_rank=getattr(student, "vocab_rank", None), **kw)
+        model = student.as_draft_model(target, ctx.dtype, ctx.device)
+        super().__init__(ctx, k_config=k_config, deterministic=deterministic, target_init_width=target_init_width,
+                         draft_vocab=draft_vocab, block_size=block_size, num_blocks=num_blocks, prebuilt=model,
+                         vocab_rank=getattr(student, "vocab_rank", None))

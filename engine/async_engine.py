@@ -113,13 +113,15 @@ class AsyncEngine:
         return self.engine.drafter_names
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    drafter=_DEFAULT) -> RequestStream:
+                    drafter=_DEFAULT, drafter_options: dict | None = None) -> RequestStream:
         """Validate and enqueue. Raises InvalidRequestError, QueueFullError or EngineDeadError.
-        `drafter`: a loaded drafter's name, "none", or omitted for the server default."""
+        `drafter`: a loaded drafter's name, "none", or omitted for the server default;
+        `drafter_options`: the request's own options for it."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         self.engine.validate(prompt_token_ids, params)
         self.engine.resolve_drafter(drafter)
+        drafter_options = self.engine.check_drafter_options(drafter, drafter_options)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         with self._lock:
@@ -128,7 +130,8 @@ class AsyncEngine:
             self._num_pending += 1
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, list(prompt_token_ids), params, time.monotonic(), drafter))
+        self._inbox.put(("add", request_id, list(prompt_token_ids), params, time.monotonic(), drafter,
+                         drafter_options))
         self._wakeup.set()
         return stream
 
@@ -166,7 +169,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                _, request_id, prompt, params, arrival, drafter = msg
+                _, request_id, prompt, params, arrival, drafter, drafter_options = msg
                 with self._lock:
                     self._num_pending -= 1
                 stream = self._streams.get(request_id)
@@ -174,7 +177,7 @@ class AsyncEngine:
                     self._streams.pop(request_id, None)
                     continue
                 try:
-                    engine.add_request(request_id, prompt, params, arrival, drafter)
+                    engine.add_request(request_id, prompt, params, arrival, drafter, drafter_options)
                 except Exception as exc:  # validated already; anything here is reported to that request only
                     self._deliver_error(request_id, exc)
             elif msg[0] == "abort":

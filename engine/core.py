@@ -14,6 +14,7 @@ import torch
 from specserve.engine.config import EngineConfig, ModelConfig, check_prompt_fits
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.errors import InvalidRequestError, is_unrecoverable
+from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine.loader import LoadedModel, load_model
 from specserve.engine.model import LlamaModel
@@ -21,7 +22,7 @@ from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import ScheduledBatch, Scheduler
-from specserve.engine.sequence import Request, Sequence, SeqStatus
+from specserve.engine.sequence import DraftRequest, Request, Sequence, SeqStatus
 from specserve.engine.stats import DrafterStats, EngineStats
 from specserve.engine.tree import TokenTree, tree_depths
 
@@ -62,6 +63,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.num_speculative_tokens, config.max_draft_tokens_per_step, self.max_model_len,
                                    draft_budget=config.draft_budget)
+        # the target's features of every KV position, for the sequences whose drafter reads them
+        self.features = FeatureStore(mc.hidden_size, self.dtype, self.device)
         self.drafters = self._load_drafters(config.drafters)
         self.default_drafter = config.drafters[0] if config.drafters and config.drafters[0] != NO_DRAFTER else None
         self.drafter_stats: dict[str, DrafterStats] = {name: DrafterStats() for name in self.drafters}
@@ -81,16 +84,16 @@ class LLMEngine:
                     config.block_size, self.max_model_len)
 
     def _load_drafters(self, names: tuple[str, ...]) -> dict:
-        from specserve.drafters.base import make_drafter   # the registry, not any specific drafter
+        from specserve.drafters.base import DrafterContext, make_drafter   # the registry, no specific drafter
 
+        ctx = DrafterContext(tokenizer=self.tokenizer, target=self.model, model_config=self.model_config,
+                             device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
+                             max_num_seqs=self.config.max_num_seqs, features=self.features)
         drafters = {}
         for name in names:
             if name != NO_DRAFTER and name not in drafters:
                 options = dict(self.config.drafter_options.get(name, {}))
-                drafters[name] = make_drafter(name, tokenizer=self.tokenizer, target=self.model,
-                                              model_config=self.model_config, device=self.device,
-                                              dtype=self.dtype, max_model_len=self.max_model_len,
-                                              max_num_seqs=self.config.max_num_seqs, **options)
+                drafters[name] = make_drafter(name, ctx, **options)
         return drafters
 
     @property
@@ -109,6 +112,30 @@ class LLMEngine:
                                       "speculative.drafter")
         return name
 
+    def check_drafter_options(self, drafter, options: dict | None) -> dict:
+        """A request's per-request drafter options (its `speculative` block beyond `drafter`),
+        validated by the drafter that will serve it; InvalidRequestError (param
+        `speculative.<key>`) for an option it does not take per request."""
+        if not options:
+            return {}
+        name = self.resolve_drafter(drafter)
+        if name is None:
+            key = next(iter(options))
+            raise InvalidRequestError(f"plain decoding (drafter 'none') takes no options; got {key!r}",
+                                      f"speculative.{key}")
+        impl = self.drafters[name]
+        for key in options:
+            if key not in impl.request_options:
+                from specserve.drafters.base import unknown_option_message
+
+                raise InvalidRequestError(unknown_option_message(f"drafter {name!r} (per request)", key,
+                                                                 impl.request_options), f"speculative.{key}")
+        try:
+            return impl.check_request_options(dict(options))
+        except ValueError as exc:
+            key = next((k for k in options if k in str(exc)), next(iter(options)))
+            raise InvalidRequestError(str(exc), f"speculative.{key}") from exc
+
     def _default_num_blocks(self) -> int:
         mc, cfg = self.model_config, self.config
         per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
@@ -125,9 +152,11 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, drafter=_DEFAULT) -> None:
-        """`drafter`: a loaded drafter's name, "none" for plain decoding, or omitted for the default."""
+                    arrival_time: float | None = None, drafter=_DEFAULT, drafter_options: dict | None = None) -> None:
+        """`drafter`: a loaded drafter's name, "none" for plain decoding, or omitted for the default;
+        `drafter_options`: the request's own options for it (those it declares per request)."""
         self.validate(prompt_token_ids, params)
+        options = self.check_drafter_options(drafter, drafter_options)
         drafter = self.resolve_drafter(drafter)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -141,10 +170,11 @@ class LLMEngine:
                 generator.manual_seed((params.seed * 1_000_003 + i) % (2**63))
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
             seq = Sequence(req, i, req.prompt_token_ids, detok, generator)
+            seq.options = options
             req.seqs.append(seq)
             if drafter is not None:
                 try:
-                    self.drafters[drafter].start(seq)
+                    self.drafters[drafter].start(DraftRequest.of(seq))
                 except Exception:   # this sequence is decoded plainly; the drafter never hears of it again
                     logger.exception("drafter %s failed in start(); plain decoding for %s", drafter, seq)
                     self.drafter_stats[drafter].num_fallbacks += 1
@@ -266,7 +296,8 @@ class LLMEngine:
             seqs = [batch.seqs[b] for b in idx]
             t0 = time.perf_counter()
             try:
-                proposed = self.drafters[name].propose(seqs, [batch.draft_budgets[b] for b in idx])
+                views = [DraftRequest.of(seq) for seq in seqs]
+                proposed = self.drafters[name].propose(views, [batch.draft_budgets[b] for b in idx])
                 if len(proposed) != len(idx):
                     raise ValueError(f"{len(proposed)} trees for {len(idx)} sequences")
             except Exception:
@@ -294,11 +325,18 @@ class LLMEngine:
         """Hand the target's hidden states of this step's new KV entries to the drafters that read
         them (before `accept`, so a drafter sees the features of the path it is told about)."""
         groups: dict[str, list[int]] = {}
-        for b in features:
-            groups.setdefault(batch.seqs[b].drafter, []).append(b)
+        for b, (start, hidden) in features.items():
+            seq = batch.seqs[b]
+            try:
+                self.features.write(seq.seq_id, start, hidden)
+            except ValueError:   # features never came for the positions in between (cannot happen in order)
+                logger.exception("feature store out of step for %s", seq)
+                self.features.free(seq.seq_id)
+            groups.setdefault(seq.drafter, []).append(b)
         for name, idx in groups.items():
             try:
-                self.drafters[name].observe([batch.seqs[b] for b in idx], [features[b] for b in idx])
+                self.drafters[name].observe([DraftRequest.of(batch.seqs[b]) for b in idx],
+                                            [features[b] for b in idx])
             except Exception:
                 logger.exception("drafter %s failed in observe()", name)
                 self.drafter_stats[name].num_fallbacks += 1
@@ -346,7 +384,7 @@ class LLMEngine:
             live = [(s, r) for s, r in zip(seqs, results) if not s.is_finished]
             if live:
                 try:
-                    self.drafters[name].accept([s for s, _ in live], [r for _, r in live])
+                    self.drafters[name].accept([DraftRequest.of(s) for s, _ in live], [r for _, r in live])
                 except Exception:
                     logger.exception("drafter %s failed in accept()", name)
                     self.drafter_stats[name].num_fallbacks += 1
@@ -427,9 +465,10 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.scheduler.remove(seq)
+        self.features.free(seq.seq_id)
         if seq.drafter is not None:
             try:
-                self.drafters[seq.drafter].finish(seq)
+                self.drafters[seq.drafter].finish(DraftRequest.of(seq))
             except Exception:
                 logger.exception("drafter %s failed in finish()", seq.drafter)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.engine.attention import build_attn_metadata
 from specserve.kernels.kv_compact import compact_kv
 
 
@@ -128,3 +129,51 @@ def commit_accepted(
     for seq_id, n in zip(seq_ids, new_lens):
         blocks.shrink(seq_id, n)
     return new_lens
+
+
+class PagedDraftKV:
+    """A drafter's own paged KV pool (draft models, EAGLE-style heads, ParallelSpec): a
+    `BlockManager` and a `KVCache` sized for `max_num_seqs` contexts of `max_model_len` tokens plus
+    `extra_tokens` (tree rows a draft step writes past the context), with the per-sequence
+    operations drafters need: grow before a forward, shrink to a kept length, commit an accepted
+    path (`commit_accepted`), free on finish, and the attention metadata of a forward.
+
+    `blocks` and `cache` are public: a drafter's model reads `cache` and tests inspect slots."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+                 *, max_model_len: int, max_num_seqs: int, extra_tokens: int = 0, block_size: int = 16,
+                 num_blocks: int | None = None):
+        self.device = torch.device(device)
+        blocks_per_seq = -(-(max_model_len + extra_tokens) // block_size)
+        num_blocks = num_blocks or blocks_per_seq * max_num_seqs
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.cache = KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
+
+    def grow(self, seq_id: int, num_tokens: int) -> bool:
+        """Room for `num_tokens` tokens of `seq_id`; False (nothing allocated) when the pool is short."""
+        return self.blocks.grow(seq_id, num_tokens)
+
+    def shrink(self, seq_id: int, num_tokens: int) -> None:
+        self.blocks.shrink(seq_id, num_tokens)
+
+    def free(self, seq_id: int) -> None:
+        self.blocks.free(seq_id)
+
+    def metadata(self, seq_ids: list[int], starts: list[int], query_lens: list[int],
+                 masks: list[torch.Tensor | None] | None = None):
+        """(positions, AttnMetadata) of a forward writing `query_lens[b]` tokens of `seq_ids[b]` at
+        cache positions `starts[b]..`; `masks[b]` (see tree.ancestor_mask) for tree rows, None for
+        a causal chunk."""
+        tables = [self.blocks.block_tables[s] for s in seq_ids]
+        return build_attn_metadata(tables, self.blocks.block_size, starts, query_lens,
+                                   [None if m is None else m.to(self.device) for m in masks] if masks else None,
+                                   self.device)
+
+    def commit(self, seq_ids: list[int], prefix_lens: list[int], paths: list[list[int]]) -> list[int]:
+        """Keep, per sequence, the nodes `paths[b]` written at `prefix_lens[b] + node`, moved right
+        after the prefix; returns the new lengths (see `commit_accepted`)."""
+        return commit_accepted(self.blocks, self.cache, seq_ids, prefix_lens, paths)

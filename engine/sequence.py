@@ -5,12 +5,77 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Sequence as Seq
 
 import torch
 
 from specserve.engine.outputs import RequestMetrics, TokenLogprob
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.stats import RequestSpecStats
+
+
+_NO_OPTIONS: Mapping = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRequest:
+    """What a drafter sees of one sequence (start/propose/observe/accept/finish): a read-only view
+    the engine builds, so drafters are testable without the engine and its internals never leak.
+
+    `token_ids` = the committed prefix (prompt + output) followed by `hypothetical` tokens, if
+    any; its last token is the tree root. A drafter asked to propose from an **extended prefix**
+    (e.g. by a cascade drafter that wants a draft after a hypothetical continuation) drafts as if
+    those tokens were committed, but must not let them into its committed state: only the first
+    `num_committed` tokens are final. `extra_roots` are the target's other samples for the root's
+    position (MCSD target-initialised roots, a lossy opt-in; empty otherwise); `options` the
+    request's own options for this drafter."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    options: Mapping | None = None   # None: no options (read as an empty mapping)
+    extra_roots: tuple[int, ...] = ()
+    num_committed: int = -1          # -1: every token is committed
+
+    def __post_init__(self) -> None:
+        if self.options is None:
+            object.__setattr__(self, "options", _NO_OPTIONS)
+        if self.num_committed < 0:
+            object.__setattr__(self, "num_committed", len(self.token_ids))
+        elif self.num_committed > len(self.token_ids):
+            raise ValueError("num_committed exceeds the tokens")
+
+    @classmethod
+    def of(cls, seq: "Sequence") -> "DraftRequest":
+        return cls(seq.seq_id, tuple(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.generator,
+                   seq.options or _NO_OPTIONS, tuple(seq.alt_roots) if seq.held_back else ())
+
+    @property
+    def hypothetical(self) -> tuple[int, ...]:
+        """Tokens after the committed prefix that the draft should assume (empty normally)."""
+        return self.token_ids[self.num_committed:]
+
+    @property
+    def committed_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[:self.num_committed]
+
+    @property
+    def is_extended(self) -> bool:
+        return self.num_committed < len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def extend(self, tokens: Seq[int]) -> "DraftRequest":
+        """The same sequence with `tokens` appended hypothetically (the root becomes tokens[-1])."""
+        if not tokens:
+            return self
+        return DraftRequest(self.seq_id, self.token_ids + tuple(int(t) for t in tokens), self.num_prompt_tokens,
+                            self.params, self.generator, self.options, (), self.num_committed)
 
 
 class SeqStatus(enum.Enum):
@@ -45,6 +110,7 @@ class Sequence:
         self.pending_logprobs: list[TokenLogprob] = []
         self.reported_finished = False
         self.drafter: str | None = request.drafter   # name of the drafter proposing for this sequence
+        self.options: dict = {}                      # the request's own options for its drafter
         self.draft_limit: int | None = None          # its own draft-node cap (adaptive draft length); None = none yet
         self.draft_pause = 0                         # steps left without a draft (back-off after misses)
         self.draft_backoff = 0                       # length of the last pause

@@ -347,3 +347,135 @@ def pack_trees(trees: Sequence[TokenTree], device: torch.device | str = "cpu") -
         next_roots=out["next_roots"].view(T), max_next_roots=max(max(1, int(t.next_roots)) for t in trees),
         max_roots=max(tp.num_roots for tp in topos),
     )
+
+
+# --- Helpers for drafters: building trees, and a drafter's own tree forwards --------------------
+
+
+def preference_prefix(order: Sequence[Sequence[int]], budget: int) -> list[list[int]]:
+    """The first `budget` nodes of a tree given as rank paths in *preference order* (Medusa-style
+    tuned orders): the first `budget` paths when every path's parent comes before it, else the
+    level-major truncation of the whole set (as `TreeTemplate.truncate` would cut it).
+
+    Example: `[[0], [0, 0], [1], [0, 1]]` with budget 3 -> `[[0], [0, 0], [1]]`; the order
+    `[[0, 0], [1], [0]]` is not prefix-closed, so budget 2 gives level-major `[[0], [1]]`."""
+    seen: set[tuple[int, ...]] = {()}
+    closed = True
+    for p in order:
+        if tuple(p[:-1]) not in seen:
+            closed = False
+            break
+        seen.add(tuple(p))
+    if closed:
+        return [list(p) for p in order[:budget]]
+    level_major = sorted({tuple(p[:j]) for p in order for j in range(1, len(p) + 1)}, key=lambda p: (len(p), p))
+    return [list(p) for p in level_major[:budget]]
+
+
+def cartesian_fill(template: TreeTemplate, root: int, topk: Sequence[Sequence[int]]) -> TokenTree:
+    """Medusa's Cartesian tree: node i at depth d with sibling rank r carries `topk[d-1][r]`, the
+    r-th most likely token of the depth-d distribution, whatever its parent (all depths are
+    predicted from the same position). The tree is cut before the first node whose depth or rank
+    has no candidate (a topological prefix, so still a tree).
+
+    Example: template `[[0], [1], [0, 0]]` (parents -1 0 0 1, ranks 0 0 1 0), topk
+    `[[11, 12], [21]]`, root 5 -> tokens `[5, 11, 12, 21]`."""
+    tokens = [root]
+    depth = [0] * template.num_nodes
+    for node in range(1, template.num_nodes):
+        parent = template.parents[node]
+        if parent == NO_PARENT:
+            raise ValueError("cartesian_fill takes single-root templates")
+        depth[node] = depth[parent] + 1
+        d, rank = depth[node], template.ranks[node]
+        if d > len(topk) or rank >= len(topk[d - 1]):
+            break
+        tokens.append(int(topk[d - 1][rank]))
+    return TokenTree(tokens, list(template.parents[:len(tokens)]))
+
+
+def trie_from_candidates(root: int, candidates: Sequence[Sequence[int]], budget: int,
+                         scores: Sequence[float] | None = None) -> TokenTree | None:
+    """Merge candidate continuations of `root` into a trie (shared prefixes become shared nodes,
+    duplicates vanish) of at most `budget` draft nodes; None when no node fits.
+
+    Without `scores`, nodes are taken in the order the candidates give them (candidate by candidate,
+    each down its path) until the budget is spent: earlier candidates win. With `scores` (one per
+    candidate, higher is better), a node scores the best candidate through it, the `budget` best
+    nodes are kept (an ancestor scores at least as high as its descendants and wins ties, so they
+    form a tree), laid out level-major with siblings best first.
+
+    Example: candidates `[a b c], [a d], [e]`, budget 4 -> root -> a -> (b -> c, d) cut to a b c d;
+    with scores `[0.1, 0.5, 0.3]` and budget 3 -> a (0.5), e (0.3), d (0.5) level-major: a e d."""
+    if budget <= 0:
+        return None
+    if scores is None:
+        tokens, parents = [root], [NO_PARENT]
+        child: dict[tuple[int, int], int] = {}
+        for cand in candidates:
+            node = 0
+            for tok in cand:
+                nxt = child.get((node, tok))
+                if nxt is None:
+                    if len(tokens) - 1 >= budget:
+                        break
+                    nxt = len(tokens)
+                    tokens.append(int(tok))
+                    parents.append(node)
+                    child[(node, tok)] = nxt
+                node = nxt
+        return TokenTree(tokens, parents) if len(tokens) > 1 else None
+    if len(scores) != len(candidates):
+        raise ValueError(f"{len(scores)} scores for {len(candidates)} candidates")
+    # the full trie: node -> (token, parent, depth, best score, first seen)
+    tok_of, par_of, dep_of, best = [root], [NO_PARENT], [0], [float("inf")]
+    index: dict[tuple[int, int], int] = {}
+    for cand, score in zip(candidates, scores):
+        node = 0
+        for tok in cand:
+            nxt = index.get((node, tok))
+            if nxt is None:
+                nxt = len(tok_of)
+                index[(node, tok)] = nxt
+                tok_of.append(int(tok))
+                par_of.append(node)
+                dep_of.append(dep_of[node] + 1)
+                best.append(float(score))
+            else:
+                best[nxt] = max(best[nxt], float(score))
+            node = nxt
+    kept = sorted(range(1, len(tok_of)), key=lambda i: (-best[i], dep_of[i], i))[:budget]
+    if not kept:
+        return None
+    out = {0: 0}
+    tokens, parents = [root], [NO_PARENT]
+    # level-major; within a level, grouped by the parent's output order, siblings best first
+    for d in sorted({dep_of[i] for i in kept}):
+        level = [i for i in kept if dep_of[i] == d]
+        level.sort(key=lambda i: (out[par_of[i]], -best[i], i))
+        for i in level:
+            out[i] = len(tokens)
+            tokens.append(tok_of[i])
+            parents.append(out[par_of[i]])
+    return TokenTree(tokens, parents)
+
+
+def ancestor_mask(parents: Sequence[int], rows: Sequence[int], width: int | None = None) -> torch.Tensor:
+    """The "prefix + ancestors" visibility of new nodes in a drafter's own tree forward, over the
+    tree nodes only (the committed prefix is visible to every row and is not part of the mask).
+
+    `parents` indexes the nodes whose KV sits, in node order, right after the prefix (NO_PARENT
+    marks a node hanging directly under the prefix: a root, or in a forest of depth-1 rows any of
+    them); `rows` the nodes fed in this forward. Row r is True at `rows[r]` and every ancestor of
+    it; `width` (default `max(rows) + 1`) is the number of node columns. A bool [len(rows), width]
+    CPU tensor, as `build_attn_metadata` takes it.
+
+    Example: parents `[-1, 0, 0, 1]`, rows `[3]` -> `[[True, True, False, True]]`."""
+    width = (max(rows) + 1) if width is None else width
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, node in enumerate(rows):
+        a = node
+        while a != NO_PARENT:
+            mask[r, a] = True
+            a = parents[a]
+    return mask

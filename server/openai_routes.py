@@ -237,18 +237,29 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 def _drafter_args(state: ServerState, spec: SpeculativeOptions | None) -> dict:
     """The `speculative` extension, validated against the loaded drafters, as `add_request` keyword
-    arguments: {} (the server's default drafter) or {"drafter": name} ("none" = plain decoding).
-    Options besides `drafter` are accepted but not used yet."""
-    if spec is None or not spec.drafter:
+    arguments: {} (the server's default drafter), {"drafter": name} ("none" = plain decoding), plus
+    `drafter_options` for the keys besides `drafter`. Those are validated by the engine against
+    what the drafter takes per request: anything else is a 400 naming `speculative.<key>`."""
+    if spec is None:
+        return {}
+    options = dict(spec.model_extra or {})
+    if not spec.drafter and not options:
         return {}
     loaded = state.loaded_drafters
-    if spec.wants_drafter and spec.drafter not in loaded:
+    if spec.drafter and spec.wants_drafter and spec.drafter not in loaded:
         raise OpenAIError(400, f"no drafter {spec.drafter!r} is loaded; loaded drafters: {loaded} "
                                "(\"none\" = plain decoding is always available)",
                           param="speculative.drafter", code="drafter_not_loaded")
     if not hasattr(state.engine, "drafter_names"):     # an engine without speculation: "none" is all there is
+        if options:
+            key = next(iter(options))
+            raise OpenAIError(400, f"this server decodes without drafters; speculative option {key!r} is not "
+                                   "accepted (valid options: none)", param=f"speculative.{key}")
         return {}
-    return {"drafter": spec.drafter}
+    args: dict = {"drafter": spec.drafter} if spec.drafter else {}
+    if options:
+        args["drafter_options"] = options
+    return args
 
 
 def _spec_usage(out: RequestOutput | None) -> SpeculativeUsage | None:

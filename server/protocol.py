@@ -10,7 +10,8 @@ Extensions we accept on top of OpenAI's fields:
 
 * sampling (vLLM names): ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
   ``include_stop_str_in_output``, ``skip_special_tokens``;
-* ``speculative``: ``{"drafter": "<name>" | "none", ...}`` per request; extra keys are kept and handed on.
+* ``speculative``: ``{"drafter": "<name>" | "none", ...}`` per request; extra keys are the drafter's per-request
+  options, validated by the engine (an option the drafter does not take per request is a 400).
 
 OpenAI fields we do not implement are accepted only with their neutral value (penalties 0, empty
 ``logit_bias``, no ``tools``, ``response_format`` text, ``echo`` false, ...) and rejected with a
@@ -138,7 +139,9 @@ class StreamOptions(RequestModel):
 
 
 class SpeculativeOptions(BaseModel):
-    """The per-request ``speculative`` extension. Keys beyond ``drafter`` are drafter options, kept as given."""
+    """The per-request ``speculative`` extension. Keys beyond ``drafter`` are the drafter's
+    per-request options: kept as given here, validated by the engine against what the drafter
+    declares (an undeclared one is a 400 naming ``speculative.<key>``)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 

@@ -81,8 +81,8 @@ from specserve.engine.attention import build_attn_metadata            # noqa: E4
 class RootRecorder(DraftModelDrafter):
     """draft_model, recording which root every verification kept."""
 
-    def __init__(self, **kw):
-        super().__init__(**kw)
+    def __init__(self, ctx, **kw):
+        super().__init__(ctx, **kw)
         self.roots: list[int] = []
         self.num_forests = 0
 

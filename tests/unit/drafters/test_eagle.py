@@ -13,6 +13,7 @@ from helpers import (empirical_first_two_law, exact_first_two_law, make_llm_engi
                      total_variation)
 
 import specserve.drafters.eagle  # noqa: F401  (registers "eagle" until base._import_builtin lists it)
+from specserve.drafters.base import make_drafter
 from specserve.drafters.eagle import EagleDrafter, _Node
 from specserve.drafters.train.data import label_ranking
 from specserve.drafters.train.eagle import EagleHead, fit_eagle
@@ -147,7 +148,7 @@ def test_kv_holds_only_rows_of_real_features(tiny_llama_dir, prompts_and_plain, 
     assert len(seqs) == 3 and all(s.num_output_tokens > 20 for s in seqs)
     assert engine.get_stats().drafters["eagle"].num_accepted_tokens > 20
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    fresh = EagleDrafter(target=engine.model, model_config=engine.model_config, device=torch.device("cpu"),
+    fresh = make_drafter("eagle", target=engine.model, model_config=engine.model_config, device=torch.device("cpu"),
                          dtype=torch.float32, max_model_len=128, head=trained_head, block_size=4)
     compared_tree_rows = 0
     for seq in seqs:

@@ -6,6 +6,7 @@ checkpoint so that drafts are really accepted (and rejected)."""
 
 from __future__ import annotations
 
+import types
 from functools import partial
 
 import pytest
@@ -14,6 +15,7 @@ from helpers import (empirical_first_two_law, exact_first_two_law, make_llm_engi
                      total_variation)
 
 from specserve.drafters import parallelspec as _register  # noqa: F401  (registers "parallelspec")
+from specserve.drafters.base import make_drafter
 from specserve.drafters.train.parallelspec import IGNORE, ParallelSpecModule, TrainOptions, parallel_loss
 from specserve.engine import verify
 from specserve.engine.sampling_params import SamplingParams
@@ -180,23 +182,25 @@ def test_a_wrong_residual_update_is_caught(peaky_target, peaky_checkpoint, exact
     assert total_variation(emp, exact_law) > TV_BOUND
 
 
-def test_feature_buffer_keeps_contiguous_positions_across_steps_and_preemption():
-    from specserve.drafters.parallelspec import _SeqState
-
-    st = _SeqState()
-    rows = torch.arange(20.0)[:, None]
-    st.add_features(0, rows[0:8])                 # prefill chunk
-    st.add_features(8, rows[8:12])                # next chunk
-    assert torch.equal(st.features(3, 12), rows[3:12])
-    st.trim(10)                                   # the drafter consumed positions < 10
-    assert st.features(9, 12) is None and torch.equal(st.features(10, 12), rows[10:12])
-    st.add_features(11, rows[11:14] + 100)        # verification rewrites from the root on
-    assert torch.equal(st.features(10, 14), torch.cat([rows[10:11], rows[11:14] + 100]))
-    st.add_features(0, rows[0:4])                 # preempted: recomputed from 0; old rows are ignored
-    assert torch.equal(st.features(10, 14), torch.cat([rows[10:11], rows[11:14] + 100]))
-    st.add_features(4, rows[4:16])                # ... until the recomputation reaches the kept ones
-    assert torch.equal(st.features(10, 16), rows[10:16])
-    assert st.features(10, 17) is None            # never invents missing positions
+def test_features_follow_the_target_kv_across_steps_and_preemption(tiny_llama_dir):
+    """The drafter reads the engine's feature store (no copy of its own); built outside an engine,
+    its own store follows `observe` the same way: rewrites from the root on, starts over when a
+    preempted sequence is recomputed from 0, never invents missing positions."""
+    engine = engine_with(tiny_llama_dir, {"random_init": True, "k": 2})
+    assert engine.drafters["parallelspec"].features is engine.features
+    d = make_drafter("parallelspec", target=engine.model, model_config=engine.model_config, device="cpu",
+                     dtype=torch.float32, max_model_len=64, random_init=True, k=2)
+    seq = types.SimpleNamespace(seq_id=3, token_ids=list(range(20)))
+    rows = torch.arange(20.0)[:, None].expand(20, engine.model_config.hidden_size)
+    d.observe([seq, seq], [(0, rows[0:8]), (8, rows[8:12])])        # prefill chunks
+    assert torch.equal(d.features.view(3, 3, 12), rows[3:12])
+    d.observe([seq], [(11, rows[11:14] + 100)])                     # verification rewrites from the root on
+    assert torch.equal(d.features.view(3, 10, 14), torch.cat([rows[10:11], rows[11:14] + 100]))
+    d.observe([seq], [(0, rows[0:4])])                              # preempted: recomputed from 0
+    assert d.features.length(3) == 4 and d.features.view(3, 10, 14) is None
+    d.observe([seq], [(4, rows[4:16])])
+    assert torch.equal(d.features.view(3, 10, 16), rows[10:16])
+    assert d.features.view(3, 10, 17) is None                       # never invents missing positions
 
 
 def test_tree_order_cuts_to_the_budget():

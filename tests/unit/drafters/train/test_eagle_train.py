@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from specserve.drafters.eagle import EagleDrafter
+from specserve.drafters.base import make_drafter
 from specserve.drafters.train.checkpoint import CheckpointMismatchError, read_meta
 from specserve.drafters.train.eagle import (EagleHead, chain_matches, estimate_tau, fit_eagle, load_head, save_head,
                                             shipped_checkpoint, train_eagle)
@@ -82,7 +82,7 @@ def test_simulated_chains_are_the_serving_drafters_chains(tiny_target):
     steps = 5
     g = torch.Generator().manual_seed(4)
     prefix = torch.randint(3, cfg.vocab_size, (17,), generator=g).tolist()      # ... root
-    drafter = EagleDrafter(target=model, model_config=cfg, device=torch.device("cpu"), dtype=torch.float32,
+    drafter = make_drafter("eagle", target=model, model_config=cfg, device=torch.device("cpu"), dtype=torch.float32,
                            max_model_len=64, head=head, depth=steps, top_k=1, width=1, block_size=4)
     seq = _Seq(0, prefix)
     drafter.start(seq)
@@ -142,19 +142,19 @@ def test_trainer_writes_a_checkpoint_that_round_trips(tiny_target, tiny_data, tm
     cfg, model = tiny_target.model_config, tiny_target.model
     head, _ = load_head(out, model_config=cfg, target=model)
     # the drafter loads it through the option, and finds it as a shipped checkpoint for this target
-    drafter = EagleDrafter(target=model, model_config=cfg, device=torch.device("cpu"), dtype=torch.float32,
+    drafter = make_drafter("eagle", target=model, model_config=cfg, device=torch.device("cpu"), dtype=torch.float32,
                            max_model_len=64, checkpoint=str(out))
     for name, t in head.state_dict().items():
         assert torch.equal(drafter.head.state_dict()[name], t)
     assert drafter.checkpoint_meta.tau == meta.tau
     rank = head.vocab_rank                                  # the label ranking travels with the head
     assert rank is not None and sorted(rank.tolist()) == list(range(cfg.vocab_size))
-    small = EagleDrafter(target=model, model_config=cfg, device=torch.device("cpu"), dtype=torch.float32,
+    small = make_drafter("eagle", target=model, model_config=cfg, device=torch.device("cpu"), dtype=torch.float32,
                          max_model_len=64, checkpoint=str(out), draft_vocab=50)
     assert torch.equal(small.vocab.ids, rank[:50])
     assert shipped_checkpoint(cfg, model, root=tmp_path) == out
-    monkeypatch.setattr("specserve.drafters.train.eagle.CHECKPOINTS_DIR", tmp_path)
-    found = EagleDrafter(target=model, model_config=cfg, device=torch.device("cpu"), dtype=torch.float32,
+    monkeypatch.setattr("specserve.drafters.nets.eagle.CHECKPOINTS_DIR", tmp_path)
+    found = make_drafter("eagle", target=model, model_config=cfg, device=torch.device("cpu"), dtype=torch.float32,
                          max_model_len=64)
     assert found.checkpoint_meta.target_fingerprint == tiny_target.fingerprint
     # another target (same shapes, other weights) refuses it, and finds no shipped one
@@ -163,11 +163,11 @@ def test_trainer_writes_a_checkpoint_that_round_trips(tiny_target, tiny_data, tm
     other = prepare_target(str(tiny_model_factory(tmp_path / "other", seed=7)), device="cpu", dtype="float32",
                            max_positions=128)
     with pytest.raises(CheckpointMismatchError, match="does not fit this target"):
-        EagleDrafter(target=other.model, model_config=other.model_config, device=torch.device("cpu"),
+        make_drafter("eagle", target=other.model, model_config=other.model_config, device=torch.device("cpu"),
                      dtype=torch.float32, max_model_len=64, checkpoint=str(out))
     assert shipped_checkpoint(other.model_config, other.model, root=tmp_path) is None
     with pytest.raises(ValueError, match="specserve train eagle"):
-        EagleDrafter(target=other.model, model_config=other.model_config, device=torch.device("cpu"),
+        make_drafter("eagle", target=other.model, model_config=other.model_config, device=torch.device("cpu"),
                      dtype=torch.float32, max_model_len=64)
 
 

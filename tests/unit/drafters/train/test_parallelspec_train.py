@@ -107,13 +107,13 @@ def tiny_seqs(tiny_target):
 def test_training_forward_equals_the_serving_forward(tiny_target, tiny_seqs):
     """The dense group-wise layout and the serving drafter (paged KV, catch-up over two steps,
     masks after the root) give the same k+1 distributions."""
-    from specserve.drafters.parallelspec import ParallelSpecDrafter
+    from specserve.drafters.base import make_drafter
 
     model, cfg = tiny_target.model, tiny_target.model_config
     mod = ParallelSpecModule.random(model, cfg, k=3, max_positions=256, seed=1, scale=0.2)
     seq = tiny_seqs[1]
     batch = make_batch(model, [seq])
-    drafter = ParallelSpecDrafter(target=model, model_config=cfg, device="cpu", dtype=torch.float32,
+    drafter = make_drafter("parallelspec", target=model, model_config=cfg, device="cpu", dtype=torch.float32,
                                   max_model_len=128, module=mod, block_size=4)
     fake = types.SimpleNamespace(seq_id=7, token_ids=seq[:10])
     drafter.start(fake)
@@ -247,13 +247,13 @@ def test_checkpoint_round_trips_and_refuses_another_target(trained, tiny_target,
                            dtype="float32", max_positions=128)
     with pytest.raises(CheckpointMismatchError, match="does not fit this target"):
         ps.load_module(trained, other.model, other.model_config, fingerprint=other.fingerprint, max_positions=128)
-    from specserve.drafters.parallelspec import ParallelSpecDrafter
+    from specserve.drafters.base import make_drafter
 
     with pytest.raises(CheckpointMismatchError):
-        ParallelSpecDrafter(target=other.model, model_config=other.model_config, device="cpu", dtype=torch.float32,
+        make_drafter("parallelspec", target=other.model, model_config=other.model_config, device="cpu", dtype=torch.float32,
                             max_model_len=64, checkpoint=str(trained))
     with pytest.raises(ValueError, match="specserve train parallelspec"):
-        ParallelSpecDrafter(target=other.model, model_config=other.model_config, device="cpu", dtype=torch.float32,
+        make_drafter("parallelspec", target=other.model, model_config=other.model_config, device="cpu", dtype=torch.float32,
                             max_model_len=64)
 
 
