@@ -57,7 +57,7 @@ from __future__ import annotations
 import heapq
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
 from typing import Callable, Sequence as Seq
@@ -226,6 +226,9 @@ class SarPlan:
     need: tuple[tuple[int, ...], ...]  # [expansions][k] top-r needed at each row (0: not read)
     num_tree_rows: int                 # k x (expansions - 1)
     num_levels: int                    # forwards per step, the catch-up included
+    level_exps: tuple[tuple[int, ...], ...] = field(repr=False, default=())    # [levels] expansions
+    level_node_ids: tuple[tuple[int, ...], ...] = field(repr=False, default=())   # [levels] nodes they give
+    level_masks: tuple = field(repr=False, compare=False, default=())   # [levels] bool masks (None at 0)
 
     @classmethod
     def build(cls, paths: Seq[Seq[int]], k: int) -> "SarPlan":
@@ -260,15 +263,35 @@ class SarPlan:
             e, r = node_exp[i], node_row[i]
             need[e][r] = max(need[e][r], ranks[i] + 1)
         levels = max((e.level for e in expansions), default=0) + 1
+        by_level = tuple(tuple(e for e, x in enumerate(expansions) if x.level == b) for b in range(levels))
+        nodes = tuple(tuple(i for i in range(1, n) if expansions[node_exp[i]].level == b) for b in range(levels))
+        masks: list[torch.Tensor | None] = [None]
+        for b in range(1, levels):
+            exps = by_level[b]
+            mask = torch.zeros(len(exps) * k, expansions[exps[-1]].row + k, dtype=torch.bool)
+            for j, e in enumerate(exps):
+                for a in (*expansions[e].ancestors, e):
+                    mask[j * k:(j + 1) * k, expansions[a].row:expansions[a].row + k] = True
+            masks.append(mask)
         return cls(k, template, tuple(depths), tuple(node_exp), tuple(node_row), tuple(expansions),
-                   tuple(tuple(x) for x in need), k * (len(expansions) - 1), levels)
+                   tuple(tuple(x) for x in need), k * (len(expansions) - 1), levels, by_level, nodes, tuple(masks))
 
     @property
     def num_nodes(self) -> int:
         return self.template.num_nodes
 
-    def level(self, b: int) -> list[int]:
-        return [e for e, x in enumerate(self.expansions) if x.level == b]
+    def level(self, b: int) -> tuple[int, ...]:
+        """The expansions whose rows one forward of block level b computes (0: the root block)."""
+        return self.level_exps[b] if b < self.num_levels else ()
+
+    def level_nodes(self, b: int) -> tuple[int, ...]:
+        """The nodes whose distribution level b's forward gives."""
+        return self.level_node_ids[b] if b < self.num_levels else ()
+
+    def level_mask(self, b: int) -> torch.Tensor:
+        """[rows of level b, tree rows up to its last] bool: what level b's rows see of the tree
+        rows (their ancestors' blocks and their own; the real rows are all visible)."""
+        return self.level_masks[b]
 
     def visible_rows(self, e: int) -> list[int]:
         """Tree rows expansion e's rows see: its ancestors' and its own."""
@@ -531,19 +554,16 @@ class FalconDrafter(Drafter):
                     if not exps:
                         continue
                     st = states[b]
-                    first = plan.expansions[exps[0]].row
-                    width = plan.expansions[exps[-1]].row + k
-                    mask = torch.zeros(len(exps) * k, width, dtype=torch.bool)
-                    for j, e in enumerate(exps):
+                    row_pos = [st.kv_len - k + level * k + i for i in range(k)]
+                    for e in exps:
                         x = plan.expansions[e]
-                        mask[j * k:(j + 1) * k, plan.visible_rows(e)] = True
                         ids.extend(tokens[b][i] for i in x.input_nodes)
                         feats.append(outs[(b, x.parent)])
-                        pos.extend(st.kv_len - k + level * k + i for i in range(k))
+                        pos.extend(row_pos)
                         order.append((b, e))
-                    starts.append(st.kv_len + first)
+                    starts.append(st.kv_len + plan.expansions[exps[0]].row)
                     qlens.append(len(exps) * k)
-                    masks.append(mask.to(self.device))
+                    masks.append(plan.level_mask(level).to(self.device))
                 tables = [self.blocks.block_tables[seqs[b].seq_id] for b in act if plans[b].level(level)]
                 _, meta = build_attn_metadata(tables, self.blocks.block_size, starts, qlens, masks, self.device)
                 out = self._rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.cat(feats),
@@ -565,10 +585,8 @@ class FalconDrafter(Drafter):
             index = {key: j for j, key in enumerate(where)}
             for b in act:
                 plan = plans[b]
-                for i in range(1, plan.num_nodes):
-                    e = plan.node_exp[i]
-                    if plan.expansions[e].level == level:
-                        tokens[b][i] = top[index[(b, e, plan.node_row[i])]][plan.template.ranks[i]]
+                for i in plan.level_nodes(level):
+                    tokens[b][i] = top[index[(b, plan.node_exp[i], plan.node_row[i])]][plan.template.ranks[i]]
         for b in act:
             trees[live[b]] = TokenTree(tokens[b], list(plans[b].template.parents))
         return trees
