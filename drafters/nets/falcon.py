@@ -312,7 +312,7 @@ class FalconHead(nn.Module):
 def save_head(directory, head: FalconHead, *, model_config: ModelConfig, target, target_name: str = "",
               **meta_fields) -> Path:
     """Write `head` as a falcon checkpoint for `target` (fingerprinted; bf16 weights)."""
-    from specserve.drafters.train.checkpoint import CheckpointMeta, save_checkpoint, target_fingerprint
+    from specserve.drafters.nets.checkpoint import CheckpointMeta, save_checkpoint, target_fingerprint
 
     hyperparams = {**head.hyperparams(), **meta_fields.pop("hyperparams", {})}
     meta = CheckpointMeta(kind=KIND, target_name=target_name or getattr(target, "name", "") or "target",
@@ -324,7 +324,7 @@ def save_head(directory, head: FalconHead, *, model_config: ModelConfig, target,
 def load_head(directory, *, model_config: ModelConfig, target) -> tuple[FalconHead, Any]:
     """(head in fp32 on the CPU, meta) of the falcon checkpoint in `directory`; raises
     CheckpointMismatchError when it was made for another target or is not a falcon checkpoint."""
-    from specserve.drafters.train.checkpoint import load_checkpoint, target_fingerprint
+    from specserve.drafters.nets.checkpoint import load_checkpoint, target_fingerprint
 
     tensors, meta = load_checkpoint(directory, kind=KIND, fingerprint=target_fingerprint(model_config, target))
     return FalconHead.from_tensors(model_config, tensors, meta.hyperparams), meta
@@ -332,7 +332,7 @@ def load_head(directory, *, model_config: ModelConfig, target) -> tuple[FalconHe
 
 def shipped_checkpoint(model_config: ModelConfig, target, root: Path | None = None) -> Path | None:
     """The falcon checkpoint under drafters/checkpoints/ (any sub-folder) made for this target, if one is shipped."""
-    from specserve.drafters.train.checkpoint import find_shipped, target_fingerprint
+    from specserve.drafters.nets.checkpoint import find_shipped, target_fingerprint
 
     found = find_shipped(KIND, target_fingerprint(model_config, target), CHECKPOINTS_DIR if root is None else root)
     return found[0][1] if found else None

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import specserve.drafters as drafters_pkg
 
-SERVING = ("base", "draft_vocab", "ngram", "mag", "draft_model", "student", "medusa", "eagle", "parallelspec")
-NETS = ("checkpoint", "eagle", "medusa", "parallelspec", "student", "tree_tuning")
+SERVING = ("base", "draft_vocab", "ngram", "mag", "draft_model", "student", "medusa", "eagle", "parallelspec", "ctc",
+           "falcon")
+NETS = ("checkpoint", "eagle", "medusa", "parallelspec", "student", "tree_tuning", "ctc", "falcon")
 ROOT = Path(drafters_pkg.__path__[0])
 
 
@@ -39,9 +40,11 @@ def test_no_serving_module_imports_training_anywhere():
 
 
 def test_training_names_reach_the_same_objects():
-    from specserve.drafters.nets import checkpoint, eagle, medusa, parallelspec, student
+    from specserve.drafters.nets import checkpoint, ctc, eagle, falcon, medusa, parallelspec, student
     from specserve.drafters.train import checkpoint as train_checkpoint
+    from specserve.drafters.train import ctc as train_ctc
     from specserve.drafters.train import eagle as train_eagle
+    from specserve.drafters.train import falcon as train_falcon
     from specserve.drafters.train import medusa as train_medusa
     from specserve.drafters.train import parallelspec as train_parallelspec
     from specserve.drafters.train import student as train_student
@@ -51,3 +54,5 @@ def test_training_names_reach_the_same_objects():
     assert train_medusa.MedusaHeads is medusa.MedusaHeads
     assert train_parallelspec.ParallelSpecModule is parallelspec.ParallelSpecModule
     assert train_student.StudentModel is student.StudentModel and train_student.load_student is student.load_student
+    assert train_ctc.CTCDraftNet is ctc.CTCDraftNet
+    assert train_falcon.FalconHead is falcon.FalconHead and train_falcon.save_head is falcon.save_head
