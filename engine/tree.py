@@ -18,6 +18,17 @@ Example — the template `[[0], [1], [0, 0]]` (paths of child ranks) is
 nodes may all be roots (parent -1). Node 0 is the last committed token; roots 1.. are other
 samples of the target for that same position, drawn at the previous verification. Every root
 sits at the same position (depth 0) and sees only the prefix and itself.
+
+**Provenance** (composite drafters, e.g. a cascade of sub-drafters): a tree may say which part
+proposed each node, `sources[i]` indexing `source_names` (the root's entry is ignored: the root is
+the target's token). `sources=None` means the whole tree is the drafter's own (one part, no
+per-part figures). The engine credits each draft node to its part, and each accepted token to the
+part of the accepted node (`TokenTree.part_tally`). Helpers that build a tree from other trees
+keep the sources (`TokenTree.prefix`, `merge_trees`); `trie_from_candidates` takes one source per
+candidate; `tagged` marks a whole tree as one part. A node proposed by several parts (the same
+token under the same parent) is credited to the **first** part that proposed it, in the order the
+parts are given: the merged tree cannot tell which part "really" proposed it, and the first is the
+one whose draft is used in full.
 """
 
 from __future__ import annotations
@@ -104,6 +115,10 @@ class TokenTree:
     # W > 1 = MCSD target-initialised roots for the next tree (LOSSY, opt-in): the first sample is
     # held back from the client until the next verification picks one of the W as the token
     next_roots: int = 1
+    # provenance (composite drafters): the part that proposed each node, as an index into
+    # `source_names` (root entries ignored); None = the whole tree is the drafter's own
+    sources: list[int] | None = None
+    source_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         validate_parents(self.parents)
@@ -111,6 +126,12 @@ class TokenTree:
             raise ValueError(f"{len(self.tokens)} tokens for {len(self.parents)} nodes")
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.tokens):
             raise ValueError("draft_probs needs one row per node")
+        self.source_names = tuple(str(n) for n in self.source_names)
+        if self.sources is not None:
+            self.sources = [int(s) for s in self.sources]
+        problem = sources_problem(len(self.tokens), self.sources, self.source_names)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def num_nodes(self) -> int:
@@ -130,10 +151,60 @@ class TokenTree:
     def chain(cls, root: int, drafts: Sequence[int], draft_probs: torch.Tensor | None = None) -> "TokenTree":
         return cls([root, *drafts], [NO_PARENT, *range(len(drafts))], draft_probs)
 
+    def part_of(self, node: int) -> str | None:
+        """The name of the part that proposed `node` (None without sources, and for roots)."""
+        if self.sources is None or self.parents[node] == NO_PARENT:
+            return None
+        return self.source_names[self.sources[node]]
+
+    def part_tally(self, accepted_nodes: Sequence[int] = ()) -> dict[str, tuple[int, int]]:
+        """Per part: (draft nodes it proposed in this tree, nodes of `accepted_nodes` it proposed),
+        every name of `source_names` present (zeros included); {} for a tree without sources.
+
+        Example: tokens `[5, a, b, c]`, parents `[-1, 0, 1, 0]`, sources `[0, 0, 0, 1]`, names
+        `("x", "y")`, accepted `[1, 2]` -> `{"x": (2, 2), "y": (1, 0)}`."""
+        if self.sources is None:
+            return {}
+        drafted = [0] * len(self.source_names)
+        accepted = [0] * len(self.source_names)
+        for i in range(self.num_roots, len(self.tokens)):
+            drafted[self.sources[i]] += 1
+        for node in accepted_nodes:
+            accepted[self.sources[node]] += 1
+        return {name: (drafted[k], accepted[k]) for k, name in enumerate(self.source_names)}
+
+    def prefix(self, num_nodes: int) -> "TokenTree":
+        """The first `num_nodes` nodes (root included): a valid tree, since parents come first; what
+        cutting a tree to a budget of `num_nodes - 1` draft nodes gives. Draft distributions and
+        sources come along."""
+        n = max(1, min(num_nodes, len(self.tokens)))
+        return TokenTree(self.tokens[:n], self.parents[:n],
+                         None if self.draft_probs is None else self.draft_probs[:n], self.next_roots,
+                         None if self.sources is None else self.sources[:n], self.source_names)
+
+    def tagged(self, name: str) -> "TokenTree":
+        """The same tree with every node credited to the part `name` (replacing any sources)."""
+        return TokenTree(list(self.tokens), list(self.parents), self.draft_probs, self.next_roots,
+                         [0] * len(self.tokens), (name,))
+
     @classmethod
     def root_only(cls, root: int) -> "TokenTree":
         """No draft: plain decoding in the same code path."""
         return cls([root], [NO_PARENT])
+
+
+def sources_problem(num_nodes: int, sources: Sequence[int] | None, source_names: Sequence[str]) -> str | None:
+    """Why `sources`/`source_names` do not describe a tree of `num_nodes` nodes, or None."""
+    if len(set(source_names)) != len(source_names):
+        return f"source_names must be distinct, got {tuple(source_names)}"
+    if sources is None:
+        return None
+    if len(sources) != num_nodes:
+        return f"{len(sources)} sources for {num_nodes} nodes"
+    bad = next((s for s in sources if not 0 <= s < len(source_names)), None)
+    if bad is not None:
+        return f"source {bad} is not an index into {len(source_names)} source_names"
+    return None
 
 
 def num_roots(parents: Sequence[int]) -> int:
@@ -395,7 +466,8 @@ def cartesian_fill(template: TreeTemplate, root: int, topk: Sequence[Sequence[in
 
 
 def trie_from_candidates(root: int, candidates: Sequence[Sequence[int]], budget: int,
-                         scores: Sequence[float] | None = None) -> TokenTree | None:
+                         scores: Sequence[float] | None = None, sources: Sequence[int] | None = None,
+                         source_names: Sequence[str] = ()) -> TokenTree | None:
     """Merge candidate continuations of `root` into a trie (shared prefixes become shared nodes,
     duplicates vanish) of at most `budget` draft nodes; None when no node fits.
 
@@ -405,14 +477,22 @@ def trie_from_candidates(root: int, candidates: Sequence[Sequence[int]], budget:
     nodes are kept (an ancestor scores at least as high as its descendants and wins ties, so they
     form a tree), laid out level-major with siblings best first.
 
+    `sources` (one per candidate, indices into `source_names`) give the tree provenance: a node
+    is credited to the first candidate (in candidate order) that passes through it.
+
     Example: candidates `[a b c], [a d], [e]`, budget 4 -> root -> a -> (b -> c, d) cut to a b c d;
-    with scores `[0.1, 0.5, 0.3]` and budget 3 -> a (0.5), e (0.3), d (0.5) level-major: a e d."""
+    with scores `[0.1, 0.5, 0.3]` and budget 3 -> a (0.5), e (0.3), d (0.5) level-major: a e d.
+    With sources `[0, 1, 1]`: a b c are part 0's, d and e part 1's."""
     if budget <= 0:
         return None
+    if sources is not None and len(sources) != len(candidates):
+        raise ValueError(f"{len(sources)} sources for {len(candidates)} candidates")
+    names = tuple(source_names)
+    src = [0] * len(candidates) if sources is None else [int(x) for x in sources]
     if scores is None:
-        tokens, parents = [root], [NO_PARENT]
+        tokens, parents, node_src = [root], [NO_PARENT], [0]
         child: dict[tuple[int, int], int] = {}
-        for cand in candidates:
+        for cand, cs in zip(candidates, src):
             node = 0
             for tok in cand:
                 nxt = child.get((node, tok))
@@ -422,15 +502,18 @@ def trie_from_candidates(root: int, candidates: Sequence[Sequence[int]], budget:
                     nxt = len(tokens)
                     tokens.append(int(tok))
                     parents.append(node)
+                    node_src.append(cs)
                     child[(node, tok)] = nxt
                 node = nxt
-        return TokenTree(tokens, parents) if len(tokens) > 1 else None
+        if len(tokens) <= 1:
+            return None
+        return TokenTree(tokens, parents, sources=None if sources is None else node_src, source_names=names)
     if len(scores) != len(candidates):
         raise ValueError(f"{len(scores)} scores for {len(candidates)} candidates")
     # the full trie: node -> (token, parent, depth, best score, first seen)
-    tok_of, par_of, dep_of, best = [root], [NO_PARENT], [0], [float("inf")]
+    tok_of, par_of, dep_of, best, src_of = [root], [NO_PARENT], [0], [float("inf")], [0]
     index: dict[tuple[int, int], int] = {}
-    for cand, score in zip(candidates, scores):
+    for cand, score, cs in zip(candidates, scores, src):
         node = 0
         for tok in cand:
             nxt = index.get((node, tok))
@@ -441,6 +524,7 @@ def trie_from_candidates(root: int, candidates: Sequence[Sequence[int]], budget:
                 par_of.append(node)
                 dep_of.append(dep_of[node] + 1)
                 best.append(float(score))
+                src_of.append(cs)
             else:
                 best[nxt] = max(best[nxt], float(score))
             node = nxt
@@ -448,7 +532,7 @@ def trie_from_candidates(root: int, candidates: Sequence[Sequence[int]], budget:
     if not kept:
         return None
     out = {0: 0}
-    tokens, parents = [root], [NO_PARENT]
+    tokens, parents, node_src = [root], [NO_PARENT], [0]
     # level-major; within a level, grouped by the parent's output order, siblings best first
     for d in sorted({dep_of[i] for i in kept}):
         level = [i for i in kept if dep_of[i] == d]
@@ -457,7 +541,71 @@ def trie_from_candidates(root: int, candidates: Sequence[Sequence[int]], budget:
             out[i] = len(tokens)
             tokens.append(tok_of[i])
             parents.append(out[par_of[i]])
-    return TokenTree(tokens, parents)
+            node_src.append(src_of[i])
+    return TokenTree(tokens, parents, sources=None if sources is None else node_src, source_names=names)
+
+
+def merge_trees(root: int, trees: Sequence[TokenTree | None], names: Sequence[str] | None = None,
+                budget: int | None = None) -> TokenTree | None:
+    """The draft trees of several parts (sub-drafters) under one root, with provenance; None when
+    no draft node is left.
+
+    Every tree must hang under `root` (its node 0's token) with a single root, and be
+    deterministic (`draft_probs` None: siblings drawn from different parts' distributions are not
+    one draw that verification could correct for). Trees are taken in order, each in its node
+    order; a node whose path of tokens from the root is already in the merged tree is not added
+    again (identical paths are deduplicated) and keeps the source of the **first** part that
+    proposed it. A tree without sources is credited whole to its name in `names` (required
+    then); a tree with sources keeps its own part names (so merges nest). With `budget`, nodes
+    are added until `budget` draft nodes are in: a node past the budget and its descendants are
+    dropped, later parts' nodes already present still merge. The result's nodes are in
+    topological order (parents first), not level-major.
+
+    Example: trees `5 -> a -> b` ("x") and `5 -> (a -> c, d)` ("y") -> tokens `[5, a, b, c, d]`,
+    parents `[-1, 0, 1, 1, 0]`, sources `[0, 0, 0, 1, 1]` over `("x", "y")`; with budget 3 the
+    last node (d) is dropped."""
+    if names is not None and len(names) != len(trees):
+        raise ValueError(f"{len(names)} names for {len(trees)} trees")
+    out_names: list[str] = []
+    tokens, parents, sources = [root], [NO_PARENT], [0]
+    child: dict[tuple[int, int], int] = {}
+    limit = float("inf") if budget is None else budget
+    for k, tree in enumerate(trees):
+        if tree is None:
+            continue
+        if tree.tokens[0] != root or tree.num_roots != 1:
+            raise ValueError(f"tree {k} does not hang under the single root {root}")
+        if tree.draft_probs is not None:
+            raise ValueError(f"tree {k} is stochastic; merge_trees takes deterministic trees")
+        if tree.sources is None:
+            if names is None:
+                raise ValueError(f"tree {k} has no sources and no name")
+            part_names, part_src = (names[k],), [0] * tree.num_nodes
+        else:
+            part_names, part_src = tree.source_names, tree.sources
+        ids = []
+        for name in part_names:
+            if name not in out_names:
+                out_names.append(name)
+            ids.append(out_names.index(name))
+        where = [0] + [-1] * (tree.num_nodes - 1)   # tree node -> merged node (-1: dropped)
+        for i in range(1, tree.num_nodes):
+            p = where[tree.parents[i]]
+            if p < 0:
+                continue
+            key = (p, tree.tokens[i])
+            node = child.get(key)
+            if node is None:
+                if len(tokens) - 1 >= limit:
+                    continue
+                node = child[key] = len(tokens)
+                tokens.append(int(tree.tokens[i]))
+                parents.append(p)
+                sources.append(ids[part_src[i]])
+            where[i] = node
+    if len(tokens) == 1:
+        return None
+    return TokenTree(tokens, parents, sources=sources, source_names=tuple(out_names))
 
 
 def ancestor_mask(parents: Sequence[int], rows: Sequence[int], width: int | None = None) -> torch.Tensor:
