@@ -23,8 +23,8 @@ from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, To
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import ScheduledBatch, Scheduler
 from specserve.engine.sequence import DraftRequest, Request, Sequence, SeqStatus
-from specserve.engine.stats import DrafterStats, EngineStats
-from specserve.engine.tree import TokenTree, tree_depths
+from specserve.engine.stats import DrafterStats, EngineStats, add_part_tally
+from specserve.engine.tree import TokenTree, sources_problem, tree_depths
 
 _DEFAULT = object()
 NO_DRAFTER = "none"
@@ -68,6 +68,11 @@ class LLMEngine:
         self.drafters = self._load_drafters(config.drafters)
         self.default_drafter = config.drafters[0] if config.drafters and config.drafters[0] != NO_DRAFTER else None
         self.drafter_stats: dict[str, DrafterStats] = {name: DrafterStats() for name in self.drafters}
+        for name, drafter in self.drafters.items():
+            # a composite drafter may name its parts up front (`part_names`), so that their counters
+            # exist at zero from the start; parts first seen in a tree's provenance are added then
+            for part in getattr(drafter, "part_names", ()) or ():
+                self.drafter_stats[name].observe_parts({str(part): (0, 0)})
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device)
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}
@@ -163,6 +168,8 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params,
                       RequestMetrics(arrival_time=arrival_time or time.monotonic()), drafter=drafter)
         req.spec.drafter = drafter
+        if drafter is not None:   # a composite drafter's declared parts, reported even if one never proposes
+            add_part_tally(req.spec.parts, {str(p): (0, 0) for p in getattr(self.drafters[drafter], "part_names", ())})
         for i in range(params.n):
             generator = None
             if params.seed is not None:
@@ -361,7 +368,7 @@ class LLMEngine:
             return "token id out of the vocabulary"
         if tree.draft_probs is not None and tuple(tree.draft_probs.shape) != (tree.num_nodes, vocab):
             return f"draft_probs shape {tuple(tree.draft_probs.shape)}"
-        return None
+        return sources_problem(tree.num_nodes, tree.sources, tree.source_names)   # changed since construction
 
     def _process(self, result: StepResult, verify_time: float) -> None:
         """Commit each sequence's tokens of this step (stop rules, stats, drafter acceptance). An
@@ -398,6 +405,10 @@ class LLMEngine:
             spec.num_accepted_tokens += num_acc
             stats = self.drafter_stats[seq.drafter]
             stats.observe(res.tree.num_draft_tokens, num_acc)
+            tally = res.tree.part_tally(res.verify.accepted_nodes)   # {} without provenance
+            if tally:
+                stats.observe_parts(tally)
+                add_part_tally(spec.parts, tally)
             self.scheduler.observe_acceptance(seq, num_acc, max(tree_depths(res.tree.parents)))
             stats.verify_time_s += verify_time
         spec.num_target_forwards += 1
@@ -506,7 +517,5 @@ class LLMEngine:
         s.num_free_blocks = self.blocks.num_free_blocks
         s.num_preemptions_total = self.scheduler.num_preemptions
         snapshot = EngineStats(**vars(s))
-        snapshot.drafters = {name: DrafterStats(**{k: (list(v) if isinstance(v, list) else v)
-                                                   for k, v in vars(st).items()})
-                             for name, st in self.drafter_stats.items()}
+        snapshot.drafters = {name: st.copy() for name, st in self.drafter_stats.items()}
         return snapshot

@@ -1,8 +1,33 @@
-"""Plain statistics the engine keeps; the server turns them into Prometheus metrics."""
+"""Plain statistics the engine keeps; the server turns them into Prometheus metrics.
+
+Per-part figures (`parts`, composite drafters whose trees carry provenance, see engine.tree): a
+draft node counts for the part that proposed it, an accepted token for the part of the accepted
+node. Summed over the parts they equal the drafter's own draft and accepted counts for the steps
+whose trees had sources; trees without sources leave `parts` untouched (nothing is counted twice).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
+
+
+@dataclass
+class PartStats:
+    """Draft nodes proposed and draft tokens accepted for one part of a composite drafter."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+def add_part_tally(parts: dict[str, PartStats], tally: Mapping[str, tuple[int, int]]) -> None:
+    """Add a tree's `TokenTree.part_tally` ({part: (drafted, accepted)}) to `parts`."""
+    for name, (drafted, accepted) in tally.items():
+        st = parts.get(name)
+        if st is None:
+            st = parts[name] = PartStats()
+        st.num_draft_tokens += drafted
+        st.num_accepted_tokens += accepted
 
 
 @dataclass
@@ -34,6 +59,7 @@ class RequestSpecStats:
     num_accepted_tokens: int = 0   # draft tokens accepted (bonus excluded)
     num_target_forwards: int = 0   # forwards that produced tokens for it (prefill's last chunk included)
     num_generated_tokens: int = 0
+    parts: dict[str, PartStats] = field(default_factory=dict)   # by part name (composite drafters only)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -55,6 +81,17 @@ class DrafterStats:
     accepted_by_depth: list[int] = field(default_factory=list)        # index d-1: accepted at depth d
     accepted_length_counts: list[int] = field(default_factory=list)   # index k: steps accepting k drafts
     budget_counts: list[int] = field(default_factory=list)   # index b: decoding sequence steps given b draft nodes
+    parts: dict[str, PartStats] = field(default_factory=dict)   # by part name (composite drafters only)
+
+    def copy(self) -> "DrafterStats":
+        """A snapshot that later observations do not change."""
+        out = DrafterStats(**{k: (list(v) if isinstance(v, list) else v) for k, v in vars(self).items()})
+        out.parts = {name: PartStats(p.num_draft_tokens, p.num_accepted_tokens) for name, p in self.parts.items()}
+        return out
+
+    def observe_parts(self, tally: Mapping[str, tuple[int, int]]) -> None:
+        """A verified tree's per-part tally (`TokenTree.part_tally`; {} for a tree without sources)."""
+        add_part_tally(self.parts, tally)
 
     def observe_budget(self, budget: int) -> None:
         """The scheduler gave a decoding sequence of this drafter `budget` draft nodes (0: none) this step."""

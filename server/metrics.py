@@ -59,7 +59,16 @@ draft_budget_tokens{drafter}               histogram  draft-tree nodes the sched
                                                       sequence per step (0 = no draft); le = the budget
                                                       sizes (0, 1, 2, 4, 8, .. up to
                                                       ``--num-speculative-tokens``, which is one)
+draft_part_tokens_total{drafter,part}      counter    draft tokens proposed by one part of a composite
+                                                      drafter (e.g. a sub-drafter of a cascade), from
+                                                      its trees' provenance
+accepted_part_tokens_total{drafter,part}   counter    draft tokens accepted whose node that part
+                                                      proposed; both only for drafters with parts, and
+                                                      summing over ``part`` to the steps' totals
 =========================================  =========  =================================================
+
+``part`` takes the names a composite drafter gives its parts (a fixed set per drafter, e.g. the names of
+its sub-drafters); a drafter without parts exports no ``part`` series.
 
 The goodput draft budget's step cost model (``--draft-budget goodput``; absent under the others):
 
@@ -201,12 +210,14 @@ class _EngineStatsCollector(Collector):
         ]
 
     def describe(self) -> Iterable[Metric]:
-        return self._families(None) + _drafter_families({}) + _cost_families(None)
+        return self._families(None) + _drafter_families({}) + _part_families(None) + _cost_families(None)
 
     def collect(self) -> Iterable[Metric]:
         stats = self._engine.get_stats()
+        drafters = getattr(stats, "drafters", None) or {}
         return (self._families(stats)
-                + _drafter_families(getattr(stats, "drafters", None) or {}, self._max_position, self._budget_buckets)
+                + _drafter_families(drafters, self._max_position, self._budget_buckets)
+                + _part_families(drafters)
                 + _cost_families(stats))
 
 
@@ -279,6 +290,25 @@ def _drafter_families(drafters: dict, max_position: int = 1, budget_buckets: lis
         buckets.append(("+Inf", sum(budget_counts)))
         budget.add_metric([name], buckets, sum_value=sum(b * c for b, c in enumerate(budget_counts)))
     return [steps, draft, accepted, emitted, by_position, length, fallbacks, draft_time, verify_time, budget]
+
+
+def _part_families(drafters: dict | None) -> list[Metric]:
+    """Per-part counters of composite drafters (`DrafterStats.parts`); no family when no drafter has
+    parts (None: the families themselves, for `describe`)."""
+    p = "specserve_spec_decode_"
+    draft = CounterMetricFamily(p + "draft_part_tokens", "Draft tokens proposed by one part of a composite "
+                                "drafter (e.g. a sub-drafter of a cascade).", labels=["drafter", "part"])
+    accepted = CounterMetricFamily(p + "accepted_part_tokens", "Draft tokens accepted whose tree node one part "
+                                   "of a composite drafter proposed.", labels=["drafter", "part"])
+    if drafters is None:
+        return [draft, accepted]
+    any_parts = False
+    for name, st in sorted(drafters.items()):
+        for part, ps in sorted((getattr(st, "parts", None) or {}).items()):
+            any_parts = True
+            draft.add_metric([name, part], ps.num_draft_tokens)
+            accepted.add_metric([name, part], ps.num_accepted_tokens)
+    return [draft, accepted] if any_parts else []
 
 
 class ServerMetrics:

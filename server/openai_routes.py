@@ -34,7 +34,7 @@ from specserve.server.protocol import (ChatChoiceLogprobs, ChatChunkChoice, Chat
                                        ChatMessage, ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
                                        CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                        ErrorInfo, ErrorResponse, ModelCard, ModelList, SamplingFields,
-                                       SpeculativeOptions, SpeculativeUsage, TopLogprob, UsageInfo)
+                                       SpeculativeOptions, SpeculativePartUsage, SpeculativeUsage, TopLogprob, UsageInfo)
 
 logger = logging.getLogger("specserve.server")
 
@@ -267,9 +267,11 @@ def _spec_usage(out: RequestOutput | None) -> SpeculativeUsage | None:
     spec = getattr(out, "spec", None)
     if spec is None or not spec.drafter:
         return None
+    parts = [SpeculativePartUsage(name=name, draft_tokens=p.num_draft_tokens, accepted_tokens=p.num_accepted_tokens)
+             for name, p in getattr(spec, "parts", {}).items()] or None
     return SpeculativeUsage(drafter=spec.drafter, draft_tokens=spec.num_draft_tokens,
                             accepted_tokens=spec.num_accepted_tokens, target_forwards=spec.num_target_forwards,
-                            mean_accepted_length=round(spec.mean_accepted_length, 4))
+                            mean_accepted_length=round(spec.mean_accepted_length, 4), parts=parts)
 
 
 def _chat_prompt_ids(state: ServerState, messages: list[ChatMessage]) -> list[int]:

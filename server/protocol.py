@@ -414,14 +414,28 @@ class UsageInfo(ResponseModel):
     total_tokens: int = 0
 
 
+class SpeculativePartUsage(ResponseModel):
+    """One part of a composite drafter (e.g. a sub-drafter of a cascade): the draft tokens it
+    proposed for this request and how many of them were accepted."""
+
+    name: str
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 class SpeculativeUsage(ResponseModel):
-    """The ``speculative`` block of a response (filled once drafters are served)."""
+    """The ``speculative`` block of a response (filled once drafters are served). ``parts`` is
+    there only for a drafter whose trees say which of its parts proposed each node; its counts
+    sum to ``draft_tokens`` / ``accepted_tokens``."""
+
+    _omit_if_none = frozenset({"parts"})
 
     drafter: str
     draft_tokens: int = 0
     accepted_tokens: int = 0
     target_forwards: int = 0
     mean_accepted_length: float = 0.0
+    parts: list[SpeculativePartUsage] | None = None
 
 
 class TopLogprob(ResponseModel):
