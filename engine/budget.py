@@ -48,10 +48,17 @@ The models, all learnt online from what the engine observes:
   second term sees that a sequence whose drafts are accepted whole would gain from larger ones
   even where the drafter's mean for those sizes was measured on other sequences.
 * Exploration: sizes never tried get the optimistic prior; a sequence left at 0 is given a probe
-  budget (PROBE_SIZE nodes) after 8, 16, 32, ... MAX_PROBE_PAUSE steps at 0 (the pause doubles with
-  every probe and starts over once the allocator picks the sequence by itself), so its estimates
-  do not freeze; but only where a probe could pay: were the sequence to accept nearly everything,
-  drafting it would raise the goodput (otherwise, as for a crowd on a CPU, it waits).
+  on its first decoding step, then after 16, 32, ... MAX_PROBE_PAUSE steps at 0 (the pause
+  doubles with every probe; once the allocator picks the sequence by itself it starts over at
+  FIRST_PROBE_PAUSE), so
+  its estimates do not freeze -- a new sequence of a drafter whose acceptance was learnt on other
+  text (another dataset, another user) gets measured at once. A probe has the size the allocator
+  would pick were the sequence to accept nearly everything (PROBE_OPTIMISM per depth, with its
+  drafter's depth for the size): a 1-node probe tests one depth and could never show that a
+  sequence accepts deep drafts, while a probe at the optimistic size feeds the sequence's own
+  per-depth rate at every depth it reaches, and that rate (the chain term of E_i) is what lifts
+  the larger sizes. A probe is made only where it could pay: were the sequence to accept that
+  well, drafting it would raise the goodput (otherwise, as for a crowd on a CPU, it waits).
 """
 
 from __future__ import annotations
@@ -66,10 +73,9 @@ GAIN_TRUST = 0.85           # a move is judged on this share of its expected gai
                             # a move that only just pays on paper is more often a loss than a win)
 MIN_GAIN = 0.05             # a move must promise this many more accepted tokens (cost-model noise margin)
 # exploration
-FIRST_PROBE_PAUSE = 8       # steps at 0 before a sequence's first probe
+FIRST_PROBE_PAUSE = 8       # steps at 0 before a probe, after the allocator last drafted the sequence
 MAX_PROBE_PAUSE = 128       # the pause doubles with every probe, up to this
-PROBE_SIZE = 1              # a probe's budget
-PROBE_OPTIMISM = 0.9        # a probe is made where a sequence accepting this share per node would pay
+PROBE_OPTIMISM = 0.9        # a probe is sized and made as if the sequence accepted this share per depth
 # acceptance
 PRIOR_ACCEPT_RATE = 0.7     # optimistic prior: a chain accepting each next token with this probability
 PRIOR_WEIGHT = 0.25         # the prior counts as this many observations
@@ -503,7 +509,9 @@ class GoodputBudget:
     def _seq(self, seq) -> _SeqState:
         st = self.seqs.get(seq.seq_id)
         if st is None:
-            st = self.seqs[seq.seq_id] = _SeqState(tree_rate=self._drafter(seq.drafter).tree_rate)
+            # idle == pause: a new sequence may be probed on its first decoding step
+            st = self.seqs[seq.seq_id] = _SeqState(tree_rate=self._drafter(seq.drafter).tree_rate,
+                                                   idle=FIRST_PROBE_PAUSE)
         return st
 
     def forget(self, seq) -> None:
@@ -628,24 +636,33 @@ class GoodputBudget:
             c[4] = j
         decision = BudgetDecision(goodput=goodput, step_seconds=seconds(no_tree, extra, trees))
         # probes, for sequences at 0 long enough, where a probe could pay: were the sequence to accept
-        # nearly everything (PROBE_OPTIMISM per node), drafting it would raise the goodput; else a
-        # good outcome would change nothing (a crowd on a CPU) and the probe waits
+        # nearly everything (PROBE_OPTIMISM per depth), drafting it at the probe's size would raise the
+        # goodput (else a good outcome would change nothing -- a crowd on a CPU -- and the probe waits);
+        # the size is the one that would raise it most under that optimism
         for seq, sizes, gains, nodes, cur, p_tree in cands:
             st = self.seqs[seq.seq_id]
             size = sizes[cur]
             st.probing = False
-            j = max((i for i, x in enumerate(sizes) if 0 < x <= PROBE_SIZE), default=0)
-            if size == 0 and j and st.idle >= st.pause and total + sizes[j] <= max_total:
+            if size == 0 and len(sizes) > 1 and st.idle >= st.pause:
                 g_seqs, g_nodes = group.get(seq.drafter, (0, 0))
-                d_delta = draft_seconds(seq.drafter, g_seqs + 1, g_nodes + sizes[j]) - \
-                    draft_seconds(seq.drafter, g_seqs, g_nodes)
-                hopeful = chain_accepted(PROBE_OPTIMISM, sizes[j])
-                denom = seconds(0.0, extra + sizes[j], trees + 1) + draft_s + d_delta
-                if denom > 0 and (commits + hopeful) / denom > goodput:
+                d_now = draft_seconds(seq.drafter, g_seqs, g_nodes)
+                best_j, best_d, best_g = 0, 0.0, goodput
+                for j, depth in enumerate(self.drafters[seq.drafter].depths(sizes)):
+                    if j == 0:
+                        continue
+                    if total + sizes[j] > max_total:
+                        break
+                    d_delta = draft_seconds(seq.drafter, g_seqs + 1, g_nodes + sizes[j]) - d_now
+                    hopeful = chain_accepted(PROBE_OPTIMISM, depth)
+                    denom = seconds(0.0, extra + sizes[j], trees + 1) + draft_s + d_delta
+                    if denom > 0 and (commits + hopeful) / denom > best_g * (1 + 1e-9):
+                        best_j, best_d, best_g = j, d_delta, (commits + hopeful) / denom
+                if best_j:
+                    j = best_j
                     size = sizes[j]
                     total += size
                     group[seq.drafter] = (g_seqs + 1, g_nodes + size)
-                    draft_s += d_delta
+                    draft_s += best_d
                     no_tree, extra, trees = no_tree * (1.0 - p_tree), extra + nodes[j], trees + p_tree
                     commits += gains[j]
                     st.probing = True
