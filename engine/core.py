@@ -73,7 +73,8 @@ class LLMEngine:
             # exist at zero from the start; parts first seen in a tree's provenance are added then
             for part in getattr(drafter, "part_names", ()) or ():
                 self.drafter_stats[name].observe_parts({str(part): (0, 0)})
-        self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device)
+        self.features.set_capture_layers(self._capture_layers())
+        self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device, self.features.capture_layers)
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
@@ -100,6 +101,29 @@ class LLMEngine:
                 options = dict(self.config.drafter_options.get(name, {}))
                 drafters[name] = make_drafter(name, ctx, **options)
         return drafters
+
+    def _capture_layers(self) -> tuple[int, ...]:
+        """The target's intermediate layers the feature store keeps: the union over the served
+        drafters that read features (`needs_features`) of their `capture_layers` (a class or
+        instance attribute; indices as `LlamaModel.forward` numbers them). A drafter without
+        `needs_features` gets no features, so what it declares is ignored (with a warning)."""
+        layers: set[int] = set()
+        for name, drafter in self.drafters.items():
+            wanted = tuple(getattr(drafter, "capture_layers", ()) or ())
+            if not wanted:
+                continue
+            if not drafter.needs_features:
+                logger.warning("drafter %s declares capture_layers %s but does not read features "
+                               "(needs_features is False); ignored", name, wanted)
+                continue
+            try:
+                self.model.check_capture_layers(tuple(sorted(set(wanted))))
+            except ValueError as exc:
+                raise ValueError(f"drafter {name!r}: {exc}") from exc
+            layers.update(int(k) for k in wanted)
+        if layers:
+            logger.info("feature store keeps target layers %s beside the last one", sorted(layers))
+        return tuple(sorted(layers))
 
     @property
     def drafter_names(self) -> list[str]:
@@ -256,7 +280,7 @@ class LLMEngine:
         verify_time = time.perf_counter() - t0
         self.stats.num_prompt_tokens_total += prompt_tokens
         if result.features:
-            self._deliver_features(batch, result.features)
+            self._deliver_features(batch, result.features, result.layer_features)
         self._process(result, verify_time / max(1, len(trees)))
 
     def _isolate(self, batch: ScheduledBatch, exc: Exception) -> None:
@@ -328,14 +352,17 @@ class LLMEngine:
                                          [trees[b].num_draft_tokens if b in trees else 0 for b in idx], draft_time)
         return trees
 
-    def _deliver_features(self, batch, features: dict[int, tuple[int, torch.Tensor]]) -> None:
+    def _deliver_features(self, batch, features: dict[int, tuple[int, torch.Tensor]],
+                          layer_features: dict[int, torch.Tensor] | None = None) -> None:
         """Hand the target's hidden states of this step's new KV entries to the drafters that read
-        them (before `accept`, so a drafter sees the features of the path it is told about)."""
+        them (before `accept`, so a drafter sees the features of the path it is told about); the
+        store gets the captured intermediate layers of the same positions with them."""
         groups: dict[str, list[int]] = {}
+        layer_features = layer_features or {}
         for b, (start, hidden) in features.items():
             seq = batch.seqs[b]
             try:
-                self.features.write(seq.seq_id, start, hidden)
+                self.features.write(seq.seq_id, start, hidden, layer_features.get(b))
             except ValueError:   # features never came for the positions in between (cannot happen in order)
                 logger.exception("feature store out of step for %s", seq)
                 self.features.free(seq.seq_id)

@@ -169,13 +169,45 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,   # [num_tokens] int64 RoPE positions
         kv_cache,                  # KVCache: .layer(i) -> (k_cache, v_cache)
         attn_metadata: AttnMetadata,
-    ) -> torch.Tensor:             # [num_tokens, hidden_size] after the final norm
+        capture_layers: tuple[int, ...] = (),
+    ):
+        """-> hidden [num_tokens, hidden_size] after the final norm; with `capture_layers`,
+        (hidden, captured) where captured [num_tokens, len(capture_layers), hidden_size] holds the
+        residual stream after `k` decoder layers for each k of `capture_layers`, in that order.
+
+        Index k follows transformers' `output_hidden_states` numbering: 0 = the embeddings, k =
+        the output of decoder layer k-1 (0-based), up to num_layers = the last layer's output
+        *before* the final norm (transformers' last entry is after it). EAGLE-3's low/mid/high
+        features (2, L//2, L-3) are these indices: its code records the input of those decoder
+        layers. An empty `capture_layers` costs nothing."""
         h = self.embed(input_ids)
         cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
+        if not capture_layers:
+            for i, layer in enumerate(self.layers):
+                k_cache, v_cache = kv_cache.layer(i)
+                h = layer(h, cos, sin, k_cache, v_cache, attn_metadata)
+            return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        self.check_capture_layers(capture_layers)
+        slots = {k: j for j, k in enumerate(capture_layers)}
+        captured = h.new_empty(h.shape[0], len(capture_layers), h.shape[1])
+        if 0 in slots:
+            captured[:, slots[0]] = h
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
             h = layer(h, cos, sin, k_cache, v_cache, attn_metadata)
-        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+            if i + 1 in slots:
+                captured[:, slots[i + 1]] = h
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps), captured
+
+    def check_capture_layers(self, capture_layers) -> None:
+        """ValueError unless every index is in 0..num_layers (see `forward`) and none repeats."""
+        n = len(self.layers)
+        bad = [k for k in capture_layers if not (isinstance(k, int) and 0 <= k <= n)]
+        if bad:
+            raise ValueError(f"capture layers must be in 0..{n} (0 = embeddings, {n} = the last layer's output), "
+                             f"got {bad}")
+        if len(set(capture_layers)) != len(capture_layers):
+            raise ValueError(f"capture layers repeat: {tuple(capture_layers)}")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] logits (fp32)."""

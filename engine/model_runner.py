@@ -58,6 +58,9 @@ class StepResult:
     # final norm) of the tokens whose KV entered the cache this step, in position order; only for
     # the batch indices asked for (drafters that read target features)
     features: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # batch index -> [n, len(capture_layers), H]: the runner's captured intermediate layers of the
+    # same tokens (rows aligned with `features`); empty without capture layers
+    layer_features: dict[int, torch.Tensor] = field(default_factory=dict)
     num_transfers: int = 0                   # device-to-host transfers this step made (1)
 
 
@@ -101,13 +104,21 @@ class _Staging:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache, blocks: BlockManager, device: torch.device):
+    """`capture_layers`: intermediate layers of the target (see `LlamaModel.forward`) returned with
+    the last-layer features of the batch entries asked for; the forward captures them only in
+    steps that have such entries."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache, blocks: BlockManager, device: torch.device,
+                 capture_layers: tuple[int, ...] = ()):
         self.model = model
         self.cache = cache
         self.blocks = blocks
         self.device = device
         self.block_size = blocks.block_size
         self._staging = _Staging(device)
+        self.capture_layers = tuple(capture_layers)
+        if self.capture_layers:
+            model.check_capture_layers(self.capture_layers)
 
     # ---- inputs ---------------------------------------------------------------------------
 
@@ -176,7 +187,11 @@ class ModelRunner:
         `_update_lengths` commits lengths and block tables for the whole batch."""
         trees = trees or {}
         inp = self.prepare(batch, trees)
-        hidden = self.model(inp.input_ids, inp.positions, self.cache, inp.meta)
+        layers = None
+        if self.capture_layers and feature_idx:
+            hidden, layers = self.model(inp.input_ids, inp.positions, self.cache, inp.meta, self.capture_layers)
+        else:
+            hidden = self.model(inp.input_ids, inp.positions, self.cache, inp.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows))   # [P + nodes, V]
         num_plain = len(inp.plain)
         device_out: list[torch.Tensor] = []
@@ -232,22 +247,29 @@ class ModelRunner:
         for t, (b, seq, v) in enumerate(zip(inp.tree_idx, tree_seqs, vrs)):
             result.results.append(SeqResult(seq, v.tokens, tree_lps[t] if tree_lps else None, 0, trees[b], v))
 
-        self._collect_features(result, batch, inp, hidden, feature_idx)
+        self._collect_features(result, batch, inp, hidden, feature_idx, layers)
         self._update_lengths(batch, inp, result)
         return result
 
     def _collect_features(self, result: StepResult, batch: ScheduledBatch, inp: StepInputs,
-                          hidden: torch.Tensor, feature_idx) -> None:
+                          hidden: torch.Tensor, feature_idx, layers: torch.Tensor | None = None) -> None:
+        """The rows of the tokens whose KV stays (a chunk's, or a tree's root and accepted path) of
+        the last-layer features and, when captured, of the intermediate layers."""
         row0 = inp.meta.cu_query_lens
         tree_of = {b: t for t, b in enumerate(inp.tree_idx)}
         for b in feature_idx:
             if b in tree_of:
                 t = tree_of[b]
                 v = next(r.verify for r in result.results if r.seq is batch.seqs[b])
-                rows = [inp.tree_rows[t] + i for i in [v.root, *v.accepted_nodes]]
-                result.features[b] = (inp.starts[b], hidden.index_select(0, torch.tensor(rows, device=self.device)))
+                rows = torch.tensor([inp.tree_rows[t] + i for i in [v.root, *v.accepted_nodes]], device=self.device)
+                result.features[b] = (inp.starts[b], hidden.index_select(0, rows))
+                if layers is not None:
+                    result.layer_features[b] = layers.index_select(0, rows)
             else:
-                result.features[b] = (inp.starts[b], hidden[row0[b]:row0[b] + batch.num_tokens[b]].clone())
+                lo, hi = row0[b], row0[b] + batch.num_tokens[b]
+                result.features[b] = (inp.starts[b], hidden[lo:hi].clone())
+                if layers is not None:
+                    result.layer_features[b] = layers[lo:hi].clone()
 
     def _update_lengths(self, batch: ScheduledBatch, inp: StepInputs, result: StepResult) -> None:
         """The one owner of sequence lengths and block tables after a step: a plain entry has
