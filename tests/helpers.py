@@ -11,6 +11,8 @@ when it loads tests/conftest.py (the default "prepend" import mode; the folder i
   generated tokens (computed with transformers), `empirical_first_two_law` the law observed over many
   requests through an engine with one drafter, `total_variation` the distance between two such laws.
 * Servers: `sse_events(lines)` parses a streamed response's SSE lines.
+* Composite drafters: `two_part_drafter()` registers (once) and names a drafter whose trees carry
+  provenance (`TokenTree.sources`) over two parts, `ngram` and `echo`.
 """
 
 from __future__ import annotations
@@ -122,3 +124,49 @@ def sse_events(lines) -> list:
             data = line[len("data: "):]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def two_part_drafter() -> str:
+    """Register (once) and return the name of `test_parts_composite`: two parts under one root, the
+    registered `ngram` drafter (built with `make_drafter`) and `echo`, a chain repeating the last
+    `echo` tokens (right when the output loops with that period), merged by `merge_trees` (a path
+    both propose is ngram's). It records `proposed`: (prompt, committed length, tree) per tree."""
+    from specserve.drafters.base import Drafter, DrafterContext, available_drafters, make_drafter, register
+    from specserve.engine.tree import TokenTree, merge_trees
+
+    name = "test_parts_composite"
+    if name in available_drafters():
+        return name
+
+    @register(name)
+    class TwoPartDrafter(Drafter):
+        part_names = ("ngram", "echo")
+
+        def __init__(self, ctx: DrafterContext, *, echo: int = 2):
+            self.ngram = make_drafter("ngram", ctx, max_depth=4)
+            self.echo = echo
+            self.proposed: list = []
+
+        def start(self, seq):
+            self.ngram.start(seq)
+
+        def finish(self, seq):
+            self.ngram.finish(seq)
+
+        def accept(self, seqs, results):
+            self.ngram.accept(seqs, results)
+
+        def propose(self, seqs, budgets):
+            trees = []
+            for seq, budget, sub in zip(seqs, budgets, self.ngram.propose(seqs, budgets)):
+                root = seq.token_ids[-1]
+                k = min(self.echo, len(seq.token_ids))
+                echo = TokenTree.chain(root, list(seq.token_ids[-k:]))
+                tree = merge_trees(root, [sub, echo], names=self.part_names, budget=budget)
+                if tree is not None:
+                    self.proposed.append((tuple(seq.token_ids[:seq.num_prompt_tokens]), len(seq.token_ids), tree))
+                trees.append(tree)
+            return trees
+
+    TwoPartDrafter.name = name
+    return name

@@ -2,17 +2,16 @@
 engine credits each draft node to its part and each accepted token to the part of the accepted
 node, per drafter (`DrafterStats.parts`, Prometheus `..._part_tokens_total{drafter,part}`) and per
 request (the response's `speculative.parts`). The counts are checked against a count made here
-from the trees the drafter proposed and the tokens plain decoding produces."""
+from the trees the drafter proposed and the tokens plain decoding produces (the server side:
+tests/e2e/test_drafter_parts_server.py)."""
 
 from __future__ import annotations
 
-import httpx
-from helpers import make_llm_engine
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import make_llm_engine, two_part_drafter
 
-from specserve.drafters.base import Drafter, DrafterContext, make_drafter, register
+from specserve.drafters.base import Drafter, register
 from specserve.engine.sampling_params import SamplingParams
-from specserve.engine.tree import NO_PARENT, TokenTree, merge_trees
+from specserve.engine.tree import NO_PARENT, TokenTree
 
 MAX_TOKENS = 40
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -20,40 +19,7 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44, 45, 46], [9, 10,
            [70, 71, 72, 70, 71, 73, 70, 71]]
 
 
-@register("test_parts_composite")
-class TwoPartDrafter(Drafter):
-    """Two parts under one root: the registered `ngram` drafter (built with `make_drafter`) and
-    `echo`, a chain repeating the last `echo` tokens (right when the output loops with that
-    period). Their trees are merged by `merge_trees`: a path both propose is ngram's."""
-
-    name = "test_parts_composite"
-    part_names = ("ngram", "echo")
-
-    def __init__(self, ctx: DrafterContext, *, echo: int = 2):
-        self.ngram = make_drafter("ngram", ctx, max_depth=4)
-        self.echo = echo
-        self.proposed: list[tuple[tuple[int, ...], int, TokenTree]] = []   # (prompt, committed length, tree)
-
-    def start(self, seq):
-        self.ngram.start(seq)
-
-    def finish(self, seq):
-        self.ngram.finish(seq)
-
-    def accept(self, seqs, results):
-        self.ngram.accept(seqs, results)
-
-    def propose(self, seqs, budgets):
-        trees = []
-        for seq, budget, sub in zip(seqs, budgets, self.ngram.propose(seqs, budgets)):
-            root = seq.token_ids[-1]
-            k = min(self.echo, len(seq.token_ids))
-            echo = TokenTree.chain(root, list(seq.token_ids[-k:]))
-            tree = merge_trees(root, [sub, echo], names=self.part_names, budget=budget)
-            if tree is not None:
-                self.proposed.append((tuple(seq.token_ids[:seq.num_prompt_tokens]), len(seq.token_ids), tree))
-            trees.append(tree)
-        return trees
+COMPOSITE = two_part_drafter()
 
 
 def count_parts(proposed, continuation: dict[tuple[int, ...], list[int]]) -> dict[tuple[int, ...], dict]:
@@ -88,8 +54,8 @@ def test_per_part_counts_equal_an_independent_count(tiny_llama_dir):
             for d in out.outputs:
                 plain.setdefault(out.request_id, []).extend(d.token_ids)
 
-    engine = make_llm_engine(tiny_llama_dir, ["test_parts_composite", "ngram"])
-    stats0 = engine.get_stats().drafters["test_parts_composite"]
+    engine = make_llm_engine(tiny_llama_dir, [COMPOSITE, "ngram"])
+    stats0 = engine.get_stats().drafters[COMPOSITE]
     assert set(stats0.parts) == {"ngram", "echo"} and all(p.num_draft_tokens == 0 for p in stats0.parts.values())
     got: dict[str, list[int]] = {}
     spec: dict[str, object] = {}
@@ -108,9 +74,9 @@ def test_per_part_counts_equal_an_independent_count(tiny_llama_dir):
     # lossless: greedy output identical to plain decoding
     assert got == {r: toks[:MAX_TOKENS] for r, toks in plain.items()}
 
-    drafter = engine.drafters["test_parts_composite"]
+    drafter = engine.drafters[COMPOSITE]
     want = count_parts(drafter.proposed, {tuple(p): p + plain[f"r{i}"] for i, p in enumerate(PROMPTS)})
-    stats = engine.get_stats().drafters["test_parts_composite"]
+    stats = engine.get_stats().drafters[COMPOSITE]
     total = {name: [0, 0] for name in ("ngram", "echo")}
     for i, p in enumerate(PROMPTS):
         parts = spec[f"r{i}"].parts
@@ -133,16 +99,16 @@ def test_per_part_counts_equal_an_independent_count(tiny_llama_dir):
 
 
 def test_snapshot_parts_do_not_move(tiny_llama_dir):
-    engine = make_llm_engine(tiny_llama_dir, ["test_parts_composite"])
+    engine = make_llm_engine(tiny_llama_dir, [COMPOSITE])
     engine.add_request("a", PROMPTS[0], GREEDY)
     for _ in range(6):
         engine.step()
-    snap = engine.get_stats().drafters["test_parts_composite"]
+    snap = engine.get_stats().drafters[COMPOSITE]
     before = {n: (p.num_draft_tokens, p.num_accepted_tokens) for n, p in snap.parts.items()}
     while engine.has_unfinished_requests():
         engine.step()
     assert {n: (p.num_draft_tokens, p.num_accepted_tokens) for n, p in snap.parts.items()} == before
-    assert engine.get_stats().drafters["test_parts_composite"].num_draft_tokens > snap.num_draft_tokens
+    assert engine.get_stats().drafters[COMPOSITE].num_draft_tokens > snap.num_draft_tokens
 
 
 def test_malformed_sources_fall_back_to_plain_decoding(tiny_llama_dir):
@@ -171,44 +137,3 @@ def test_malformed_sources_fall_back_to_plain_decoding(tiny_llama_dir):
     assert got == want
     st = engine.get_stats().drafters["test_parts_broken"]
     assert st.num_fallbacks > 0 and st.num_steps == 0 and st.parts == {}
-
-
-def _scrape(base_url: str) -> dict[tuple[str, tuple], float]:
-    samples = {}
-    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics").text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
-
-
-def test_server_reports_parts_in_usage_and_metrics(serve, make_tiny_engine, idle):
-    engine = make_tiny_engine(drafters=("test_parts_composite", "ngram"), draft_budget="fixed")
-    with serve(engine, served_model_name="tiny") as server:
-        def post(drafter):
-            r = httpx.post(f"{server.v1}/completions", timeout=120, json={
-                "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-                "speculative": {"drafter": drafter}})
-            assert r.status_code == 200, r.text
-            return r.json()
-
-        body = post("test_parts_composite")
-        usage = body["speculative"]
-        assert usage["drafter"] == "test_parts_composite"
-        parts = {p["name"]: p for p in usage["parts"]}
-        assert set(parts) == {"ngram", "echo"}
-        assert sum(p["draft_tokens"] for p in parts.values()) == usage["draft_tokens"] > 0
-        assert sum(p["accepted_tokens"] for p in parts.values()) == usage["accepted_tokens"]
-        assert body["choices"][0]["text"] == post("none")["choices"][0]["text"]     # lossless
-        assert "parts" not in post("ngram")["speculative"]                     # no provenance: no parts
-        idle(engine)
-
-        samples = _scrape(server.base_url)
-        p = "specserve_spec_decode_"
-        stats = engine.get_stats().drafters["test_parts_composite"]
-        for name in ("ngram", "echo"):
-            labels = (("drafter", "test_parts_composite"), ("part", name))
-            assert samples[(p + "draft_part_tokens_total", labels)] == parts[name]["draft_tokens"]
-            assert samples[(p + "accepted_part_tokens_total", labels)] == parts[name]["accepted_tokens"]
-            assert stats.parts[name].num_draft_tokens == parts[name]["draft_tokens"]
-        assert samples[(p + "draft_tokens_total", (("drafter", "test_parts_composite"),))] == usage["draft_tokens"]
-        assert not any(dict(labels).get("drafter") == "ngram" for (n, labels) in samples if "_part_" in n)
