@@ -64,9 +64,10 @@ from typing import Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, register
+from specserve.drafters.base import Drafter, DrafterContext, register
 from specserve.drafters.draft_vocab import DraftVocab
 from specserve.drafters.nets.ctc import DEFAULT_SLOTS, CTCDraftNet, load_net, shipped_checkpoint
+from specserve.engine.features import FeatureStore
 from specserve.engine.model import rope_tables
 from specserve.engine.tree import NO_PARENT, TokenTree
 
@@ -140,7 +141,18 @@ def build_trie(root: int, candidates: Seq[Seq[int]], weights: Seq[float], budget
     candidate has a token (or the budget is 0).
 
     Example: candidates [7, 8], [7, 9], [7, 8] with weights 0.5, 0.3, 0.1 and budget 2 give the
-    nodes 7 (0.9) and 7->8 (0.6): tokens [root, 7, 8], parents [-1, 0, 1]."""
+    nodes 7 (0.9) and 7->8 (0.6): tokens [root, 7, 8], parents [-1, 0, 1].
+
+    Not `engine.tree.trie_from_candidates`: that helper scores a node by the *best* candidate
+    through it, CTC by the *sum* (the probability mass of every raw candidate collapsing through
+    the node), which is what decides the cut. The cut and the layout are otherwise the helper's
+    (ties shallower then first seen; level-major, children best first), and the helper does give
+    these very trees when handed one candidate per node of the summed trie (its path, scored by
+    its weight, in the order first seen: an ancestor never weighs less, floating point included,
+    since its sum has the same terms plus others, added in the same order). That route was
+    checked tree for tree against this function, but costs a second walk of every path and is
+    30-40 % slower per sequence (0.6 -> 0.8 ms for 64 candidates of 5 slots), which the trainer's
+    offline evaluation pays at every held-back position; so the trie is built here in one pass."""
     if budget <= 0:
         return None
     tokens, parents, depth, weight = [root], [NO_PARENT], [0], [0.0]
@@ -195,33 +207,38 @@ def draft_trees(roots: Seq[int], top_logp: torch.Tensor, top_ids: torch.Tensor, 
 # ---- the drafter ----------------------------------------------------------------------------------------------------
 
 class _SeqState:
-    __slots__ = ("kv_len", "keys", "values", "last_row", "pend_start", "pending")
+    __slots__ = ("kv_len", "keys", "values", "last_row")
 
     def __init__(self):
         self.kv_len = 0                               # rows 0..kv_len-1 have keys/values
         self.keys: torch.Tensor | None = None         # [capacity, kv_heads, D]
         self.values: torch.Tensor | None = None
         self.last_row: torch.Tensor | None = None     # r_{kv_len-1}: the slots' base when kv_len == N-1
-        self.pend_start = 0                           # position of the first pending feature
-        self.pending: list[torch.Tensor] = []         # features not yet turned into rows
-
-    def pending_len(self) -> int:
-        return sum(p.shape[0] for p in self.pending)
 
 
 @register("ctc")
 class CTCDrafter(Drafter):
+    """See the module docstring. The target's features are read from the engine's feature store
+    (`ctx.features`, engine/features.py); built outside an engine, the drafter keeps its own store,
+    fed by `observe`.
+
+    The rows' keys and values stay in per-sequence growable tensors rather than a `PagedDraftKV`:
+    only keys and values of real rows are ever stored (the T slot rows are never cached, so there
+    is nothing to roll back after a verification), and the slots read them through
+    `CTCDraftNet.slot_features`, a dense attention over each sequence's rows 0..t -- the arithmetic
+    the trainer's `forward_dense` is checked against. A paged pool would need a paged slot
+    attention (slots that see the rows but not each other) for no saving."""
+
     name = "ctc"
     needs_features = True
 
-    def __init__(self, *, target, model_config, device, dtype, max_model_len: int = 2048, checkpoint: str | None = None,
-                 top_k: int | None = None, candidates: int | None = None, draft_vocab: int | None = None,
-                 random_init: bool = False, num_slots: int = DEFAULT_SLOTS, seed: int = 0,
-                 net: CTCDraftNet | None = None, module: CTCDraftNet | None = None, **_):
+    def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, top_k: int | None = None,
+                 candidates: int | None = None, draft_vocab: int | None = None, random_init: bool = False,
+                 num_slots: int = DEFAULT_SLOTS, seed: int = 0, net: CTCDraftNet | None = None):
+        target, model_config, device, dtype = ctx.target, ctx.model_config, ctx.device, ctx.dtype
         self.target = target                       # its embedding and LM head are used by reference
         self.device, self.dtype = torch.device(device), dtype
         self.checkpoint_meta = None
-        net = net if net is not None else module
         trained_vocab, tuned = None, {}
         if net is None:
             if random_init:
@@ -252,9 +269,14 @@ class CTCDrafter(Drafter):
             draft_vocab = int(trained_vocab)
         self.vocab = DraftVocab(target.lm_head_weight, self.net.vocab_rank, draft_vocab, drafter="ctc",
                                 full_logits=target.compute_logits)
-        cos, sin = rope_tables(model_config, max_model_len + self.num_slots + 2, self.device)
+        cos, sin = rope_tables(model_config, ctx.max_model_len + self.num_slots + 2, self.device)
         self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
         self.state: dict[int, _SeqState] = {}
+        # the target's features: the engine's store, or (built outside an engine) one fed by `observe`
+        self._own_features = ctx.features is None
+        self.features = ctx.features
+        if self.features is None:
+            self.features = FeatureStore(model_config.hidden_size, dtype, self.device)
 
     # ---- protocol ---------------------------------------------------------------------------------------------------
 
@@ -263,26 +285,23 @@ class CTCDrafter(Drafter):
 
     def finish(self, seq) -> None:
         self.state.pop(seq.seq_id, None)
+        if self._own_features:
+            self.features.free(seq.seq_id)
 
     def observe(self, seqs: Seq, features: Seq[tuple[int, torch.Tensor]]) -> None:
+        """The features themselves are read from the feature store; here only: features again for
+        rows already computed (preemption: recomputed from 0) mean those rows are redone."""
         for seq, (start, hidden) in zip(seqs, features):
             st = self.state.setdefault(seq.seq_id, _SeqState())
-            hidden = hidden.detach().to(self.dtype, copy=True)
-            end = st.pend_start + st.pending_len()
-            if start < st.kv_len or start == 0:
-                # features again for rows already computed (preemption: recomputed from 0): redo them
+            start = int(start)
+            if self._own_features:
+                try:
+                    self.features.write(seq.seq_id, start, hidden.detach().to(self.dtype))
+                except ValueError:   # a gap: the features in between never came; no draft until they do
+                    logger.warning("ctc: features of sequence %d jump from %d to %d", seq.seq_id,
+                                   self.features.length(seq.seq_id), start)
+            if start < st.kv_len:
                 st.kv_len, st.last_row = start, None
-                st.pend_start, st.pending = start, [hidden]
-            elif st.pend_start <= start <= end:
-                if start < end:   # features again for pending positions: the new ones win
-                    keep = start - st.pend_start
-                    cat = torch.cat(st.pending)
-                    st.pending = [cat[:keep]] if keep else []
-                st.pending.append(hidden)
-            else:   # a gap: the features in between never came; no draft until a restart from 0
-                logger.warning("ctc: features of sequence %d jump from %d to %d", seq.seq_id, end, start)
-                st.kv_len, st.last_row = -1, None
-                st.pend_start, st.pending = start, []
 
     # ---- rows -------------------------------------------------------------------------------------------------------
 
@@ -301,15 +320,16 @@ class CTCDrafter(Drafter):
         st.kv_len = need
 
     def catch_up(self, seqs: Seq) -> list[bool]:
-        """Turn pending features into rows up to row N-2 (its next token is the root) for every
-        sequence, all in one batch; returns per sequence whether it can be drafted for."""
+        """Turn the features of the positions without a row yet into rows up to row N-2 (its next
+        token is the root) for every sequence, all in one batch; returns per sequence whether it can
+        be drafted for (False while the features right before the root are missing)."""
         ready, todo = [], []
         for seq in seqs:
             st = self.state.setdefault(seq.seq_id, _SeqState())
             n = len(seq.token_ids)
             missing = n - 1 - st.kv_len                      # rows kv_len .. n-2
-            ok = n >= 2 and st.kv_len >= 0 and missing >= 0 and st.pend_start == st.kv_len
-            ok = ok and st.pending_len() >= missing and (missing > 0 or st.last_row is not None)
+            ok = n >= 2 and missing >= 0 and self.features.length(seq.seq_id) >= n - 1
+            ok = ok and (missing > 0 or st.last_row is not None)
             ready.append(ok)
             if ok and missing > 0:
                 todo.append((seq, st, missing))
@@ -317,20 +337,17 @@ class CTCDrafter(Drafter):
             return ready
         feats, ids, pos = [], [], []
         for seq, st, missing in todo:
-            pend = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
-            feats.append(pend[:missing])
+            feats.append(self.features.view(seq.seq_id, st.kv_len, st.kv_len + missing))
             ids.extend(seq.token_ids[st.kv_len + 1:st.kv_len + 1 + missing])
             pos.extend(range(st.kv_len, st.kv_len + missing))
-            st.pending = [pend[missing:]] if pend.shape[0] > missing else []
         positions = torch.tensor(pos, dtype=torch.int64, device=self.device)
         embeds = self.target.embed(torch.tensor(ids, dtype=torch.int64, device=self.device)).to(self.dtype)
-        rows = self.net.rows(torch.cat(feats).to(self.device), embeds)
+        rows = self.net.rows(torch.cat(feats).to(device=self.device, dtype=self.dtype), embeds)
         k, v = self.net.row_kv(rows, self.rope_cos[positions], self.rope_sin[positions])
         a = 0
         for seq, st, missing in todo:
             self._store(st, k[a:a + missing], v[a:a + missing])
             st.last_row = rows[a + missing - 1].clone()
-            st.pend_start = st.kv_len
             a += missing
         return ready
 

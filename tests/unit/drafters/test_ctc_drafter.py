@@ -13,10 +13,11 @@ import pytest
 import torch
 from helpers import empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests, total_variation
 
-from specserve.drafters.base import make_drafter
-from specserve.drafters.ctc import BLANK, draft_trees
+from specserve.drafters.base import DrafterContext, DrafterOptionError, make_drafter
+from specserve.drafters.ctc import BLANK, CTCDrafter, draft_trees
 from specserve.drafters.nets.ctc import CTCDraftNet
 from specserve.engine import verify
+from specserve.engine.features import FeatureStore
 from specserve.engine.sampling_params import SamplingParams
 
 
@@ -85,6 +86,53 @@ def test_draft_vocab_restricts_tree_tokens_to_the_ranked_ones(tiny_engine):
         _drafter(model, cfg, random_init=True, draft_vocab=16)
 
 
+def test_reads_the_engines_feature_store(tiny_engine):
+    """Given the engine's feature store, the drafter reads the target's features there (what the
+    engine hands `observe` is not read: zeros here): the same trees as a drafter built outside an
+    engine and fed through `observe`, and features again from position 0 redo its rows."""
+    model, cfg = tiny_engine.model, tiny_engine.model_config
+    store = FeatureStore(cfg.hidden_size, torch.float32)
+    shared = make_drafter("ctc", DrafterContext(target=model, model_config=cfg, max_model_len=160, features=store),
+                          random_init=True, seed=1)
+    own = _drafter(model, cfg, random_init=True, seed=1)
+    assert shared.features is store and own.features is not store
+    g = torch.Generator().manual_seed(0)
+    seq = SimpleNamespace(seq_id=7, token_ids=list(range(5, 15)))      # root at position 9
+
+    def deliver(start, hidden):
+        store.write(seq.seq_id, start, hidden)                         # the engine writes, then tells
+        shared.observe([seq], [(start, torch.zeros_like(hidden))])
+        own.observe([seq], [(start, hidden)])
+
+    def trees():
+        a, b = shared.propose([seq], [6])[0], own.propose([seq], [6])[0]
+        assert a is not None and (a.tokens, a.parents) == (b.tokens, b.parents)
+        return a.tokens, a.parents
+
+    h = torch.randn(11, 64, generator=g)
+    deliver(0, h[:5])
+    assert shared.propose([seq], [6]) == [None]                        # features 5..8 still missing
+    deliver(5, h[5:9])
+    trees()
+    seq.token_ids += [20, 21]
+    deliver(9, h[9:11])
+    before = trees()
+    deliver(0, torch.randn(11, 64, generator=g))                       # a recomputation with other features
+    assert shared.state[7].kv_len == 0
+    assert trees() != before
+    shared.finish(seq)
+    assert 7 not in shared.state and 7 in store                        # the engine's store is the engine's to free
+
+
+def test_options_are_declared_keywords(tiny_engine):
+    import inspect
+
+    params = list(inspect.signature(CTCDrafter).parameters.values())
+    assert params[0].name == "ctx" and not any(p.kind is p.VAR_KEYWORD for p in params)
+    with pytest.raises(DrafterOptionError, match=r"'topk' \(did you mean 'top_k'\?\)"):
+        _drafter(tiny_engine.model, tiny_engine.model_config, random_init=True, topk=3)
+
+
 @pytest.fixture(scope="module")
 def prompts_and_plain(tiny_llama_dir):
     engine = make_llm_engine(tiny_llama_dir)
@@ -105,6 +153,7 @@ def test_greedy_is_lossless_with_untrained_nets(tiny_llama_dir, prompts_and_plai
     assert stats.num_steps > 0 and stats.num_draft_tokens > 0 and stats.num_fallbacks == 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert not engine.drafters["ctc"].state                      # finished sequences dropped
+    assert engine.drafters["ctc"].features is engine.features    # the engine's feature store is read
 
 
 def test_greedy_is_lossless_with_a_budget_of_one(tiny_llama_dir, prompts_and_plain):
