@@ -39,6 +39,13 @@ class Drafter(ABC):
 
     name: str = "base"
     needs_features: bool = False   # True: the engine calls `observe` with the target's hidden states
+    # with needs_features: intermediate layers whose hidden states the feature store also keeps
+    # (k = the residual stream after k decoder layers, 0 = the embeddings; EAGLE-3 style drafters
+    # fuse e.g. (2, L // 2, L - 3)); read with `ctx.features.view(seq_id, lo, hi, layer=k)`
+    capture_layers: tuple[int, ...] = ()
+    # composite drafters: the parts whose names their trees' `sources` index (TokenTree.source_names);
+    # per-part draft/accepted counts are kept in stats, responses and /metrics, from zero for these
+    part_names: tuple[str, ...] = ()
     # option names a request may set in its `speculative` block (handed on as `seq.options`)
     request_options: ClassVar[tuple[str, ...]] = ()
 
