@@ -6,8 +6,9 @@ drafters/train/falcon.py).
 Each step, per sequence whose committed tokens are x_0 .. x_{N-1} (x_{N-1} the tree root):
 
 1. catch-up: the real features of every position that entered the target's KV since the last
-   step (delivered by `observe`) become rows of the drafter's own paged KV, rows 0 .. N-2 (row p
-   reads f_p and x_{p+1}). The chunk's mask is causal except its last k rows, the **root block**
+   step (read from the engine's feature store, engine/features.py; `observe` only says which
+   positions were rewritten) become rows of the drafter's own paged KV (`PagedDraftKV`), rows
+   0 .. N-2 (row p reads f_p and x_{p+1}). The chunk's mask is causal except its last k rows, the **root block**
    N-1-k .. N-2, which see each other (`root_block_mask`); when fewer than k rows are new, the
    queries of the previous root block's rows are run again (their keys and values come out the
    same: they depend on the row's input alone). The root block's k outputs give the
@@ -64,15 +65,14 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, register
+from specserve.drafters.base import Drafter, DrafterContext, register
 from specserve.drafters.draft_vocab import DraftVocab
 from specserve.drafters.nets.falcon import (DEFAULT_K, FalconHead, head_for, load_head, root_block_mask,
                                             shipped_checkpoint)
-from specserve.engine.attention import build_attn_metadata
-from specserve.engine.config import ModelConfig
-from specserve.engine.kv_cache import BlockManager, KVCache
-from specserve.engine.model import LlamaModel, rope_tables
-from specserve.engine.tree import NO_PARENT, TokenTree, TreeTemplate, tree_depths
+from specserve.engine.features import FeatureStore
+from specserve.engine.kv_cache import PagedDraftKV
+from specserve.engine.model import rope_tables
+from specserve.engine.tree import NO_PARENT, TokenTree, TreeTemplate, ancestor_mask, tree_depths
 
 logger = logging.getLogger("specserve")
 
@@ -265,14 +265,15 @@ class SarPlan:
         levels = max((e.level for e in expansions), default=0) + 1
         by_level = tuple(tuple(e for e, x in enumerate(expansions) if x.level == b) for b in range(levels))
         nodes = tuple(tuple(i for i in range(1, n) if expansions[node_exp[i]].level == b) for b in range(levels))
+        # the tree rows are the blocks of expansions 1.. in order (expansion e at rows k(e-1) ..):
+        # an expansion's rows see its ancestors' blocks and its own, whole (the relaxed mask), i.e.
+        # the ancestor mask over expansions, each entry widened to a k x k block
+        exp_parents = [x.parent - 1 if x.parent > 0 else NO_PARENT for x in expansions[1:]]
         masks: list[torch.Tensor | None] = [None]
         for b in range(1, levels):
             exps = by_level[b]
-            mask = torch.zeros(len(exps) * k, expansions[exps[-1]].row + k, dtype=torch.bool)
-            for j, e in enumerate(exps):
-                for a in (*expansions[e].ancestors, e):
-                    mask[j * k:(j + 1) * k, expansions[a].row:expansions[a].row + k] = True
-            masks.append(mask)
+            mask = ancestor_mask(exp_parents, [e - 1 for e in exps], exps[-1])
+            masks.append(mask.repeat_interleave(k, 0).repeat_interleave(k, 1))
         return cls(k, template, tuple(depths), tuple(node_exp), tuple(node_row), tuple(expansions),
                    tuple(tuple(x) for x in need), k * (len(expansions) - 1), levels, by_level, nodes, tuple(masks))
 
@@ -305,32 +306,28 @@ class SarPlan:
 # ---- the drafter -------------------------------------------------------------------------------------------------
 
 class _SeqState:
-    __slots__ = ("kv_len", "pend_start", "pending", "tail", "root_out", "root_n")
+    __slots__ = ("kv_len", "root_out", "root_n")
 
     def __init__(self):
         self.kv_len = 0                              # L: rows 0..L-1 (real features) are in the drafter's cache
-        self.pend_start = 0                          # position of pending[0]'s first row (== kv_len when in order)
-        self.pending: list[torch.Tensor] = []        # real features not yet turned into rows
-        self.tail: torch.Tensor | None = None        # [<= k, H] real features of rows L-len .. L-1
         self.root_out: torch.Tensor | None = None    # [k, H] the root block's outputs, valid while N == root_n
         self.root_n = -1
-
-    def pending_len(self) -> int:
-        return sum(p.shape[0] for p in self.pending)
 
 
 @register("falcon")
 class FalconDrafter(Drafter):
-    """See the module docstring."""
+    """See the module docstring. The target's features are read from the engine's feature store
+    (`ctx.features`, engine/features.py); built outside an engine, the drafter keeps its own store,
+    fed by `observe`. Its rows live in a `PagedDraftKV` (one layer)."""
 
     name = "falcon"
     needs_features = True
 
-    def __init__(self, *, target: LlamaModel, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, max_num_seqs: int = 8, tokenizer=None, checkpoint: str | None = None,
-                 tree=None, top_k: int = 2, depth: int = 8, draft_vocab: int | None = None,
-                 random_init: bool = False, init: str = "identity", seed: int = 0, k: int = DEFAULT_K,
-                 head: FalconHead | None = None, block_size: int = 16, num_blocks: int | None = None, **_):
+    def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, tree=None, top_k: int = 2,
+                 depth: int = 8, draft_vocab: int | None = None, random_init: bool = False, init: str = "identity",
+                 seed: int = 0, k: int = DEFAULT_K, head: FalconHead | None = None, block_size: int = 16,
+                 num_blocks: int | None = None):
+        target, model_config, device, dtype = ctx.target, ctx.model_config, ctx.device, ctx.dtype
         if min(int(top_k), int(depth)) < 1:
             raise ValueError(f"falcon: top_k and depth must be >= 1 (got {top_k}, {depth})")
         self.target = target
@@ -347,13 +344,18 @@ class FalconDrafter(Drafter):
         full = self.plan(len(self.order))
         self.max_tree_rows = full.num_tree_rows
         max_depth = max(full.depths)
-        self.rope_cos, self.rope_sin = rope_tables(model_config, max_model_len + max_depth + self.k + 1, self.device)
-        blocks_per_seq = -(-(max_model_len + self.max_tree_rows) // block_size)
-        num_blocks = num_blocks or blocks_per_seq * max_num_seqs
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.cache = KVCache(1, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim,
-                             dtype, self.device)
+        self.rope_cos, self.rope_sin = rope_tables(model_config, ctx.max_model_len + max_depth + self.k + 1,
+                                                   self.device)
+        self.kv = PagedDraftKV(1, model_config.num_kv_heads, model_config.head_dim, dtype, self.device,
+                               max_model_len=ctx.max_model_len, max_num_seqs=ctx.max_num_seqs,
+                               extra_tokens=self.max_tree_rows, block_size=block_size, num_blocks=num_blocks)
+        self.blocks, self.cache = self.kv.blocks, self.kv.cache
         self.state: dict[int, _SeqState] = {}
+        # the target's features: the engine's store, or (built outside an engine) one fed by `observe`
+        self._own_features = ctx.features is None
+        self.features = ctx.features
+        if self.features is None:
+            self.features = FeatureStore(model_config.hidden_size, dtype, self.device)
 
     def _load_head(self, target, model_config, checkpoint, random_init, init, seed, k) -> FalconHead:
         if random_init:
@@ -423,30 +425,26 @@ class FalconDrafter(Drafter):
 
     def finish(self, seq) -> None:
         self.state.pop(seq.seq_id, None)
-        self.blocks.free(seq.seq_id)
+        self.kv.free(seq.seq_id)
+        if self._own_features:
+            self.features.free(seq.seq_id)
 
     def observe(self, seqs: Seq, features: Seq[tuple[int, torch.Tensor]]) -> None:
+        """The features themselves are read from the feature store; here only: features again for
+        rows already computed (preemption: recomputed from 0) mean those rows are redone, and any
+        new feature makes the root block's outputs stale."""
         for seq, (start, hidden) in zip(seqs, features):
             st = self.state.setdefault(seq.seq_id, _SeqState())
-            hidden = hidden.detach().to(self.dtype)
-            end = st.pend_start + st.pending_len()
+            start = int(start)
+            if self._own_features:
+                try:
+                    self.features.write(seq.seq_id, start, hidden.detach().to(self.dtype))
+                except ValueError:   # a gap: the features in between never came; no draft until they do
+                    logger.warning("falcon: features of sequence %d jump from %d to %d", seq.seq_id,
+                                   self.features.length(seq.seq_id), start)
             if start < st.kv_len:
-                # features again for rows already computed (preemption: recomputed from 0): redo them
-                if st.tail is not None:
-                    first = st.kv_len - st.tail.shape[0]
-                    st.tail = st.tail[:max(0, start - first)] if start > first else None
                 st.kv_len = start
-                self.blocks.shrink(seq.seq_id, start)
-                st.pend_start, st.pending = start, [hidden]
-            elif st.pend_start <= start <= end:
-                keep = start - st.pend_start
-                if start < end:   # features again for pending positions: the new ones win
-                    cat = torch.cat(st.pending)
-                    st.pending = [cat[:keep]] if keep else []
-                st.pending.append(hidden)
-            else:   # a gap: the features in between never came; this sequence cannot be drafted for
-                logger.warning("falcon: features of sequence %d jump from %d to %d", seq.seq_id, end, start)
-                st.pend_start, st.pending = start, [hidden]
+                self.kv.shrink(seq.seq_id, start)
             st.root_out, st.root_n = None, -1
 
     def accept(self, seqs: Seq, results: Seq) -> None:
@@ -455,7 +453,7 @@ class FalconDrafter(Drafter):
         for seq in seqs:
             st = self.state.get(seq.seq_id)
             if st is not None:
-                self.blocks.shrink(seq.seq_id, st.kv_len)
+                self.kv.shrink(seq.seq_id, st.kv_len)
 
     # ---- forwards -----------------------------------------------------------------------------------------------
 
@@ -469,10 +467,12 @@ class FalconDrafter(Drafter):
 
     @torch.inference_mode()
     def catch_up(self, seqs: Seq, extra_rows: Seq[int] | None = None) -> list[bool]:
-        """Turn every sequence's pending real features into rows up to row N-2, the root block's
-        queries last (see the module docstring); afterwards `state.root_out` holds the root block's
-        k outputs. Returns, per sequence, whether it is ready to draft. `extra_rows` reserves room
-        for tree rows."""
+        """Turn the real features of the positions without a row yet into rows up to row N-2, the
+        root block's queries last (see the module docstring; the root block's rows that already
+        have a row are run again from their features in the store); afterwards `state.root_out`
+        holds the root block's k outputs. Returns, per sequence, whether it is ready to draft (False
+        while the features right before the root are missing). `extra_rows` reserves room for tree
+        rows."""
         k = self.k
         extra_rows = extra_rows or [0] * len(seqs)
         ready, todo = [], []
@@ -480,14 +480,12 @@ class FalconDrafter(Drafter):
             st = self.state.setdefault(seq.seq_id, _SeqState())
             n = len(seq.token_ids)
             if st.root_n == n and st.root_out is not None:
-                ok = self.blocks.grow(seq.seq_id, n - 1 + extra_rows[b])
+                ok = self.kv.grow(seq.seq_id, n - 1 + extra_rows[b])
                 ready.append(ok)
                 continue
             first = min(st.kv_len, n - 1 - k)                   # the chunk: rows first .. N-2
-            have_tail = 0 if st.tail is None else st.tail.shape[0]
-            ok = (first >= 0 and st.pend_start == st.kv_len and st.pending_len() >= n - 1 - st.kv_len
-                  and st.kv_len - first <= have_tail)
-            if ok and not self.blocks.grow(seq.seq_id, n - 1 + extra_rows[b]):
+            ok = first >= 0 and st.kv_len <= n - 1 and self.features.length(seq.seq_id) >= n - 1
+            if ok and not self.kv.grow(seq.seq_id, n - 1 + extra_rows[b]):
                 logger.warning("falcon: draft KV pool exhausted; no draft for sequence %d", seq.seq_id)
                 ok = False
             ready.append(ok)
@@ -497,31 +495,20 @@ class FalconDrafter(Drafter):
             return ready
         starts, qlens, masks, ids, feats = [], [], [], [], []
         for b, first in todo:
-            seq, st = seqs[b], self.state[seqs[b].seq_id]
+            seq = seqs[b]
             n = len(seq.token_ids)
-            new = n - 1 - st.kv_len
-            pend = (torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]) if st.pending else None
-            parts = []
-            if st.kv_len > first:
-                parts.append(st.tail[st.tail.shape[0] - (st.kv_len - first):])
-            if new > 0:
-                parts.append(pend[:new])
-            chunk = torch.cat(parts) if len(parts) > 1 else parts[0]
             starts.append(first)
             qlens.append(n - 1 - first)
             masks.append(root_block_mask(n - 1 - first, k, self.device))
-            feats.append(chunk)
+            feats.append(self.features.view(seq.seq_id, first, n - 1))
             ids.extend(seq.token_ids[first + 1:n])
-            st.pending = [pend[new:]] if pend is not None and pend.shape[0] > new else []
-            st.tail = chunk[-k:].clone() if chunk.shape[0] >= k else chunk.clone()
-        tables = [self.blocks.block_tables[seqs[b].seq_id] for b, _ in todo]
-        positions, meta = build_attn_metadata(tables, self.blocks.block_size, starts, qlens, masks, self.device)
-        out = self._rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.cat(feats), positions, meta)
+        positions, meta = self.kv.metadata([seqs[b].seq_id for b, _ in todo], starts, qlens, masks)
+        out = self._rows(torch.tensor(ids, dtype=torch.int64, device=self.device),
+                         torch.cat(feats).to(device=self.device, dtype=self.dtype), positions, meta)
         for (b, _), end in zip(todo, meta.cu_query_lens[1:]):
             seq = seqs[b]
             st = self.state[seq.seq_id]
             st.kv_len = len(seq.token_ids) - 1
-            st.pend_start = st.kv_len
             st.root_out, st.root_n = out[end - k:end].clone(), len(seq.token_ids)
         return ready
 
@@ -563,9 +550,9 @@ class FalconDrafter(Drafter):
                         order.append((b, e))
                     starts.append(st.kv_len + plan.expansions[exps[0]].row)
                     qlens.append(len(exps) * k)
-                    masks.append(plan.level_mask(level).to(self.device))
-                tables = [self.blocks.block_tables[seqs[b].seq_id] for b in act if plans[b].level(level)]
-                _, meta = build_attn_metadata(tables, self.blocks.block_size, starts, qlens, masks, self.device)
+                    masks.append(plan.level_mask(level))
+                _, meta = self.kv.metadata([seqs[b].seq_id for b in act if plans[b].level(level)], starts, qlens,
+                                           masks)
                 out = self._rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.cat(feats),
                                  torch.tensor(pos, dtype=torch.int64, device=self.device), meta)
                 for j, key in enumerate(order):

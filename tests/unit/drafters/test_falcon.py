@@ -12,6 +12,7 @@ import torch
 from helpers import (empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
                      total_variation)
 
+from specserve.drafters.base import DrafterContext
 from specserve.drafters.falcon import DEFAULT_TREE, FalconDrafter
 from specserve.drafters.nets.falcon import FalconHead
 from specserve.drafters.train.falcon import fit_falcon
@@ -109,6 +110,7 @@ def test_greedy_is_lossless_and_drafts_are_accepted(tiny_llama_dir, prompts_and_
         assert set(drafter.vocab.ids.tolist()) == set(trained_head.vocab_rank[:100].tolist())
     assert drafter.blocks.num_free_blocks == drafter.blocks.num_blocks and not drafter.state
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert drafter.features is engine.features                  # the engine's feature store is read
 
 
 def test_untrained_head_is_lossless_too(tiny_llama_dir, prompts_and_plain):
@@ -149,8 +151,8 @@ def test_kv_holds_only_rows_of_real_features(tiny_llama_dir, prompts_and_plain, 
     assert len(seqs) == 3 and all(s.num_output_tokens > 20 for s in seqs)
     assert engine.get_stats().drafters["falcon"].num_accepted_tokens > 20
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    fresh = FalconDrafter(target=engine.model, model_config=engine.model_config, device=torch.device("cpu"),
-                          dtype=torch.float32, max_model_len=128, head=trained_head, block_size=4)
+    fresh = FalconDrafter(DrafterContext(target=engine.model, model_config=engine.model_config, max_model_len=128),
+                          head=trained_head, block_size=4)
     for seq in seqs:
         n = drafter.state[seq.seq_id].kv_len
         assert n >= len(seq.token_ids) - 20 and n > 30

@@ -11,11 +11,13 @@ import json
 import pytest
 import torch
 
-from specserve.drafters.base import make_drafter
+from specserve.drafters.base import DrafterContext, make_drafter
 from specserve.drafters.falcon import (SarPlan, chain_tree, closed_paths, dedup_paths, empirical_probability,
                                        is_prefix_closed, load_tree, order_within, topk_tree)
 from specserve.drafters.nets.falcon import FalconHead, block_ids, relaxed_causal_mask, root_block_mask
 from specserve.drafters.train.target import target_features
+from specserve.engine.features import FeatureStore
+from specserve.engine.kv_cache import PagedDraftKV
 from specserve.engine.model import rope_tables
 from specserve.engine.tree import NO_PARENT, tree_depths
 
@@ -150,6 +152,20 @@ def test_drafter_tree_cuts_fit_the_budget(tiny_llama_dir):
     assert plain.plan(8).template.parents == (NO_PARENT, 0, 0, 1, 1, 2, 2, 3, 3)   # level-major, 2 children each
 
 
+def test_options_are_declared_keywords(tiny_llama_dir):
+    import inspect
+
+    from specserve.drafters.base import DrafterOptionError
+    from specserve.drafters.falcon import FalconDrafter
+
+    params = list(inspect.signature(FalconDrafter).parameters.values())
+    assert params[0].name == "ctx" and not any(p.kind is p.VAR_KEYWORD for p in params)
+    cfg, model = _tiny(tiny_llama_dir)
+    with pytest.raises(DrafterOptionError, match=r"'dept' \(did you mean 'depth'\?\)"):
+        make_drafter("falcon", DrafterContext(target=model, model_config=cfg, max_model_len=64), random_init=True,
+                     dept=3)
+
+
 # ---- the served tree is the training forward's ------------------------------------------------------------------
 
 class _Seq:
@@ -194,20 +210,33 @@ def dense_tree_tokens(head: FalconHead, model, prefix: list[int], paths: list[li
 
 
 @pytest.mark.parametrize("prefix_len", [9, 10])   # both parities of the root block's position
-def test_served_tree_is_the_training_forwards_tree(tiny_llama_dir, prefix_len):
+@pytest.mark.parametrize("source", ["observe", "store"])
+def test_served_tree_is_the_training_forwards_tree(tiny_llama_dir, prefix_len, source):
+    """`observe`: built outside an engine, the drafter keeps the features `observe` hands it;
+    `store`: it reads them from the engine's feature store, which the engine writes before telling
+    the drafter the positions (the hidden states handed to `observe` are then not read: zeros here)."""
     cfg, model = _tiny(tiny_llama_dir)
     head = FalconHead.from_target(cfg, model, init="random", seed=3).eval()
     paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0],
              [0, 0, 1, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 0]]
-    drafter = make_drafter("falcon", target=model, model_config=cfg, device=torch.device("cpu"), dtype=torch.float32,
-                           max_model_len=64, head=head, tree=json.dumps(paths), block_size=4)
+    store = FeatureStore(cfg.hidden_size, torch.float32) if source == "store" else None
+    drafter = make_drafter("falcon", DrafterContext(target=model, model_config=cfg, max_model_len=64, features=store),
+                           head=head, tree=json.dumps(paths), block_size=4)
+    assert isinstance(drafter.kv, PagedDraftKV) and (store is None or drafter.features is store)
+
+    def deliver(start: int, hidden: torch.Tensor) -> None:
+        if store is not None:
+            store.write(seq.seq_id, start, hidden)
+            hidden = torch.zeros_like(hidden)
+        drafter.observe([seq], [(start, hidden)])
+
     g = torch.Generator().manual_seed(prefix_len)
     prefix = torch.randint(3, cfg.vocab_size, (prefix_len,), generator=g).tolist()
     seq = _Seq(0, prefix)
     drafter.start(seq)
     # features in two deliveries (a prefill in chunks), then one more token: the root block moves
-    drafter.observe([seq], [(0, target_features(model, [prefix[:4]])[0])])
-    drafter.observe([seq], [(4, target_features(model, [prefix[:-1]])[0][4:])])
+    deliver(0, target_features(model, [prefix[:4]])[0])
+    deliver(4, target_features(model, [prefix[:-1]])[0][4:])
     tree = drafter.propose([seq], [len(paths)])[0]
     want = dense_tree_tokens(head, model, prefix, paths)
     plan = drafter.plan(len(paths))
@@ -224,8 +253,19 @@ def test_served_tree_is_the_training_forwards_tree(tiny_llama_dir, prefix_len):
     assert drafter.blocks.block_tables[0] and drafter.state[0].kv_len == prefix_len - 1
     # the bonus of a step that accepted nothing: one new real row, the root block is rows N-3, N-2
     seq.token_ids.append(int(torch.randint(3, cfg.vocab_size, (1,), generator=g)))
-    drafter.observe([seq], [(prefix_len - 1, target_features(model, [seq.token_ids[:-1]])[0][-1:])])
+    deliver(prefix_len - 1, target_features(model, [seq.token_ids[:-1]])[0][-1:])
     tree = drafter.propose([seq], [len(paths)])[0]
     want = dense_tree_tokens(head, model, seq.token_ids, paths)
     assert [tree.tokens[i] for i in range(1, tree.num_nodes)] == \
            [want[tuple(p)] for p in closed_paths(paths)]      # level-major, ranks ascending = closed_paths order
+    drafter.accept([seq], [None])
+    # features again from position 0 (a recomputation, here of a prefix that differs in its first
+    # token): every row is redone, none of the old ones is read
+    seq.token_ids[0] = 3 + (seq.token_ids[0] - 2) % (cfg.vocab_size - 3)
+    deliver(0, target_features(model, [seq.token_ids[:-1]])[0])
+    assert drafter.state[0].kv_len == 0
+    tree = drafter.propose([seq], [len(paths)])[0]
+    want = dense_tree_tokens(head, model, seq.token_ids, paths)
+    assert [tree.tokens[i] for i in range(1, tree.num_nodes)] == [want[tuple(p)] for p in closed_paths(paths)]
+    drafter.finish(seq)
+    assert not drafter.state and drafter.blocks.num_free_blocks == drafter.blocks.num_blocks
