@@ -13,7 +13,7 @@ from specserve.engine.errors import InvalidRequestError
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.tree import TokenTree
 
-MIGRATED = ("ngram", "mag", "draft_model", "student", "medusa", "eagle", "parallelspec")
+MIGRATED = ("ngram", "mag", "draft_model", "student", "medusa", "eagle", "parallelspec", "ctc", "falcon")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
