@@ -231,6 +231,60 @@ class DraftModelDrafter(Drafter):
                 trees[i] = TokenTree(tokens[b], parents[b][:len(tokens[b])], dp, next_roots)
         return trees
 
+    @torch.inference_mode()
+    def review(self, seqs: Seq, proposals: Seq[Seq[int]], leniency: float = 1.0) -> list[tuple[int, int]]:
+        """Review other drafters' chains in one forward (the vertical cascade of Cascade Speculative
+        Drafting): `proposals[b]` continues `seqs[b].token_ids` (which may end in hypothetical
+        tokens). Returns, per sequence, `(a, token)`: the first `a` proposed tokens are accepted and
+        `token` is this model's own next token after them (the correction at the first rejection,
+        or the bonus token after a chain accepted whole). An empty proposal gives `(0, argmax)`:
+        one greedy token.
+
+        The review is deterministic: with z the model's logits at a position, a proposed token x
+        is accepted iff `z[x] >= max(z) - log(leniency)`, i.e. `leniency * q(x) >= max q` for the
+        model's softmax q: `leniency = 1` accepts only the argmax, larger values also accept tokens
+        within that factor of it. The token added is `argmax z`.
+
+        One forward per call over `token_ids[draft_len:] + proposal` (the committed tokens new to
+        the cache, any hypothetical ones, the proposal) as a causal chunk; afterwards the cache is
+        cut back to the committed prefix, so hypothetical and proposed rows never outlive the call.
+        No tree of this drafter's is left in the cache (`accept` then keeps nothing)."""
+        out: list[tuple[int, int]] = []
+        if not seqs:
+            return out
+        log_l = float(torch.log(torch.tensor(float(leniency))))
+        states = [self.state.setdefault(s.seq_id, _SeqState()) for s in seqs]
+        starts, chunks = [], []
+        for s, st, prop in zip(seqs, states, proposals):
+            if st.draft_len >= len(s.token_ids):   # the root's row is needed: re-feed it
+                st.draft_len = len(s.token_ids) - 1
+            chunk = [*s.token_ids[st.draft_len:], *(int(t) for t in prop)]
+            if not self.kv.grow(s.seq_id, st.draft_len + len(chunk)):
+                raise RuntimeError("draft KV pool exhausted")
+            starts.append(st.draft_len)
+            chunks.append(chunk)
+        positions, meta = self.kv.metadata([s.seq_id for s in seqs], starts, [len(c) for c in chunks])
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, positions, self.cache, meta)
+        # rows predicting proposal[0], ..., proposal[m-1] and the token after them: the last m + 1
+        ends = meta.cu_query_lens[1:]
+        rows = torch.tensor([e - len(p) - 1 + j for e, p in zip(ends, proposals) for j in range(len(p) + 1)],
+                            device=self.device)
+        logits = self.vocab.expanded_logits(hidden[rows])                       # [sum(m + 1), vocab]
+        best, arg = logits.max(dim=-1)
+        proposed = torch.tensor([int(t) for p in proposals for t in (*p, 0)], device=self.device)
+        ok = logits.gather(1, proposed[:, None])[:, 0] >= best - log_l          # last row of each: unused
+        ok, arg = ok.tolist(), arg.tolist()
+        r = 0
+        for s, st, prop in zip(seqs, states, proposals):
+            m = len(prop)
+            a = next((j for j in range(m) if not ok[r + j]), m)
+            out.append((a, int(arg[r + a])))
+            r += m + 1
+            st.draft_len, st.fed = min(len(s.token_ids), s.num_committed), []
+            self.kv.shrink(s.seq_id, st.draft_len)
+        return out
+
     def _feed(self, seqs, states, parents, tokens, feed: dict[int, list[int]]) -> torch.Tensor:
         """One draft forward over new tree nodes (`feed[b]`: consecutive node indices of sequence
         b), each attending to the prefix plus its own ancestors in the tree; node i sits at cache

@@ -192,3 +192,66 @@ def test_target_initialised_roots_respect_stops_and_abort(tiny_llama_dir):
 def test_target_init_width_must_be_positive(tiny_llama_dir):
     with pytest.raises(ValueError, match="target_init_width"):
         engine_with(tiny_llama_dir, ["draft_model"], {"draft_model": {"target_init_width": 0}})
+
+
+# ---- review (the vertical cascade's inner verification) --------------------------------------------
+
+def _draft_logits(model, tokens: list[int]) -> torch.Tensor:
+    """The draft model's logits after every token of `tokens`, from a fresh cache: [len, vocab]."""
+    from specserve.engine.kv_cache import BlockManager, KVCache
+
+    n = len(tokens)
+    blocks = BlockManager(-(-n // 4), 4)
+    blocks.grow(0, n)
+    cache = KVCache(model.num_layers, blocks.num_blocks, 4, model.cfg.num_kv_heads, model.cfg.head_dim,
+                    torch.float32, torch.device("cpu"))
+    positions, meta = build_attn_metadata([blocks.block_tables[0]], 4, [0], [n], None, torch.device("cpu"))
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(tokens), positions, cache, meta))
+
+
+def test_review_accepts_the_models_own_chain_and_corrects_the_first_miss(tiny_llama_dir):
+    """review(): the draft model's own greedy chain is accepted whole with its next greedy token as
+    the bonus; a chain wrong at position 2 keeps 2 tokens and gets the greedy token there; a
+    proposal from an extended prefix is reviewed as if those tokens were committed; afterwards the
+    cache holds exactly the committed prefix's KV (what a fresh prefill gives)."""
+    from specserve.engine.sequence import DraftRequest
+
+    eng = engine_with(tiny_llama_dir, ["draft_model"], {"draft_model": {"draft_layers": 1}})
+    drafter = eng.drafters["draft_model"]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    prompt = [5, 9, 13, 200, 7, 31, 44]
+    chain = list(prompt)
+    for _ in range(6):
+        chain.append(int(_draft_logits(drafter.model, chain)[-1].argmax()))
+    own = chain[len(prompt):]
+    seq = DraftRequest(1000, tuple(prompt), len(prompt), params)
+    drafter.start(seq)
+    assert drafter.review([seq], [own[:5]]) == [(5, own[5])]
+    wrong = own[:2] + [(own[2] + 1) % 320] + own[3:5]
+    assert drafter.review([seq], [wrong]) == [(2, own[2])]
+    assert drafter.review([seq], [[]]) == [(0, own[0])]                  # no proposal: one greedy token
+    ext = DraftRequest(1000, tuple(chain[:len(prompt) + 3]), len(prompt), params, num_committed=len(prompt))
+    assert drafter.review([ext], [own[3:5]]) == [(2, own[5])]
+    # batched: both in one forward, same answers
+    assert drafter.review([seq, ext], [wrong, own[3:5]]) == [(2, own[2]), (2, own[5])]
+    n = drafter.state[1000].draft_len
+    assert n == len(prompt)
+    ref = _kv_of_fresh_prefill(drafter.model, drafter.cache, prompt)
+    torch.testing.assert_close(drafter.cache.kv[:, :, drafter.blocks.slots(1000, 0, n)], ref, atol=1e-5, rtol=1e-5)
+    assert len(drafter.blocks.block_tables[1000]) == -(-n // drafter.kv.block_size)   # proposal rows freed
+
+
+def test_review_leniency_accepts_tokens_within_its_factor_of_the_argmax(tiny_llama_dir):
+    from specserve.engine.sequence import DraftRequest
+
+    eng = engine_with(tiny_llama_dir, ["draft_model"], {"draft_model": {"draft_layers": 1}})
+    drafter = eng.drafters["draft_model"]
+    prompt = [5, 9, 13, 200, 7, 31, 44]
+    q = torch.softmax(_draft_logits(drafter.model, prompt)[-1], -1)
+    top2 = q.topk(2)
+    ratio = float(top2.values[0] / top2.values[1])                       # > 1: the runner-up's factor
+    second = int(top2.indices[1])
+    seq = DraftRequest(1001, tuple(prompt), len(prompt), SamplingParams(temperature=0.0))
+    assert drafter.review([seq], [[second]], leniency=ratio * 0.999)[0][0] == 0
+    assert drafter.review([seq], [[second]], leniency=ratio * 1.001)[0][0] == 1
