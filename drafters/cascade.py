@@ -107,7 +107,9 @@ def parse_k(value, num_levels: int) -> tuple[tuple[int, ...], ...]:
     rows_in: list[list[int]]
     if value is None:
         return default_k(num_levels)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"cascade k must be integers, rows separated by ';', entries by ','; got {value!r}")
+    if isinstance(value, (int, float)):
         rows_in = [[int(value)]]
     elif isinstance(value, str):
         try:

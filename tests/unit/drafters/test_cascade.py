@@ -153,7 +153,7 @@ def test_parse_k():
     assert parse_k("4,6", 2) == ((4, 6),)
     assert parse_k(9, 2) == ((9, 9),)
     assert parse_k(None, 3) == ((4, 6, 8), (1, 1))
-    for bad in ("5,3", "1,2,3,4", "1;1;1", "a,b", "0"):
+    for bad in ("5,3", "1,2,3,4", "1;1;1", "a,b", "0", 4.5, True):
         with pytest.raises(ValueError, match="cascade k"):
             parse_k(bad, 3)
 
