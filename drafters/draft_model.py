@@ -116,6 +116,7 @@ class DraftModelDrafter(Drafter):
                                block_size=block_size, num_blocks=num_blocks)
         self.blocks, self.cache = self.kv.blocks, self.kv.cache
         self.vocab_size = model_config.vocab_size
+        self._vocab_index: torch.Tensor | None = None   # token id -> draft-vocabulary row (review)
         self.state: dict[int, _SeqState] = {}
 
     # ---- protocol ---------------------------------------------------------------------------
@@ -243,7 +244,8 @@ class DraftModelDrafter(Drafter):
         The review is deterministic: with z the model's logits at a position, a proposed token x
         is accepted iff `z[x] >= max(z) - log(leniency)`, i.e. `leniency * q(x) >= max q` for the
         model's softmax q: `leniency = 1` accepts only the argmax, larger values also accept tokens
-        within that factor of it. The token added is `argmax z`.
+        within that factor of it. The token added is `argmax z`. With a draft vocabulary, z covers
+        only its tokens: a proposed token outside it is rejected.
 
         One forward per call over `token_ids[draft_len:] + proposal` (the committed tokens new to
         the cache, any hypothetical ones, the proposal) as a causal chunk; afterwards the cache is
@@ -270,11 +272,12 @@ class DraftModelDrafter(Drafter):
         ends = meta.cu_query_lens[1:]
         rows = torch.tensor([e - len(p) - 1 + j for e, p in zip(ends, proposals) for j in range(len(p) + 1)],
                             device=self.device)
-        logits = self.vocab.expanded_logits(hidden[rows])                       # [sum(m + 1), vocab]
+        logits = self.vocab.logits(hidden[rows])                    # [sum(m + 1), draft vocabulary]
         best, arg = logits.max(dim=-1)
         proposed = torch.tensor([int(t) for p in proposals for t in (*p, 0)], device=self.device)
-        ok = logits.gather(1, proposed[:, None])[:, 0] >= best - log_l          # last row of each: unused
-        ok, arg = ok.tolist(), arg.tolist()
+        index = self._draft_index(proposed)                          # -1: outside the draft vocabulary
+        ok = (logits.gather(1, index.clamp_min(0)[:, None])[:, 0] >= best - log_l) & (index >= 0)
+        ok, arg = ok.tolist(), self.vocab.token_ids(arg).tolist()  # last row of each: its ok unused
         r = 0
         for s, st, prop in zip(seqs, states, proposals):
             m = len(prop)
@@ -284,6 +287,15 @@ class DraftModelDrafter(Drafter):
             st.draft_len, st.fed = min(len(s.token_ids), s.num_committed), []
             self.kv.shrink(s.seq_id, st.draft_len)
         return out
+
+    def _draft_index(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary rows of `token_ids` (-1 for a token outside it)."""
+        if self.vocab.ids is None:
+            return token_ids
+        if self._vocab_index is None:
+            inv = torch.full((self.vocab_size,), -1, dtype=torch.int64, device=self.vocab.ids.device)
+            self._vocab_index = inv.index_copy_(0, self.vocab.ids, torch.arange(len(self.vocab.ids), device=inv.device))
+        return self._vocab_index[token_ids.to(self._vocab_index.device)].to(token_ids.device)
 
     def _feed(self, seqs, states, parents, tokens, feed: dict[int, list[int]]) -> torch.Tensor:
         """One draft forward over new tree nodes (`feed[b]`: consecutive node indices of sequence

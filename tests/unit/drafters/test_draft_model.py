@@ -255,3 +255,21 @@ def test_review_leniency_accepts_tokens_within_its_factor_of_the_argmax(tiny_lla
     seq = DraftRequest(1001, tuple(prompt), len(prompt), SamplingParams(temperature=0.0))
     assert drafter.review([seq], [[second]], leniency=ratio * 0.999)[0][0] == 0
     assert drafter.review([seq], [[second]], leniency=ratio * 1.001)[0][0] == 1
+
+
+def test_review_over_a_draft_vocabulary_rejects_tokens_outside_it(tiny_llama_dir):
+    """With a draft vocabulary (even token ids) the review's argmax is the best even token, and an
+    odd token is rejected whatever the leniency."""
+    from specserve.engine.sequence import DraftRequest
+
+    evens_first = torch.cat([torch.arange(0, 320, 2), torch.arange(1, 320, 2)])
+    eng = engine_with(tiny_llama_dir, ["draft_model"], {"draft_model": {"draft_layers": 1, "vocab_rank": evens_first,
+                                                                        "draft_vocab": 160}})
+    drafter = eng.drafters["draft_model"]
+    prompt = [5, 9, 13, 200, 7, 31, 44]
+    logits = _draft_logits(drafter.model, prompt)[-1]
+    best_even = int(evens_first[:160][logits[evens_first[:160]].argmax()])
+    best_odd = int(evens_first[160:][logits[evens_first[160:]].argmax()])
+    seq = DraftRequest(1002, tuple(prompt), len(prompt), SamplingParams(temperature=0.0))
+    assert drafter.review([seq], [[best_even]]) == [(1, drafter.review([seq.extend([best_even])], [[]])[0][1])]
+    assert drafter.review([seq], [[best_odd]], leniency=1e30) == [(0, best_even)]
