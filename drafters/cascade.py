@@ -44,16 +44,18 @@ Decisions on the paper's ambiguities (digest §5.3):
 * **Reviews are deterministic** (the digest's defects 1-3 do not arise): a proposed token x is
   accepted iff `leniency * q(x) >= max q` for the reviewing model's softmax q (its logits at
   temperature 1) and the reviewer adds its argmax. With leniency l = 1 this is the greedy review
-  (accept the argmax only); the paper's stochastic rule `accept with prob min(1, l q(x) / p(x))`
-  against a one-hot p (MaG, or an earlier deterministic review) accepts x with probability
-  min(1, l q(x)); ours accepts exactly the tokens with `l q(x) >= max q`, which keeps the same
-  monotone loosening in l without randomness. `leniency` is one value for every inner review, or
+  (accept the argmax only); the paper's stochastic rule, accept x with probability
+  min(1, l q(x) / d(x)) with d(x) the probability recorded for the drafted token, is
+  min(1, l q(x)) for a one-hot d (MaG, or an earlier deterministic review); ours accepts exactly
+  the tokens with `l q(x) >= max q`, the same monotone loosening in l without randomness (and at
+  temperature 0, where the reviewer's distribution is one-hot on its argmax, the paper's rule would
+  make leniency do nothing). `leniency` is one value for every inner review, or
   one per neural level (the reviews that level makes), e.g. `leniency=1.5,1` for the paper's
   "leniency between base and small, none between small and MaG". The target's review is the
   engine's verification, always with l = 1.
 * **Lossless for any leniency, greedy and sampled.** The draft is a deterministic function of the
-  committed tokens, so the chain goes out with `draft_probs=None`: q is one-hot on each drafted
-  token. engine/verify.py then accepts a drafted x with probability min(1, p(x)/1) = p(x), and on
+  committed tokens (made before, and independently of, verification's random draws), so the chain
+  goes out with `draft_probs=None`: q is one-hot on each drafted token. engine/verify.py then accepts a drafted x with probability min(1, p(x)/1) = p(x), and on
   rejection samples from residual(p, onehot(x)) = p with x removed, renormalised; the committed
   token is y with probability p(x) [y = x] + (1 - p(x)) p(y) / (1 - p(x)) [y != x] = p(y), the
   target's law, whatever x was. (The digest's worry, a lenient review's tokens not following the
