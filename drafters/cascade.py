@@ -210,6 +210,9 @@ class CascadeDrafter(Drafter):
             if getattr(d, "target_init_width", 1) != 1:
                 raise ValueError(f"cascade level {part!r}: target_init_width does not apply to a reviewing level")
         self.max_model_len = ctx.max_model_len
+        # batched calls per level since start (reviews: one forward each; mag: one propose each), for
+        # the paper's standardized walltime (SWI = tokens / sum of calls x cost coefficient)
+        self.calls = dict.fromkeys(self.part_names, 0)
 
     # ---- protocol: forwarded to every level ---------------------------------------------------
 
@@ -252,6 +255,7 @@ class CascadeDrafter(Drafter):
         gen: list[list[int]] = [[] for _ in reqs]
         src: list[list[int]] = [[] for _ in reqs]
         if r == n - 1:                      # the base case: Max-Gram alone, its own draft length
+            self.calls[self.part_names[-1]] += 1
             trees = self.levels[-1].propose(reqs, limits)
             for b, t in enumerate(trees):
                 if t is not None:
@@ -268,6 +272,7 @@ class CascadeDrafter(Drafter):
                     if not active:
                         break
                     ext = [reqs[b].extend(gen[b]) for b in active]
+                    self.calls[self.part_names[j]] += 1
                     trees = self.levels[j].propose(ext, [goal[b] - len(gen[b]) for b in active])
                     for b, t in zip(active, trees):
                         toks = [] if t is None else [int(x) for x in t.tokens[1:goal[b] - len(gen[b]) + 1]]
@@ -282,6 +287,7 @@ class CascadeDrafter(Drafter):
                     break
                 ext = [reqs[b].extend(gen[b]) for b in active]
                 inner, _ = self._draft(j + 1, ext, [self._room(e) for e in ext])
+                self.calls[self.part_names[j]] += 1
                 reviewed = self.levels[j].review(ext, inner, self.leniency[j])
                 for b, prop, (a, token) in zip(active, inner, reviewed):
                     toks = [*prop[:a], token][:limits[b] - len(gen[b])]

@@ -78,9 +78,11 @@ def _review(model, prefix: list[int], proposal: list[int]) -> list[int]:
 
 def _reference_two_levels(model, prefix: list[int], k1: int, k2: int, mag_tokens: int, budget: int):
     """Row 0 of a (draft model, mag) cascade: rounds of `mag_tokens` Max-Gram tokens reviewed by the
-    model while the draft is shorter than k1, then Max-Gram's tail up to k2 -> (tokens, sources)."""
-    gen, src = [], []
+    model while the draft is shorter than k1, then Max-Gram's tail up to k2 -> (tokens, sources,
+    review rounds)."""
+    gen, src, rounds = [], [], 0
     while len(gen) < min(k1, budget):
+        rounds += 1
         ctx = prefix + gen
         got = _review(model, ctx, max_gram(torch.tensor(ctx).numpy(), mag_tokens, max_match=64))[:budget - len(gen)]
         gen, src = gen + got, src + [0] * len(got)
@@ -90,7 +92,7 @@ def _reference_two_levels(model, prefix: list[int], k1: int, k2: int, mag_tokens
         if not tail:
             break
         gen, src = gen + tail, src + [1] * len(tail)
-    return gen, src
+    return gen, src, rounds
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +115,11 @@ def test_chain_equals_the_recursion_and_the_thresholds_split_it(tiny_llama_dir, 
     for step in range(4):
         seq = DraftRequest(500 + step, tuple(prompt), len(every_token_prompt), GREEDY)
         drafter.start(seq)
+        before = dict(drafter.calls)
         tree = drafter.propose([seq], [budget])[0]
         drafter.finish(seq)
-        tokens, sources = _reference_two_levels(model, prompt, k1, k2, MAG["max_tokens"], budget)
+        tokens, sources, rounds = _reference_two_levels(model, prompt, k1, k2, MAG["max_tokens"], budget)
+        assert drafter.calls["draft_model"] - before["draft_model"] == rounds   # one review forward a round
         assert tree.tokens == [prompt[-1], *tokens] and tree.parents == [-1, *range(len(tokens))]
         assert tree.sources[1:] == sources and tree.source_names == ("draft_model", "mag")
         n0 = sources.count(0)
