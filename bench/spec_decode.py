@@ -145,7 +145,14 @@ def run_engine_batch(engine, prompts: list[list[int]], params: list, drafter: st
 
 def stats_snapshot(engine, name: str) -> dict:
     st = engine.drafter_stats[name]
-    return {k: (list(v) if isinstance(v, list) else v) for k, v in vars(st).items()}
+    out = {}
+    for k, v in vars(st).items():
+        if isinstance(v, list):
+            v = list(v)
+        elif isinstance(v, dict):   # per-part figures of composite drafters: {part: (drafted, accepted)}
+            v = {part: (p.num_draft_tokens, p.num_accepted_tokens) for part, p in v.items()}
+        out[k] = v
+    return out
 
 
 def stats_delta(before: dict, after: dict) -> dict:
@@ -154,6 +161,9 @@ def stats_delta(before: dict, after: dict) -> dict:
         if isinstance(v, list):
             old = before[k] + [0] * (len(v) - len(before[k]))
             delta[k] = [a - b for a, b in zip(v, old)]
+        elif isinstance(v, dict):
+            delta[k] = {part: tuple(a - b for a, b in zip(x, before[k].get(part, (0,) * len(x))))
+                        for part, x in v.items()}
         else:
             delta[k] = v - before[k]
     return delta
@@ -204,6 +214,8 @@ def drafter_row(tally: Tally, delta: dict) -> dict:
         "draft_time_s": delta["draft_time_s"],
         "verify_time_s": delta["verify_time_s"],
         "budget_counts": delta.get("budget_counts", []),   # index b: decoding steps given b draft nodes
+        # composite drafters: per part, draft nodes proposed and draft tokens accepted
+        "parts": {part: {"draft_tokens": d, "accepted_tokens": a} for part, (d, a) in delta.get("parts", {}).items()},
     }
 
 
@@ -211,7 +223,7 @@ ROW_FIELDS = ("dataset", "temperature", "method", "kind", "num_prompts", "num_to
               "speedup", "speedup_vs_hf", "tau", "num_target_forwards", "num_draft_steps", "num_draft_tokens",
               "num_accepted_tokens", "accepted_per_step", "emitted_per_draft_step", "alpha", "accepted_by_depth",
               "accepted_length_counts", "num_fallbacks", "draft_time_s", "verify_time_s", "budget_counts",
-              "greedy_mismatches", "identical_to_plain", "error")
+              "parts", "greedy_mismatches", "identical_to_plain", "error")
 
 
 def make_row(**values) -> dict:

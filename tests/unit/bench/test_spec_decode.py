@@ -69,6 +69,25 @@ def test_harness_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, capsys):
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_composite_drafters_report_their_parts(tiny_llama_dir, tiny_dataset, tmp_path):
+    """A drafter whose trees carry provenance: its row holds per-part figures summing to its own."""
+    from helpers import two_part_drafter
+
+    name = two_part_drafter()
+    out = tmp_path / "parts"
+    rc = spec_decode.main(["--model", str(tiny_llama_dir), "--datasets", str(tiny_dataset), "--num-prompts", "2",
+                           "--max-tokens", "8", "--drafters", name, "--temperature", "0", "--draft-budget", "fixed",
+                           "--no-hf", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    row = next(r for r in result["results"] if r["method"] == name)
+    assert row["greedy_mismatches"] == 0 and row["parts"]
+    assert sum(p["draft_tokens"] for p in row["parts"].values()) == row["num_draft_tokens"] > 0
+    assert sum(p["accepted_tokens"] for p in row["parts"].values()) == row["num_accepted_tokens"]
+    plain = next(r for r in result["results"] if r["method"] == "none")
+    assert plain["parts"] is None
+
+
 def test_drafter_selection():
     available = ["draft_model", "ngram"]
     assert spec_decode.select_drafters(None, available) == (["ngram", "draft_model"], ["mag"])
