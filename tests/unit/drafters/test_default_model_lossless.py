@@ -20,7 +20,8 @@ PROMPTS = [
     "List three colours of the rainbow, then list them again in reverse order.",
     "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
 ]
-DRAFTERS = ("ngram", "mag", "draft_model", "student", "medusa", "eagle", "parallelspec")   # trained ones: shipped checkpoints
+DRAFTERS = ("ngram", "mag", "draft_model", "student", "medusa", "eagle", "parallelspec", "ctc", "falcon",
+            "cascade")   # trained ones: shipped checkpoints; cascade: student reviewing mag
 
 
 def run_staggered(engine: LLMEngine, prompts: list[list[int]], drafter: str) -> list[list[int]]:
@@ -44,7 +45,9 @@ def test_every_drafter_reproduces_plain_greedy_decoding(default_model):
         model="default", dtype="float32", device="cpu", max_num_seqs=4, max_model_len=512,
         drafters=("none", *DRAFTERS), num_speculative_tokens=6, max_draft_tokens_per_step=24, draft_budget="fixed",
         drafter_options={"draft_model": {"draft_layers": 20, "k_config": "2,2,1"},
-                         "mag": {"corpus": str(corpus) if corpus.is_file() else None}}), loaded=default_model)
+                         "mag": {"corpus": str(corpus) if corpus.is_file() else None},
+                         "cascade": {"level_options": {"mag": {"corpus": str(corpus)}} if corpus.is_file() else None}}),
+        loaded=default_model)
     tok = engine.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
     plain = run_staggered(engine, prompts, "none")
