@@ -17,7 +17,11 @@ Measures (DESIGN.md §8), per drafter x dataset x temperature:
   tok/s, speedup = tok/s / our plain tok/s (same run, same prompts), and against HF `generate`;
   τ = generated tokens / target forwards that produced them (bonus included; plain = 1);
   accepted drafts per draft step (bonus excluded); α = accepted / drafted tokens;
-  accepted by depth d = fraction of draft steps accepting ≥ d tokens; drafter fallbacks.
+  accepted by depth d = fraction of draft steps accepting ≥ d tokens; drafter fallbacks;
+  SWI, Cascade Speculative Drafting's standardized walltime improvement = n / (target forwards +
+  Σ_i runs of drafter network i × c_i), n = the generated tokens τ counts, runs counted once per
+  sequence served and c_i = that network's parameters / the target's (the drafter's `model_runs`;
+  ngram and mag run none: SWI = τ); plain decoding = 1, the HF baselines none.
 At temperature 0 each drafter's output must equal plain decoding token for token: in float32 a
 difference is a losslessness bug, printed loudly and the exit status is 1.
 
@@ -155,6 +159,22 @@ def stats_snapshot(engine, name: str) -> dict:
     return out
 
 
+def runs_snapshot(engine, name: str) -> dict[str, tuple[int, float]]:
+    """The drafter's cumulative `{network: (runs, cost ratio)}` (Drafter.model_runs)."""
+    return dict(engine.drafters[name].model_runs())
+
+
+def runs_delta(before: dict, after: dict) -> dict[str, dict]:
+    """Per drafter network, its runs in a cell and its cost ratio: {net: {"runs": n, "cost": c}}."""
+    return {net: {"runs": runs - before.get(net, (0, c))[0], "cost": c} for net, (runs, c) in after.items()}
+
+
+def swi(num_tokens: int, num_target_forwards: int, model_runs: dict[str, dict]) -> float | None:
+    """Standardized walltime improvement: tokens / (target forwards + Σ runs-in-the-cell × c)."""
+    cost = num_target_forwards + sum(m["runs"] * m["cost"] for m in model_runs.values())
+    return num_tokens / cost if cost else None
+
+
 def stats_delta(before: dict, after: dict) -> dict:
     delta = {}
     for k, v in after.items():
@@ -220,8 +240,8 @@ def drafter_row(tally: Tally, delta: dict) -> dict:
 
 
 ROW_FIELDS = ("dataset", "temperature", "method", "kind", "num_prompts", "num_tokens", "seconds", "tok_s",
-              "speedup", "speedup_vs_hf", "tau", "num_target_forwards", "num_draft_steps", "num_draft_tokens",
-              "num_accepted_tokens", "accepted_per_step", "emitted_per_draft_step", "alpha", "accepted_by_depth",
+              "speedup", "speedup_vs_hf", "tau", "swi", "model_runs", "num_target_forwards", "num_draft_steps",
+              "num_draft_tokens", "num_accepted_tokens", "accepted_per_step", "emitted_per_draft_step", "alpha", "accepted_by_depth",
               "accepted_length_counts", "num_fallbacks", "draft_time_s", "verify_time_s", "budget_counts",
               "parts", "greedy_mismatches", "identical_to_plain", "error")
 
@@ -313,6 +333,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             tallies = {m: Tally() for m in methods}
             hf_tallies = {"hf_generate": Tally(), "hf_prompt_lookup": Tally()} if hf is not None else {}
             before = {d: stats_snapshot(engine, d) for d in drafters}
+            runs_before = {d: runs_snapshot(engine, d) for d in drafters}
             for start in range(0, len(ps), args.batch_size):
                 chunk = ps[start:start + args.batch_size]
                 seeds = [args.seed + start + i for i in range(len(chunk))]
@@ -338,13 +359,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             base = dict(dataset=ds, temperature=t, num_prompts=len(ps))
             rows.append(make_row(**base, method=PLAIN, kind="ours_plain", num_tokens=plain.num_tokens,
                                  seconds=plain.seconds, tok_s=plain.tok_s, speedup=1.0,
-                                 speedup_vs_hf=ratio(plain.tok_s, hf_tok_s), tau=1.0))
+                                 speedup_vs_hf=ratio(plain.tok_s, hf_tok_s), tau=1.0, swi=1.0))
             for d in drafters:
                 tally = tallies[d]
                 row = make_row(**base, method=d, kind="drafter", num_tokens=tally.num_tokens, seconds=tally.seconds,
                                tok_s=tally.tok_s, speedup=ratio(tally.tok_s, plain.tok_s),
                                speedup_vs_hf=ratio(tally.tok_s, hf_tok_s),
                                **drafter_row(tally, stats_delta(before[d], stats_snapshot(engine, d))))
+                row["model_runs"] = runs_delta(runs_before[d], runs_snapshot(engine, d))
+                row["swi"] = swi(tally.num_spec_tokens, tally.num_target_forwards, row["model_runs"])
                 if greedy:
                     bad = find_mismatches(ds, d, plain.outputs, tally.outputs)
                     row["greedy_mismatches"] = len(bad)
@@ -359,7 +382,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 rows.append(row)
             summary = ", ".join(
                 f"{r['method']} {fmt(r['tok_s'], '.1f')} tok/s"
-                + (f" (x{fmt(r['speedup'], '.2f')}, τ {fmt(r['tau'], '.2f')})" if r["kind"] == "drafter" else "")
+                + (f" (x{fmt(r['speedup'], '.2f')}, τ {fmt(r['tau'], '.2f')}, SWI {fmt(r['swi'], '.2f')})"
+                   if r["kind"] == "drafter" else "")
                 for r in rows if r["dataset"] == ds and r["temperature"] == t)
             print(f"[{ds} T={t:g}] {summary}", file=sys.stderr)
 
@@ -426,9 +450,9 @@ def markdown(result: dict) -> str:
         "",
         f"`{meta['invocation']}`",
         "",
-        "| method | dataset | T | prompts | tok/s | speedup | vs HF generate | τ | α | accepted/step | fallbacks "
-        "| greedy mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | dataset | T | prompts | tok/s | speedup | vs HF generate | τ | SWI | α | accepted/step "
+        "| fallbacks | greedy mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["results"]:
         method = r["method"] if r["kind"] != "ours_plain" else "plain (none)"
@@ -439,10 +463,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| {method} | {r['dataset']} | {r['temperature']:g} | {r['num_prompts']} "
                      f"| {fmt(r['tok_s'], '.1f')} "
                      f"| {fmt(r['speedup'], '.2f')} | {fmt(r['speedup_vs_hf'], '.2f')} | {fmt(r['tau'], '.2f')} "
-                     f"| {fmt(r['alpha'], '.2f')} | {fmt(r['accepted_per_step'], '.2f')} "
+                     f"| {fmt(r.get('swi'), '.2f')} | {fmt(r['alpha'], '.2f')} | {fmt(r['accepted_per_step'], '.2f')} "
                      f"| {fmt(r['num_fallbacks'], 'd')} | {mism} |")
     lines += ["", "speedup: tok/s over our plain decoding in the same run; τ: tokens per target forward (bonus "
-              "included); α: accepted / drafted tokens; accepted/step: accepted drafts per draft step."]
+              "included); SWI: standardized walltime improvement, tokens / (target forwards + Σ drafter network runs × "
+              "its parameters / the target's); α: accepted / drafted tokens; accepted/step: accepted drafts per "
+              "draft step."]
     lines += [f"Note: {n}." for n in meta["notes"]]
     if result["num_greedy_mismatches"]:
         lines.append(f"**{result['num_greedy_mismatches']} greedy output(s) differ from plain decoding** "

@@ -35,7 +35,13 @@ class Drafter(ABC):
     A drafter is one file in this package: a `Drafter` subclass decorated with `@register(name)`
     whose constructor is `__init__(self, ctx: DrafterContext, *, option=default, ...)`. The
     keyword parameters are its options (`--drafter-option name.option=value`), validated by
-    `make_drafter`; `request_options` names those a request may also set."""
+    `make_drafter`; `request_options` names those a request may also set.
+
+    `model_runs()` (optional) reports the networks a drafter runs, for Cascade Speculative
+    Drafting's standardized walltime improvement (SWI = tokens / (target forwards + sum of runs x
+    c)): cumulative `{model name: (runs, c)}`, runs counted once per sequence served by a forward
+    (a batched forward over B sequences counts B, as a batch-1 measurement would), c the parameters
+    that forward uses over the target's. The default `{}` is a drafter running no network (ngram, mag)."""
 
     name: str = "base"
     needs_features: bool = False   # True: the engine calls `observe` with the target's hidden states
@@ -79,6 +85,23 @@ class Drafter(ABC):
 
     def finish(self, seq) -> None:
         """A sequence leaves (finished or aborted); drop its state."""
+
+    def model_runs(self) -> dict[str, tuple[int, float]]:
+        """Cumulative `{model name: (forward runs, cost ratio c)}` of the networks this drafter runs
+        (see the class docstring); {} for a drafter that runs none."""
+        return {}
+
+
+def param_count(*modules) -> int:
+    """Parameters of `modules` (each tensor once, even when shared between them)."""
+    seen: dict[int, int] = {}
+    for m in modules:
+        if m is None:
+            continue
+        params = [m] if hasattr(m, "numel") and not hasattr(m, "parameters") else m.parameters()
+        for p in params:
+            seen[id(p)] = p.numel()
+    return sum(seen.values())
 
 
 DrafterFactory = Callable[..., Drafter]

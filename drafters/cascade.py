@@ -67,6 +67,11 @@ Decisions on the paper's ambiguities (digest §5.3):
 Per-level options: `level_options` (JSON text, or a list / dict when built in Python): a list
 with one object per level, or an object keyed by level part name; each object holds that level's
 own options (`{"draft_layers": 1}`, `{"max_tokens": 6}`, ...), validated by `make_drafter`.
+
+Standardized walltime (`model_runs`, the paper's SWI with MS costs): per level part, the runs
+counted once per sequence served (a review forward over B sequences counts B; at batch 1 the
+runs are the `calls`), with the level's cost ratio c (its draft model's parameters over the
+target's, as `draft_model` computes it) and c = 0 for `mag`.
 """
 
 from __future__ import annotations
@@ -213,6 +218,11 @@ class CascadeDrafter(Drafter):
         # batched calls per level since start (reviews: one forward each; mag: one propose each), for
         # the paper's standardized walltime (SWI = tokens / sum of calls x cost coefficient)
         self.calls = dict.fromkeys(self.part_names, 0)
+        self.runs = dict.fromkeys(self.part_names, 0)   # the same, once per sequence served
+
+    def model_runs(self) -> dict[str, tuple[int, float]]:
+        costs = [float(getattr(d, "cost", 0.0)) for d in self.levels[:-1]] + [0.0]
+        return {part: (self.runs[part], c) for part, c in zip(self.part_names, costs)}
 
     # ---- protocol: forwarded to every level ---------------------------------------------------
 
@@ -256,6 +266,7 @@ class CascadeDrafter(Drafter):
         src: list[list[int]] = [[] for _ in reqs]
         if r == n - 1:                      # the base case: Max-Gram alone, its own draft length
             self.calls[self.part_names[-1]] += 1
+            self.runs[self.part_names[-1]] += len(reqs)
             trees = self.levels[-1].propose(reqs, limits)
             for b, t in enumerate(trees):
                 if t is not None:
@@ -273,6 +284,7 @@ class CascadeDrafter(Drafter):
                         break
                     ext = [reqs[b].extend(gen[b]) for b in active]
                     self.calls[self.part_names[j]] += 1
+                    self.runs[self.part_names[j]] += len(active)
                     trees = self.levels[j].propose(ext, [goal[b] - len(gen[b]) for b in active])
                     for b, t in zip(active, trees):
                         toks = [] if t is None else [int(x) for x in t.tokens[1:goal[b] - len(gen[b]) + 1]]
@@ -288,6 +300,7 @@ class CascadeDrafter(Drafter):
                 ext = [reqs[b].extend(gen[b]) for b in active]
                 inner, _ = self._draft(j + 1, ext, [self._room(e) for e in ext])
                 self.calls[self.part_names[j]] += 1
+                self.runs[self.part_names[j]] += len(active)
                 reviewed = self.levels[j].review(ext, inner, self.leniency[j])
                 for b, prop, (a, token) in zip(active, inner, reviewed):
                     toks = [*prop[:a], token][:limits[b] - len(gen[b])]

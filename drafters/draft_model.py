@@ -29,6 +29,13 @@ is a forest with those W tokens as roots, the k-configuration under each (MCSD+'
 
 The draft model is either loaded from a source (`draft_model=` anything `--model` accepts) or is
 the target's first `draft_layers` layers with its final norm and LM head, sharing the weights.
+
+Standardized walltime (`model_runs`): one run per sequence served by each draft forward (the
+catch-up forward, every tree level's forward, a cascade review), at the cost ratio c = the draft
+model's parameters / the target's (`param_count`: embedding, the layers it runs, final norm and LM
+head, each shared tensor once, counted in both the same way; a truncated target's c is then its
+share of the target's parameters, the shared embedding and LM head included as in the target).
+A draft vocabulary does not lower c (the paper's MS cost counts a model's parameters).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, DrafterContext, register
+from specserve.drafters.base import Drafter, DrafterContext, param_count, register
 from specserve.drafters.draft_vocab import DraftVocab
 from specserve.engine.config import ModelConfig
 from specserve.engine.kv_cache import PagedDraftKV
@@ -118,6 +125,12 @@ class DraftModelDrafter(Drafter):
         self.vocab_size = model_config.vocab_size
         self._vocab_index: torch.Tensor | None = None   # token id -> draft-vocabulary row (review)
         self.state: dict[int, _SeqState] = {}
+        # standardized walltime: draft forward runs (one per sequence served) and their cost ratio
+        self.num_runs = 0
+        self.cost = param_count(self.model) / param_count(target) if target is not None else 1.0
+
+    def model_runs(self) -> dict[str, tuple[int, float]]:
+        return {self.name: (self.num_runs, self.cost)}
 
     # ---- protocol ---------------------------------------------------------------------------
 
@@ -163,6 +176,7 @@ class DraftModelDrafter(Drafter):
         positions, meta = self.kv.metadata([s.seq_id for s in seqs], starts, [len(c) for c in chunks])
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.device)
         hidden = self.model(ids, positions, self.cache, meta)
+        self.num_runs += len(seqs)
         last_rows = torch.tensor(meta.cu_query_lens[1:], device=self.device) - 1
         for st, chunk in zip(states, chunks):
             st.draft_len += len(chunk)
@@ -268,6 +282,7 @@ class DraftModelDrafter(Drafter):
         positions, meta = self.kv.metadata([s.seq_id for s in seqs], starts, [len(c) for c in chunks])
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.device)
         hidden = self.model(ids, positions, self.cache, meta)
+        self.num_runs += len(seqs)
         # rows predicting proposal[0], ..., proposal[m-1] and the token after them: the last m + 1
         ends = meta.cu_query_lens[1:]
         rows = torch.tensor([e - len(p) - 1 + j for e, p in zip(ends, proposals) for j in range(len(p) + 1)],
@@ -317,6 +332,7 @@ class DraftModelDrafter(Drafter):
         _, meta = self.kv.metadata([seqs[b].seq_id for b in feed], starts, qlens, masks)
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
                             torch.tensor(pos, dtype=torch.int64, device=self.device), self.cache, meta)
+        self.num_runs += len(feed)
         return self.vocab.expanded_logits(hidden)
 
     def accept(self, seqs: Seq, results: Seq) -> None:

@@ -9,6 +9,9 @@ one with `num_layers=N`), `random_init=true` (the target's first `num_layers` la
 for tests), `draft_vocab=N` (draft from the N tokens the target chose most often in training: default 8192
 when the checkpoint has that ranking, 0 = the whole vocabulary; see drafters.draft_vocab), plus
 every `draft_model` option (`k_config`, `deterministic`, `target_init_width`).
+
+`model_runs` (standardized walltime) comes from `draft_model`: c = the student's layers and norm
+plus the target's shared embedding and LM head, over the target's parameters.
 """
 
 from __future__ import annotations

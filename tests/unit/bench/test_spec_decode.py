@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from specserve.bench import spec_decode
 from specserve.server import cli
@@ -60,10 +61,30 @@ def test_harness_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, capsys):
             assert r["num_fallbacks"] == 0
             assert r["greedy_mismatches"] == (0 if t == 0 else None)
     assert cells[(0.0, "draft_model")]["num_draft_steps"] > 0       # the draft model always proposes
+    # standardized walltime: plain 1; ngram runs no network (SWI = tokens per target forward); the
+    # one-layer draft model's runs cost its share of the target's parameters
+    assert cells[(0.0, "none")]["swi"] == 1.0 and cells[(0.0, "hf_generate")]["swi"] is None
+    from specserve.engine.config import ModelConfig
+    from specserve.engine.loader import load_model
+    from specserve.engine.model import LlamaModel
+
+    loaded = load_model(str(tiny_llama_dir))
+    target = LlamaModel.from_state_dict(ModelConfig.from_hf(loaded.hf_config), loaded.state_dict, max_positions=64,
+                                        dtype=torch.float32, device="cpu")
+    c = sum(p.numel() for p in target.truncated(1).parameters()) / sum(p.numel() for p in target.parameters())
+    assert 0 < c < 1
+    for t in (0.0, 0.7):
+        ng, dm = cells[(t, "ngram")], cells[(t, "draft_model")]
+        assert ng["model_runs"] == {} and ng["swi"] == pytest.approx(ng["num_tokens"] / ng["num_target_forwards"])
+        runs = dm["model_runs"]["draft_model"]
+        assert runs["cost"] == pytest.approx(c) and runs["runs"] >= dm["num_draft_steps"] > 0
+        assert dm["swi"] == pytest.approx(dm["num_tokens"] / (dm["num_target_forwards"] + runs["runs"] * c))
+        assert dm["swi"] < dm["num_tokens"] / dm["num_target_forwards"]
     assert result["num_greedy_mismatches"] == 0 and result["greedy_mismatches"] == []
     assert cells[(0.0, "hf_generate")]["identical_to_plain"] is not None
 
     table = out.with_suffix(".md").read_text()
+    assert "| τ | SWI | α |" in table
     assert "| ngram | tiny_prompts | 0 |" in table and "| draft_model | tiny_prompts | 0.7 |" in table
     assert table in capsys.readouterr().out
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

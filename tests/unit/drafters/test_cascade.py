@@ -215,3 +215,25 @@ def test_the_law_test_sees_a_wrong_residual(peaky_target, monkeypatch):
     monkeypatch.setattr(verify, "residual_rows", lambda p, q: p)
     emp, _ = empirical_first_two_law(peaky_target, "cascade", LAW_OPTIONS, PROMPT, SAMPLING, TRIALS)
     assert total_variation(emp, exact_first_two_law(peaky_target, PROMPT, SAMPLING)) > TV_BOUND
+
+
+def test_model_runs_per_level_are_its_calls_at_batch_one(tiny_llama_dir):
+    """Standardized walltime: decoding one request at a time, each level's runs are its calls (one
+    review forward or one Max-Gram call each, serving one sequence); the reviewing level costs
+    its draft model's parameter share, Max-Gram nothing. Two sequences drafted together count
+    twice per call that serves both."""
+    engine = make_llm_engine(tiny_llama_dir, ["cascade"], {"cascade": TWO})
+    drafter = engine.drafters["cascade"]
+    assert drafter.model_runs() == {"draft_model": (0, drafter.levels[0].cost), "mag": (0, 0.0)}
+    assert 0 < drafter.levels[0].cost < 1
+    run_requests(engine, [[5, 9, 13, 200, 7, 31]], GREEDY)
+    runs = drafter.model_runs()
+    assert runs["draft_model"][0] == drafter.calls["draft_model"] > 0
+    assert runs["mag"][0] == drafter.calls["mag"] > 0
+    before, calls = {k: v[0] for k, v in drafter.model_runs().items()}, dict(drafter.calls)
+    seqs = [DraftRequest(700 + i, tuple(p), len(p), GREEDY) for i, p in enumerate([[5, 9, 13, 200], [7, 31, 44]])]
+    for s in seqs:
+        drafter.start(s)
+    drafter.propose(seqs, [1, 1])        # budget 1: one review round of both, Max-Gram's draft for it
+    assert drafter.calls["draft_model"] - calls["draft_model"] == 1
+    assert drafter.model_runs()["draft_model"][0] - before["draft_model"] == 2

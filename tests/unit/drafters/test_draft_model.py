@@ -273,3 +273,31 @@ def test_review_over_a_draft_vocabulary_rejects_tokens_outside_it(tiny_llama_dir
     seq = DraftRequest(1002, tuple(prompt), len(prompt), SamplingParams(temperature=0.0))
     assert drafter.review([seq], [[best_even]]) == [(1, drafter.review([seq.extend([best_even])], [[]])[0][1])]
     assert drafter.review([seq], [[best_odd]], leniency=1e30) == [(0, best_even)]
+
+
+# ---- standardized walltime: model runs ------------------------------------------------------------
+
+def test_model_runs_count_each_draft_forward_once_per_sequence_served(tiny_llama_dir):
+    """A chain of 3 for two sequences: the catch-up forward and two level forwards (the last level
+    is never fed), each serving both sequences = 6 runs; a review of both = 2 more; a budget of 1
+    for one sequence = the catch-up alone. The cost ratio is a truncated target's share of the
+    target's parameters (embedding and LM head counted as in the target)."""
+    from specserve.engine.sequence import DraftRequest
+
+    eng = engine_with(tiny_llama_dir, ["draft_model"], {"draft_model": {"draft_layers": 1, "k_config": "chain:3"}})
+    drafter = eng.drafters["draft_model"]
+    target = eng.model
+    whole = sum(p.numel() for p in target.parameters())
+    one_layer = whole - sum(p.numel() for layer in target.layers[1:] for p in layer.parameters())
+    assert drafter.model_runs() == {"draft_model": (0, pytest.approx(one_layer / whole))}
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    seqs = [DraftRequest(900 + i, tuple(p), len(p), params) for i, p in enumerate([[5, 9, 13, 200], [7, 31, 44]])]
+    for s in seqs:
+        drafter.start(s)
+    trees = drafter.propose(seqs, [3, 3])
+    assert all(len(t.tokens) == 4 for t in trees)
+    assert drafter.model_runs()["draft_model"][0] == 3 * 2
+    drafter.review(seqs, [[1, 2], [3]])
+    assert drafter.model_runs()["draft_model"][0] == 3 * 2 + 2
+    drafter.propose(seqs, [1, 0])
+    assert drafter.model_runs()["draft_model"][0] == 3 * 2 + 2 + 1
