@@ -241,7 +241,8 @@ def drafter_row(tally: Tally, delta: dict) -> dict:
 
 ROW_FIELDS = ("dataset", "temperature", "method", "kind", "num_prompts", "num_tokens", "seconds", "tok_s",
               "speedup", "speedup_vs_hf", "tau", "swi", "model_runs", "num_target_forwards", "num_draft_steps",
-              "num_draft_tokens", "num_accepted_tokens", "accepted_per_step", "emitted_per_draft_step", "alpha", "accepted_by_depth",
+              "num_draft_tokens", "num_accepted_tokens", "accepted_per_step", "emitted_per_draft_step", "alpha",
+              "accepted_by_depth",
               "accepted_length_counts", "num_fallbacks", "draft_time_s", "verify_time_s", "budget_counts",
               "parts", "greedy_mismatches", "identical_to_plain", "error")
 
@@ -466,9 +467,9 @@ def markdown(result: dict) -> str:
                      f"| {fmt(r.get('swi'), '.2f')} | {fmt(r['alpha'], '.2f')} | {fmt(r['accepted_per_step'], '.2f')} "
                      f"| {fmt(r['num_fallbacks'], 'd')} | {mism} |")
     lines += ["", "speedup: tok/s over our plain decoding in the same run; τ: tokens per target forward (bonus "
-              "included); SWI: standardized walltime improvement, tokens / (target forwards + Σ drafter network runs × "
-              "its parameters / the target's); α: accepted / drafted tokens; accepted/step: accepted drafts per "
-              "draft step."]
+              "included); SWI: standardized walltime improvement, tokens / (target forwards + Σ drafter network "
+              "runs × its parameters / the target's); α: accepted / drafted tokens; accepted/step: accepted drafts "
+              "per draft step."]
     lines += [f"Note: {n}." for n in meta["notes"]]
     if result["num_greedy_mismatches"]:
         lines.append(f"**{result['num_greedy_mismatches']} greedy output(s) differ from plain decoding** "
