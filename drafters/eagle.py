@@ -36,6 +36,12 @@ budget 8): a propose takes 39 ms with the whole head (49152 x 576) against 86 ms
 verification step, 10.5 ms with the default draft vocabulary (the 8192 tokens the target chose
 most often in training, 92 % of held-back labels; see drafters.draft_vocab; `draft_vocab=0` for
 the whole vocabulary).
+
+Standardized walltime (`model_runs`): one run per sequence per draft-distribution read (the
+root's after the catch-up forward, then each expanded level's: the head's forward and the LM
+head's GEMM), at c = (the head's own parameters + the LM-head rows it multiplies, i.e. the
+draft vocabulary's rows x hidden size) / the target's parameters. The embedding lookup is not a
+GEMM and is not counted.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, DrafterContext, register
+from specserve.drafters.base import Drafter, DrafterContext, param_count, register
 from specserve.drafters.draft_vocab import DraftVocab
 from specserve.drafters.nets.eagle import EagleHead, load_head, shipped_checkpoint
 from specserve.engine.config import ModelConfig
@@ -116,11 +122,17 @@ class EagleDrafter(Drafter):
                                extra_tokens=self.max_tree_rows, block_size=block_size, num_blocks=num_blocks)
         self.blocks, self.cache = self.kv.blocks, self.kv.cache
         self.state: dict[int, _SeqState] = {}
+        self.num_runs = 0
+        rows = self.vocab.size or self.vocab.vocab_size
+        self.cost = (param_count(self.head) + rows * model_config.hidden_size) / param_count(target)
         # the target's features: the engine's store, or (built outside an engine) one fed by `observe`
         self._own_features = ctx.features is None
         self.features = ctx.features
         if self.features is None:
             self.features = FeatureStore(model_config.hidden_size, dtype, self.device)
+
+    def model_runs(self) -> dict[str, tuple[int, float]]:
+        return {self.name: (self.num_runs, self.cost)}
 
     def _load_head(self, target, model_config, checkpoint, random_init, init) -> EagleHead:
         if random_init:
@@ -243,6 +255,7 @@ class EagleDrafter(Drafter):
         nodes: list[list[_Node]] = [[] for _ in seqs]       # candidates, in creation order
         kmax = max(top_k[b] for b in act)
         scores, toks = self._children(torch.stack([states[b].root_feat for b in act]), kmax)
+        self.num_runs += len(act)
         for r, b in enumerate(act):
             for rank in range(top_k[b]):
                 nodes[b].append(_Node(toks[r][rank], -1, 1, scores[r][rank], rank))
@@ -284,6 +297,7 @@ class EagleDrafter(Drafter):
                              torch.tensor(pos, dtype=torch.int64, device=self.device), meta)
             kmax = max(top_k[b] for b in order)
             scores, toks = self._children(out, kmax)
+            self.num_runs += len(order)
             r = 0
             for b in order:
                 for i in expand[b]:

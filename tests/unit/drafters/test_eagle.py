@@ -104,6 +104,15 @@ def test_untrained_head_is_lossless_too(tiny_llama_dir, prompts_and_plain):
     assert run_requests(engine, prompts, GREEDY) == plain
     stats = engine.get_stats().drafters["eagle"]
     assert stats.num_steps > 0 and stats.num_fallbacks == 0
+    # standardized walltime: one run per sequence per draft-distribution read (the root, then at
+    # most depth - 1 levels); cost = the head plus the LM-head rows it multiplies, over the target
+    drafter = engine.drafters["eagle"]
+    runs, cost = drafter.model_runs()["eagle"]
+    assert stats.num_steps <= runs <= stats.num_steps * drafter.depth
+    target = sum(p.numel() for p in engine.model.parameters())
+    head = sum(p.numel() for p in drafter.head.parameters())
+    vocab = drafter.vocab.size or engine.model_config.vocab_size
+    assert cost == pytest.approx((head + vocab * engine.model_config.hidden_size) / target)
 
 
 def test_preemption_restarts_the_drafters_rows(tiny_llama_dir, prompts_and_plain, trained_head):
