@@ -32,6 +32,10 @@ Options (`--drafter-option medusa.KEY=VALUE`):
   random_init=true  FOR TESTS: untrained heads (zero = the target's next-token prediction at every
                     depth; `init_std` > 0 draws random weights with `seed`)
   heads=MODULE      (Python API, alias `module`) an in-memory MedusaHeads, e.g. the one being trained
+
+Standardized walltime (`model_runs`): one run per head read per sequence (a propose runs the
+first `depth` heads for every live sequence: depth runs each), at c = (one head's parameters +
+the LM-head rows it multiplies, the draft vocabulary's rows x hidden size) / the target's.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, DrafterContext, register
+from specserve.drafters.base import Drafter, DrafterContext, param_count, register
 from specserve.drafters.draft_vocab import DraftVocab
 from specserve.engine.features import FeatureStore
 from specserve.engine.tree import TokenTree, TreeTemplate, cartesian_fill, preference_prefix, tree_depths
@@ -130,11 +134,18 @@ class MedusaDrafter(Drafter):
         if not self.order:
             raise ValueError("the medusa tree has no path within the heads' depth")
         self._templates: dict[int, tuple[TreeTemplate, list[int], int, int]] = {}
+        self.num_runs = 0
+        rows = self.vocab.size or self.vocab.vocab_size
+        per_head = param_count(self.heads) / self.heads.num_heads
+        self.cost = (per_head + rows * model_config.hidden_size) / param_count(target)
         # the target's features: the engine's store, or (built outside an engine) one fed by `observe`
         self._own_features = ctx.features is None
         self.features = ctx.features
         if self.features is None:
             self.features = FeatureStore(model_config.hidden_size, dtype, device)
+
+    def model_runs(self) -> dict[str, tuple[int, float]]:
+        return {self.name: (self.num_runs, self.cost)}
 
     # ---- trees --------------------------------------------------------------------------------------------------
 
@@ -181,6 +192,7 @@ class MedusaDrafter(Drafter):
         width = max(t[3] for t in tpls)
         h = torch.stack(rows).to(self.heads.weight.dtype)                    # [N, H]
         out = self.heads(h, depth)                                           # [N, depth, H]
+        self.num_runs += len(live) * depth
         logits = self.vocab.logits(out.reshape(-1, out.shape[-1]))           # [N * depth, draft vocab]
         top = self.vocab.token_ids(logits.topk(width, dim=-1).indices).view(len(live), depth, width).tolist()
         for j, i in enumerate(live):

@@ -58,6 +58,7 @@ def test_tree_tokens_are_the_heads_top_k_by_depth_and_rank(tiny_llama_dir):
     d.observe([seq], [(0, h)])                                   # features of positions 0..3: the root is 4
     tree, none = d.propose([seq, SimpleNamespace(seq_id=8, token_ids=[1, 2])], [5, 5])
     assert none is None                                          # no features for that sequence
+    assert d.model_runs()["medusa"][0] == 2                      # 2 heads read for the one live sequence
     # budget 5: the first five paths of the order, laid out level-major
     tpl = TreeTemplate.from_choices(order[:5])
     assert tree.parents == list(tpl.parents) and tree.tokens[0] == 9 and tree.draft_probs is None
@@ -71,6 +72,12 @@ def test_tree_tokens_are_the_heads_top_k_by_depth_and_rank(tiny_llama_dir):
     assert d.propose([seq], [50])[0].num_draft_tokens == len(order)
     seq.token_ids.append(11)
     assert d.propose([seq], [5]) == [None]
+    # standardized walltime: the depth-3 tree read 3 more heads; each read costs one head plus the LM head
+    runs, cost = d.model_runs()["medusa"]
+    hidden, vocab = engine.model_config.hidden_size, engine.model_config.vocab_size
+    assert runs == 2 + 3
+    assert cost == pytest.approx((hidden * hidden + hidden + vocab * hidden)
+                                 / sum(p.numel() for p in engine.model.parameters()))
 
 
 def test_draft_vocab_restricts_tree_tokens_to_the_ranked_ones(tiny_llama_dir, tmp_path):
