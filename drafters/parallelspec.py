@@ -40,6 +40,11 @@ Options (`--drafter-option parallelspec.KEY=VALUE`):
                     when the checkpoint has that ranking; 0 = the whole vocabulary; drafters.draft_vocab)
   random_init=true  FOR TESTS: an untrained module (`k`, `seed`); `module=` an in-memory module
   block_size, num_blocks   the drafter's own paged KV pool
+
+Standardized walltime (`model_runs`): one run per sequence per drafter forward (one per propose:
+the layer over the new real rows and the k masks, then the LM head over k+1 rows), at c = (the
+module's own parameters + the LM-head rows it multiplies, the draft vocabulary's rows x hidden
+size) / the target's parameters.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, DrafterContext, register
+from specserve.drafters.base import Drafter, DrafterContext, param_count, register
 from specserve.drafters.draft_vocab import DraftVocab
 from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import PagedDraftKV
@@ -126,6 +131,9 @@ class ParallelSpecDrafter(Drafter):
         self.order = order
         self._templates: dict[int, TreeTemplate] = {}
         cfg = model_config
+        self.num_runs = 0
+        rows = self.vocab.size or self.vocab.vocab_size
+        self.cost = (param_count(self.module) + rows * cfg.hidden_size) / param_count(target)
         self.kv = PagedDraftKV(1, cfg.num_kv_heads, cfg.head_dim, dtype, self.device, max_model_len=max_model_len,
                                max_num_seqs=max_num_seqs, extra_tokens=self.k + 1, block_size=block_size,
                                num_blocks=num_blocks)
@@ -215,6 +223,7 @@ class ParallelSpecDrafter(Drafter):
         positions, meta = self.kv.metadata([seqs[i].seq_id for i in idx], starts, qlens)
         k_cache, v_cache = self.cache.layer(0)
         out = mod.forward_paged(h, positions, k_cache, v_cache, meta)
+        self.num_runs += len(idx)
         ends = torch.tensor(meta.cu_query_lens[1:], device=dev)
         rows = (ends[:, None] - (k + 1) + torch.arange(k + 1, device=dev)[None, :]).reshape(-1)
         logits = self.vocab.logits(out.index_select(0, rows)).view(len(idx), k + 1, -1)
@@ -223,6 +232,9 @@ class ParallelSpecDrafter(Drafter):
             st = self.state[seq.seq_id]
             st.kv_len = len(seq.token_ids) - 1
         return idx, logits
+
+    def model_runs(self) -> dict[str, tuple[int, float]]:
+        return {self.name: (self.num_runs, self.cost)}
 
     def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
         trees: list[TokenTree | None] = [None] * len(seqs)

@@ -141,6 +141,14 @@ def test_greedy_is_lossless_with_a_random_drafter_and_chunked_prefill(tiny_llama
     assert got == plain
     stats = engine.get_stats().drafters["parallelspec"]
     assert stats.num_steps > 0 and stats.num_draft_tokens > 0 and stats.num_fallbacks == 0
+    # standardized walltime: at least one drafter forward per verified draft; cost = the module plus
+    # the LM-head rows it multiplies, over the target
+    d = engine.drafters["parallelspec"]
+    runs, cost = d.model_runs()["parallelspec"]
+    assert runs >= stats.num_steps
+    hidden, vocab = engine.model_config.hidden_size, engine.model_config.vocab_size
+    assert cost == pytest.approx((sum(p.numel() for p in d.module.parameters()) + vocab * hidden)
+                                 / sum(p.numel() for p in engine.model.parameters()))
 
 
 # ---- sampling: the joint law of the first two tokens ---------------------------------------------------------------
@@ -201,6 +209,12 @@ def test_features_follow_the_target_kv_across_steps_and_preemption(tiny_llama_di
     d.observe([seq], [(4, rows[4:16])])
     assert torch.equal(d.features.view(3, 10, 16), rows[10:16])
     assert d.features.view(3, 10, 17) is None                       # never invents missing positions
+    # standardized walltime: one run per sequence the forward serves (not the one missing features)
+    short = types.SimpleNamespace(seq_id=4, token_ids=list(range(5)))
+    d.observe([short], [(0, rows[0:4])])
+    assert d.model_runs()["parallelspec"][0] == 0
+    assert d.propose([short, seq], [3, 3])[1] is None
+    assert d.model_runs()["parallelspec"][0] == 1
 
 
 def test_tree_order_cuts_to_the_budget():
