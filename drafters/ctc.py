@@ -52,6 +52,10 @@ Options (`--drafter-option ctc.KEY=VALUE`):
   draft_vocab=N     draft from the N most frequent training labels (default: what the checkpoint was
                     trained with; 0 = the whole vocabulary, off the training distribution)
   random_init=true  FOR TESTS: an untrained net (`num_slots`, `seed`); `net=` an in-memory CTCDraftNet
+
+Standardized walltime (`model_runs`): one run per sequence drafted for (a propose's catch-up rows
+and its slot forward, then the LM head over the T slots), at c = (the net's own parameters + the
+LM-head rows it multiplies, the draft vocabulary's rows x hidden size) / the target's parameters.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, DrafterContext, register
+from specserve.drafters.base import Drafter, DrafterContext, param_count, register
 from specserve.drafters.draft_vocab import DraftVocab
 from specserve.drafters.nets.ctc import DEFAULT_SLOTS, CTCDraftNet, load_net, shipped_checkpoint
 from specserve.engine.features import FeatureStore
@@ -272,11 +276,17 @@ class CTCDrafter(Drafter):
         cos, sin = rope_tables(model_config, ctx.max_model_len + self.num_slots + 2, self.device)
         self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
         self.state: dict[int, _SeqState] = {}
+        self.num_runs = 0
+        rows = self.vocab.size or self.vocab.vocab_size
+        self.cost = (param_count(self.net) + rows * model_config.hidden_size) / param_count(target)
         # the target's features: the engine's store, or (built outside an engine) one fed by `observe`
         self._own_features = ctx.features is None
         self.features = ctx.features
         if self.features is None:
             self.features = FeatureStore(model_config.hidden_size, dtype, self.device)
+
+    def model_runs(self) -> dict[str, tuple[int, float]]:
+        return {self.name: (self.num_runs, self.cost)}
 
     # ---- protocol ---------------------------------------------------------------------------------------------------
 
@@ -374,6 +384,7 @@ class CTCDrafter(Drafter):
         if not act:
             return trees
         logp = self.slot_log_probs([seqs[i] for i in act])               # [N, T, V' + 1]
+        self.num_runs += len(act)
         top = logp.topk(min(self.top_k, logp.shape[-1]), dim=-1)
         blank = logp.shape[-1] - 1
         ids = torch.where(top.indices == blank, torch.full_like(top.indices, BLANK),

@@ -49,6 +49,7 @@ def test_propose_respects_budgets_and_needs_the_features_before_the_root(tiny_en
     assert trees[1].num_draft_tokens == 1 and trees[2].num_draft_tokens <= 3
     assert trees[3] is None                            # no features for that sequence
     assert all(t.tokens[0] == 9 and t.draft_probs is None for t in trees[1:3])
+    assert d.model_runs()["ctc"][0] == 2               # standardized walltime: one run per sequence drafted for
     # the tree is the trie of the slots' top-k computed by hand
     with torch.no_grad():
         logp = d.slot_log_probs([seqs[2]])
@@ -68,6 +69,11 @@ def test_propose_respects_budgets_and_needs_the_features_before_the_root(tiny_en
     assert d.propose([seqs[2]], [3]) == [None]
     d.observe([seqs[2]], [(0, torch.randn(7, 64))])
     assert d.propose([seqs[2]], [3])[0] is not None
+    runs, cost = d.model_runs()["ctc"]
+    assert runs == 2 + 1 + 1                           # none while the features were stale or had a gap
+    rows = d.vocab.size or cfg.vocab_size
+    assert cost == pytest.approx((sum(p.numel() for p in d.net.parameters()) + rows * cfg.hidden_size)
+                                 / sum(p.numel() for p in model.parameters()))
     d.finish(seqs[2])
     assert seqs[2].seq_id not in d.state
 
