@@ -51,6 +51,11 @@ Options (`--drafter-option falcon.KEY=VALUE`):
                     when the checkpoint has that ranking; 0 = the whole vocabulary)
   block_size, num_blocks   the drafter's KV pool
   random_init=true  FOR TESTS: an untrained head (`init`, `seed`, `k`); `head=` an in-memory FalconHead
+
+Standardized walltime (`model_runs`): one run per sequence per block forward that serves it (the
+root block of the catch-up, then each block level where it has expansions, all of that level's
+expansions in one forward), at c = (the head's own parameters + the LM-head rows it multiplies,
+the draft vocabulary's rows x hidden size) / the target's parameters.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, DrafterContext, register
+from specserve.drafters.base import Drafter, DrafterContext, param_count, register
 from specserve.drafters.draft_vocab import DraftVocab
 from specserve.drafters.nets.falcon import (DEFAULT_K, FalconHead, head_for, load_head, root_block_mask,
                                             shipped_checkpoint)
@@ -351,11 +356,17 @@ class FalconDrafter(Drafter):
                                extra_tokens=self.max_tree_rows, block_size=block_size, num_blocks=num_blocks)
         self.blocks, self.cache = self.kv.blocks, self.kv.cache
         self.state: dict[int, _SeqState] = {}
+        self.num_runs = 0
+        rows = self.vocab.size or self.vocab.vocab_size
+        self.cost = (param_count(self.head) + rows * model_config.hidden_size) / param_count(target)
         # the target's features: the engine's store, or (built outside an engine) one fed by `observe`
         self._own_features = ctx.features is None
         self.features = ctx.features
         if self.features is None:
             self.features = FeatureStore(model_config.hidden_size, dtype, self.device)
+
+    def model_runs(self) -> dict[str, tuple[int, float]]:
+        return {self.name: (self.num_runs, self.cost)}
 
     def _load_head(self, target, model_config, checkpoint, random_init, init, seed, k) -> FalconHead:
         if random_init:
@@ -533,6 +544,7 @@ class FalconDrafter(Drafter):
         states = [self.state[s.seq_id] for s in seqs]
         tokens = {b: [seqs[b].token_ids[-1]] + [0] * (plans[b].num_nodes - 1) for b in act}
         outs: dict[tuple[int, int], torch.Tensor] = {(b, 0): states[b].root_out for b in act}   # (seq, exp) -> [k, H]
+        self.num_runs += len(act)          # the root block's forward (in the catch-up)
         for level in range(max(plans[b].num_levels for b in act)):
             if level:   # one forward for every sequence's expansions of this level
                 starts, qlens, masks, pos, ids, feats, order = [], [], [], [], [], [], []
@@ -555,6 +567,7 @@ class FalconDrafter(Drafter):
                                            masks)
                 out = self._rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.cat(feats),
                                  torch.tensor(pos, dtype=torch.int64, device=self.device), meta)
+                self.num_runs += len(starts)   # one block forward for each sequence with expansions here
                 for j, key in enumerate(order):
                     outs[key] = out[j * k:(j + 1) * k]
             # this level's distributions -> the tokens of the nodes they give

@@ -121,6 +121,16 @@ def test_untrained_head_is_lossless_too(tiny_llama_dir, prompts_and_plain):
     assert got == {f"r{i}": plain[f"r{i}"] for i in range(6)}
     stats = engine.get_stats().drafters["falcon"]
     assert stats.num_steps > 0 and stats.num_fallbacks == 0
+    # standardized walltime: one run per sequence per block forward (the root block, then one per
+    # block level with expansions: at most the plan's levels); cost = head + LM-head rows over the target
+    drafter = engine.drafters["falcon"]
+    runs, cost = drafter.model_runs()["falcon"]
+    levels = drafter.plan(30).num_levels
+    assert levels > 1 and stats.num_steps < runs <= stats.num_steps * levels
+    hidden = engine.model_config.hidden_size
+    vocab = drafter.vocab.size or engine.model_config.vocab_size
+    assert cost == pytest.approx((sum(p.numel() for p in drafter.head.parameters()) + vocab * hidden)
+                                 / sum(p.numel() for p in engine.model.parameters()))
 
 
 def test_preemption_restarts_the_drafters_rows(tiny_llama_dir, prompts_and_plain, trained_head):
