@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.drafters.nets.base import RankedDraftNet
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import DecoderLayer, apply_rope, rms_norm
 
@@ -55,7 +56,7 @@ SLOT_INIT_STD = 0.02
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 
-class CTCDraftNet(nn.Module):
+class CTCDraftNet(RankedDraftNet):
     """fc, one decoder layer of the target's shape, T slot embeddings, an output RMSNorm and the
     blank row (see the module docstring). The target's embedding and LM head are not held here."""
 
@@ -92,39 +93,12 @@ class CTCDraftNet(nn.Module):
             net.norm.copy_(target.norm.detach().float())
         return net.float()
 
-    def set_vocab_rank(self, rank: torch.Tensor | None) -> None:
-        if rank is None:
-            self.vocab_rank = None
-            return
-        from specserve.drafters.draft_vocab import check_rank
-
-        self.vocab_rank = check_rank(rank.detach().cpu(), self.cfg.vocab_size)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The trained tensors (and the vocabulary ranking when set): what a checkpoint holds."""
-        out = {k: v.detach() for k, v in self.state_dict().items()}
-        if "vocab_rank" in out:
-            out["vocab_rank"] = out["vocab_rank"].to(torch.int32)   # half the bytes on disk
-        return out
-
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> "CTCDraftNet":
-        tensors = dict(tensors)
-        rank = tensors.pop("vocab_rank", None)
         if "slots" not in tensors or tensors["slots"].dim() != 2:
             raise ValueError("ctc checkpoint tensors lack the slot embeddings")
         net = cls(cfg, tensors["slots"].shape[0])
-        expected = set(net.state_dict())
-        missing, unexpected = expected - set(tensors), set(tensors) - expected
-        if missing or unexpected:
-            raise ValueError(f"ctc checkpoint tensors do not fit this target: missing {sorted(missing)}, "
-                             f"unexpected {sorted(unexpected)}")
-        for name, t in net.state_dict().items():
-            if tuple(tensors[name].shape) != tuple(t.shape):
-                raise ValueError(f"ctc checkpoint tensor {name} has shape {tuple(tensors[name].shape)}, "
-                                 f"this target needs {tuple(t.shape)}")
-        net.load_state_dict({k: v.float() for k, v in tensors.items()})
-        net.set_vocab_rank(rank)
+        net.load_tensors(tensors, "ctc")
         return net
 
     def hyperparams(self) -> dict[str, Any]:

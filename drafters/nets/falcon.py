@@ -80,6 +80,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.drafters.nets.base import RankedDraftNet
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import DecoderLayer, rms_norm
 
@@ -157,7 +158,7 @@ class GatedReduction(nn.Module):
         return x
 
 
-class FalconHead(nn.Module):
+class FalconHead(RankedDraftNet):
     """reduce([feature ‖ token embedding]) -> one decoder layer -> RMSNorm, k tokens per forward.
 
     Serving calls `fuse`, `layer(...)` (the engine's DecoderLayer over a paged KV cache, with the
@@ -205,44 +206,15 @@ class FalconHead(nn.Module):
             head.norm.copy_(target.norm.detach().float())
         return head.float()
 
-    def set_vocab_rank(self, rank: torch.Tensor | None) -> None:
-        """Token ids by how often the target chose them on the training data, most frequent first
-        (all of the vocabulary): the serving drafter can restrict its LM head to the first N."""
-        if rank is None:
-            self.vocab_rank = None
-            return
-        from specserve.drafters.draft_vocab import check_rank
-
-        self.vocab_rank = check_rank(rank.detach().cpu(), self.cfg.vocab_size)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The trainable tensors (and the vocabulary ranking when set), by name: what a checkpoint holds."""
-        out = {k: v.detach() for k, v in self.state_dict().items()}
-        if "vocab_rank" in out:
-            out["vocab_rank"] = out["vocab_rank"].to(torch.int32)   # half the bytes on disk
-        return out
-
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor], hyperparams: dict | None = None
                      ) -> "FalconHead":
         """The head a checkpoint holds (`hyperparams`: its meta's, for k and the MLP width)."""
         hp = hyperparams or {}
-        tensors = dict(tensors)
         if "layer.down.weight" in tensors:
             cfg = dataclasses.replace(cfg, intermediate_size=int(tensors["layer.down.weight"].shape[1]))
         head = cls(cfg, k=int(hp.get("k", DEFAULT_K)), dropout=float(hp.get("dropout", 0.1)))
-        rank = tensors.pop("vocab_rank", None)
-        expected = set(head.state_dict())
-        missing, unexpected = expected - set(tensors), set(tensors) - expected
-        if missing or unexpected:
-            raise ValueError(f"falcon checkpoint tensors do not fit this target: missing {sorted(missing)}, "
-                             f"unexpected {sorted(unexpected)}")
-        for name, t in head.state_dict().items():
-            if tuple(tensors[name].shape) != tuple(t.shape):
-                raise ValueError(f"falcon checkpoint tensor {name} has shape {tuple(tensors[name].shape)}, "
-                                 f"this target needs {tuple(t.shape)}")
-        head.load_state_dict({k: v.float() for k, v in tensors.items()})
-        head.set_vocab_rank(rank)
+        head.load_tensors(tensors, "falcon")
         return head
 
     def hyperparams(self) -> dict[str, Any]:
