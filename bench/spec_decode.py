@@ -10,7 +10,9 @@ decoding). For each dataset x temperature the prompts run in batches of --batch-
 each batch runs once per method before the next batch starts (interleaved, so slow drift of the
 machine hits every method alike). Every method generates exactly --max-tokens tokens per prompt (EOS
 ignored; transformers gets `min_new_tokens`); sampling is seeded per prompt. Time is wall-clock from
-adding a batch to its last token, prefill included. The transformers baselines run one prompt at a
+adding a batch to its last token, prefill included. With `--admission continuous` a dataset's prompts
+are one batch: all submitted at once, the engine keeping --batch-size of them in flight (a finished
+request's slot goes to the next prompt, as in a server under load), and methods alternate per dataset. The transformers baselines run one prompt at a
 time (its assisted generation supports batch 1 only).
 
 Measures (DESIGN.md §8), per drafter x dataset x temperature:
@@ -70,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="temperatures; 0 = greedy, checked token for token (default: 0 0.7)")
     ap.add_argument("--batch-size", type=int, default=1, metavar="B",
                     help="requests decoded together; 1 = one at a time (default: %(default)s)")
+    ap.add_argument("--admission", default="closed", choices=("closed", "continuous"),
+                    help="closed: prompts run in batches of --batch-size, each batch finishing before the next "
+                         "starts; continuous: all of a dataset's prompts are submitted at once and the engine "
+                         "keeps --batch-size in flight, a finished request's slot going to the next prompt, "
+                         "as a server under load (default: %(default)s)")
     ap.add_argument("--num-speculative-tokens", type=int, default=8, metavar="N",
                     help="most draft-tree nodes per sequence per step (default: %(default)s)")
     ap.add_argument("--max-draft-tokens-per-step", type=int, default=64, metavar="N",
@@ -335,8 +342,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             hf_tallies = {"hf_generate": Tally(), "hf_prompt_lookup": Tally()} if hf is not None else {}
             before = {d: stats_snapshot(engine, d) for d in drafters}
             runs_before = {d: runs_snapshot(engine, d) for d in drafters}
-            for start in range(0, len(ps), args.batch_size):
-                chunk = ps[start:start + args.batch_size]
+            group = len(ps) if args.admission == "continuous" else args.batch_size
+            for start in range(0, len(ps), group):
+                chunk = ps[start:start + group]
                 seeds = [args.seed + start + i for i in range(len(chunk))]
                 for m in methods:
                     n, secs, outs, specs = run_engine_batch(engine, chunk, params_for(t, seeds, args.max_tokens), m,
@@ -405,6 +413,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             "datasets": list(prompts), "num_prompts": {ds: len(ps) for ds, ps in prompts.items()},
             "mean_prompt_tokens": {ds: sum(map(len, ps)) / len(ps) for ds, ps in prompts.items()},
             "max_tokens": args.max_tokens, "temperatures": args.temperature, "batch_size": args.batch_size,
+            "admission": args.admission,
             "hf_batch_size": 1 if hf is not None else None, "seed": args.seed, "drafters": drafters,
             "skipped_drafters": skipped, "drafter_options": options,
             "num_speculative_tokens": args.num_speculative_tokens,
@@ -443,7 +452,8 @@ def markdown(result: dict) -> str:
     meta = result["meta"]
     m = meta["machine"]
     lines = [
-        f"## Speculative decoding: {meta['model']} ({meta['device']}, {meta['dtype']}, batch {meta['batch_size']})",
+        f"## Speculative decoding: {meta['model']} ({meta['device']}, {meta['dtype']}, batch {meta['batch_size']}"
+        f"{', continuous admission' if meta.get('admission') == 'continuous' else ''})",
         "",
         f"{meta['datetime']}; {m['platform']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch threads"
         f"{', ' + m['device_name'] if m.get('device_name') else ''}; torch {meta['torch']}, "

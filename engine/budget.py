@@ -53,17 +53,23 @@ The models, all learnt online from what the engine observes:
   FIRST_PROBE_PAUSE), so
   its estimates do not freeze -- a new sequence of a drafter whose acceptance was learnt on other
   text (another dataset, another user) gets measured at once. A probe has the size the allocator
-  would pick were the sequence to accept nearly everything (PROBE_OPTIMISM per depth, with its
-  drafter's depth for the size): a 1-node probe tests one depth and could never show that a
-  sequence accepts deep drafts, while a probe at the optimistic size feeds the sequence's own
-  per-depth rate at every depth it reaches, and that rate (the chain term of E_i) is what lifts
-  the larger sizes. A probe is made only where it could pay: were the sequence to accept that
-  well, drafting it would raise the goodput (otherwise, as for a crowd on a CPU, it waits).
+  would pick were the sequence to accept as well as it may hope (its drafter's depth for the
+  size): a 1-node probe tests one depth and could never show that a sequence accepts deep drafts,
+  while a probe at the hopeful size feeds the sequence's own per-depth rate at every depth it
+  reaches, and that rate (the chain term of E_i) is what lifts the larger sizes. A probe is made
+  only where it could pay: were the sequence to accept that well, drafting it would raise the
+  goodput (otherwise, as for a crowd on a CPU, it waits). The hope: PROBE_OPTIMISM per depth at
+  first; once PROBE_POPULATION_MIN sequences of the drafter finished, at most the PROBE_QUANTILE of
+  their own rates plus PROBE_MARGIN (a request unlike all before it is still found where drafting
+  is cheap, as at batch 1, while a crowded step stops paying for probes no earlier sequence would
+  have repaid); and pulled towards the sequence's own rate as it gets measured (a sequence whose
+  probe was rejected hopes for less the next time).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -75,7 +81,13 @@ MIN_GAIN = 0.05             # a move must promise this many more accepted tokens
 # exploration
 FIRST_PROBE_PAUSE = 8       # steps at 0 before a probe, after the allocator last drafted the sequence
 MAX_PROBE_PAUSE = 128       # the pause doubles with every probe, up to this
-PROBE_OPTIMISM = 0.9        # a probe is sized and made as if the sequence accepted this share per depth
+PROBE_OPTIMISM = 0.9        # a probe is sized and made as if the sequence accepted at most this share per depth
+PROBE_POPULATION = 32       # a drafter remembers the per-depth rates of this many finished sequences
+PROBE_POPULATION_MIN = 8    # ... and bounds its probes' optimism by them once it has this many
+PROBE_QUANTILE = 0.9        # the bound: this quantile of those rates ...
+PROBE_MARGIN = 0.1          # ... plus this (text differs between requests: leave room above what was seen)
+PROBE_SEQ_WEIGHT = 2.0      # depths tested of a sequence's own that weigh as much as that optimism
+MIN_RATE_TRIALS = 1.0       # a finished sequence's rate is remembered once it had a depth tested
 # acceptance
 PRIOR_ACCEPT_RATE = 0.7     # optimistic prior: a chain accepting each next token with this probability
 PRIOR_WEIGHT = 0.25         # the prior counts as this many observations
@@ -368,6 +380,18 @@ class _DrafterModel:
         self.cost = _Ridge([1e-3, 1e-3, 1e-3], DRAFT_FORGET)  # seconds ~ a + b * seqs + c * nodes
         self.depth_hits = 0.0                                 # accepted depths (decayed)
         self.depth_trials = 0.0                               # depths tested (decayed)
+        self.seq_rates: deque[float] = deque(maxlen=PROBE_POPULATION)   # finished sequences' own rates
+
+    def probe_optimism(self) -> float:
+        """The per-depth rate a probe of a sequence without evidence of its own hopes for:
+        PROBE_OPTIMISM, bounded once PROBE_POPULATION_MIN sequences finished by the
+        PROBE_QUANTILE of their own rates plus PROBE_MARGIN (where no sequence of this drafter
+        came near the rate that would make drafting pay, probing another one is a known loss)."""
+        if len(self.seq_rates) < PROBE_POPULATION_MIN:
+            return PROBE_OPTIMISM
+        rates = sorted(self.seq_rates)
+        q = rates[min(len(rates) - 1, int(PROBE_QUANTILE * len(rates)))]
+        return min(PROBE_OPTIMISM, q + PROBE_MARGIN)
 
     @property
     def depth_rate(self) -> float:
@@ -456,6 +480,12 @@ class _SeqState:
     def depth_rate(self, prior: float) -> float:
         return (self.depth_hits + DEPTH_PRIOR_WEIGHT * prior) / (self.depth_trials + DEPTH_PRIOR_WEIGHT)
 
+    def hopeful_rate(self, optimism: float) -> float:
+        """The rate a probe of this sequence hopes for: its drafter's probe optimism, pulled towards
+        its own measured rate as its own evidence grows (a sequence whose last probe was rejected
+        hopes for less the next time, and a crowded step stops paying for its probes)."""
+        return (self.depth_hits + PROBE_SEQ_WEIGHT * optimism) / (self.depth_trials + PROBE_SEQ_WEIGHT)
+
 
 @dataclass
 class BudgetDecision:
@@ -515,7 +545,11 @@ class GoodputBudget:
         return st
 
     def forget(self, seq) -> None:
-        self.seqs.pop(seq.seq_id, None)
+        """`seq` finished (or left): its own per-depth rate joins its drafter's population."""
+        st = self.seqs.pop(seq.seq_id, None)
+        drafter = getattr(seq, "drafter", None)
+        if st is not None and drafter is not None and st.depth_trials >= MIN_RATE_TRIALS:
+            self._drafter(drafter).seq_rates.append(st.depth_hits / st.depth_trials)
 
     def _gains(self, st: _SeqState, dm: _DrafterModel, sizes: list[int]) -> list[float]:
         """Expected accepted tokens of a sequence for each budget size: the better of two estimates,
@@ -636,24 +670,26 @@ class GoodputBudget:
             c[4] = j
         decision = BudgetDecision(goodput=goodput, step_seconds=seconds(no_tree, extra, trees))
         # probes, for sequences at 0 long enough, where a probe could pay: were the sequence to accept
-        # nearly everything (PROBE_OPTIMISM per depth), drafting it at the probe's size would raise the
-        # goodput (else a good outcome would change nothing -- a crowd on a CPU -- and the probe waits);
-        # the size is the one that would raise it most under that optimism
+        # as well as it may hope (`hopeful_rate` per depth), drafting it at the probe's size would raise
+        # the goodput (else a good outcome would change nothing -- a crowd on a CPU -- and the probe
+        # waits); the size is the one that would raise it most under that hope
         for seq, sizes, gains, nodes, cur, p_tree in cands:
             st = self.seqs[seq.seq_id]
             size = sizes[cur]
             st.probing = False
             if size == 0 and len(sizes) > 1 and st.idle >= st.pause:
+                dm = self.drafters[seq.drafter]
+                hope = st.hopeful_rate(dm.probe_optimism())
                 g_seqs, g_nodes = group.get(seq.drafter, (0, 0))
                 d_now = draft_seconds(seq.drafter, g_seqs, g_nodes)
                 best_j, best_d, best_g = 0, 0.0, goodput
-                for j, depth in enumerate(self.drafters[seq.drafter].depths(sizes)):
+                for j, depth in enumerate(dm.depths(sizes)):
                     if j == 0:
                         continue
                     if total + sizes[j] > max_total:
                         break
                     d_delta = draft_seconds(seq.drafter, g_seqs + 1, g_nodes + sizes[j]) - d_now
-                    hopeful = chain_accepted(PROBE_OPTIMISM, depth)
+                    hopeful = chain_accepted(hope, depth)
                     denom = seconds(0.0, extra + sizes[j], trees + 1) + draft_s + d_delta
                     if denom > 0 and (commits + hopeful) / denom > best_g * (1 + 1e-9):
                         best_j, best_d, best_g = j, d_delta, (commits + hopeful) / denom

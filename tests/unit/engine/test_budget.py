@@ -11,8 +11,8 @@ import pytest
 from helpers import make_llm_engine, run_requests
 
 from specserve.drafters.base import Drafter, register
-from specserve.engine.budget import (BUDGET_SIZES, FIRST_PROBE_PAUSE, MAX_PROBE_PAUSE, GoodputBudget,
-                                     StepCostModel, budget_sizes, prior_accepted)
+from specserve.engine.budget import (BUDGET_SIZES, FIRST_PROBE_PAUSE, MAX_PROBE_PAUSE, PROBE_OPTIMISM, GoodputBudget,
+                                     StepCostModel, budget_sizes, chain_accepted, prior_accepted)
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.tree import TokenTree
 
@@ -148,13 +148,15 @@ def test_a_sequence_without_trees_stops_costing_nodes():
 
 def test_probes_after_doubling_pauses():
     """A sequence left at 0 gets a probe on its first step, then after 16, 32, ... MAX_PROBE_PAUSE
-    steps at 0."""
+    steps at 0 (its own evidence cleared after each step, so that every probe has the same hope)."""
     b = make_budget(cpu_cost)
     teach_drafter(b, "d", 0.3)
     seqs = seqs_of(16)
     zeros_before_probe, run = [], 0
     for _ in range(400):
         d = run_step(b, seqs)
+        for st in b.seqs.values():
+            st.depth_hits = st.depth_trials = 0.0
         if d.budgets[0]:
             assert 0 in d.probes
             zeros_before_probe.append(run)
@@ -187,6 +189,66 @@ def test_a_probe_has_the_size_optimism_would_pick():
     d = run_step(b, seq, accept=lambda s, bud: 0)
     assert d.probes == [0]
     assert [run_step(b, seq).budgets[0] for _ in range(8)] == [0] * 8
+
+
+def finish_population(b: GoodputBudget, rate: float, n: int = 16, depth: int = 8, trees: int = 4,
+                      start: int = 1000) -> None:
+    """`n` sequences of drafter "d", each with `trees` `depth`-deep trees verified accepting each
+    depth with probability `rate`, finish: their rates join the drafter's population."""
+    rng = random.Random(0)
+    for s in seqs_of(n, start=start):
+        for _ in range(trees):
+            b.record(s, depth)
+            b.observe_draft("d", [s], [depth], [depth], 0.0)
+            accepted = 0
+            while accepted < depth and rng.random() < rate:
+                accepted += 1
+            b.observe_acceptance(s, accepted, depth)
+        b.forget(s)
+
+
+def probed(b: GoodputBudget, n: int, start: int = 0) -> int:
+    """How many of `n` new sequences a first step probes."""
+    return len(b.allocate([(s, 8) for s in seqs_of(n, start=start)], n, n, 64).probes)
+
+
+def test_probes_hope_for_what_earlier_sequences_showed():
+    """In a crowded CPU step, a new sequence of a drafter whose finished sequences all accepted
+    poorly is not probed (no earlier sequence would have repaid it); the control, the same step
+    after sequences that accepted well, probes. At batch 1, where a draft costs little beside the
+    step, the poor population still leaves room for a probe (a request unlike the earlier ones is
+    found), and before any sequence finished the probe hopes for PROBE_OPTIMISM."""
+    def fresh(rate=None):
+        b = make_budget(cpu_cost)
+        teach_drafter(b, "d", 0.05)
+        if rate is not None:
+            finish_population(b, rate)
+        return b
+
+    assert fresh().drafters["d"].probe_optimism() == PROBE_OPTIMISM
+    assert probed(fresh(), 16) > 0
+    assert probed(fresh(0.9), 16) > 0
+    poor = fresh(0.15)
+    assert poor.drafters["d"].probe_optimism() < 0.5
+    assert probed(poor, 16) == 0
+    assert probed(fresh(0.15), 1) == 1
+
+
+def test_a_rejected_probe_lowers_the_next_ones_hope():
+    """A sequence whose probe was rejected hopes for less the next time: in a crowded step it is not
+    probed again, while one whose own evidence was cleared is (the control)."""
+    b = make_budget(cpu_cost)
+    teach_drafter(b, "d", 0.2)
+    seqs = seqs_of(16)
+    first = run_step(b, seqs).probes           # the first step: probes, all rejected
+    assert first
+    seqs = [s for s in seqs if s.seq_id in first]
+    for s in seqs:
+        b.seqs[s.seq_id].idle = b.seqs[s.seq_id].pause   # due again
+    assert not b.allocate([(s, 8) for s in seqs], 16, 16, 64).probes
+    for s in seqs:
+        b.seqs[s.seq_id].depth_hits = b.seqs[s.seq_id].depth_trials = 0.0
+    assert b.allocate([(s, 8) for s in seqs], 16, 16, 64).probes
 
 
 def test_a_good_probe_brings_a_sequence_back():
