@@ -138,8 +138,9 @@ def f2(x) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
-def ordered(key: str, *names: str) -> Callable:
-    """The claim "names[0] > names[1] > ..." on `key`, per dataset."""
+def ordered(key: str, *names: str, speedup: bool = False) -> Callable:
+    """The claim "names[0] > names[1] > ..." on `key`, per dataset; `speedup`: also show (not judge)
+    each one's speedup over plain decoding, for claims whose paper gives one."""
 
     def evaluate(lookup, datasets) -> Outcome:
         parts, flags, per = [], [], {}
@@ -150,8 +151,12 @@ def ordered(key: str, *names: str) -> Callable:
             ok = all(a > b for a, b in zip(vals, vals[1:]))
             flags.append(ok)
             per[ds] = {"values": dict(zip(names, vals)), "holds": ok}
-            parts.append(f"{label(ds)} {' / '.join(f2(v) for v in vals)}")
-        head = f"{METRICS[key]} {' / '.join(names)}: " if parts else ""
+            text = f"{label(ds)} {' / '.join(f2(v) for v in vals)}"
+            if speedup:
+                per[ds]["speedup"] = {n: lookup(n, ds, "speedup") for n in names}
+                text += f" ({' / '.join('–' if v is None else f'{v:.2f}×' for v in per[ds]['speedup'].values())})"
+            parts.append(text)
+        head = f"{METRICS[key]} {' / '.join(names)}{' (speedup)' if speedup else ''}: " if parts else ""
         return Outcome(head + "; ".join(parts), verdict(flags), per)
 
     return evaluate
@@ -192,24 +197,24 @@ class Claim:
 CLAIMS = [
     Claim("ctc_vs_medusa", "CTC-drafter τ > Medusa τ (greedy, same node budget)",
           "β 3.56 vs 2.58 (MT-Bench), 3.53 vs 2.78 (GSM8K)", "CTC-drafter Table 1, Vicuna-7B",
-          ("ctc", "medusa"), ordered("tau", "ctc", "medusa"),
+          ("ctc", "medusa"), ordered("tau", "ctc", "medusa", speedup=True),
           "β is the paper's τ (bonus included). The shipped CTC checkpoint was stopped by its CPU time cap "
           "(258 steps); Medusa's had 2.4 min of training on more data."),
     Claim("falcon_tree_vs_topk", "Falcon (CSGD): custom decoding tree τ > plain top-k tree",
           "τ 3.34 vs 2.13, 3.10× vs 2.27× (tree vs chain of equal height)", "Falcon Table 4, Vicuna-7B MT-Bench",
-          ("falcon", "falcon_topk"), ordered("tau", "falcon", "falcon_topk"),
+          ("falcon", "falcon_topk"), ordered("tau", "falcon", "falcon_topk", speedup=True),
           "The paper ablates the tree against a chain (next row); top-k is the plain tree of the same budget."),
     Claim("falcon_tree_vs_chain", "Falcon (CSGD): custom decoding tree τ > chain (no tree attention)",
           "τ 3.34 vs 2.13, 3.10× vs 2.27×", "Falcon Table 4, Vicuna-7B MT-Bench",
-          ("falcon", "falcon_chain"), ordered("tau", "falcon", "falcon_chain"),
+          ("falcon", "falcon_chain"), ordered("tau", "falcon", "falcon_chain", speedup=True),
           "Our chain is the top-1 path of depth 8 (4 forwards of k = 2)."),
     Claim("falcon_csgd", "Falcon (custom tree): CSGD training τ > without CSGD",
           "τ 3.34 vs 2.78, 3.10× vs 2.65×", "Falcon Table 4, Vicuna-7B MT-Bench",
-          ("falcon", "falcon_nocsgd"), ordered("tau", "falcon", "falcon_nocsgd"),
+          ("falcon", "falcon_nocsgd"), ordered("tau", "falcon", "falcon_nocsgd", speedup=True),
           "Needs a checkpoint trained on the same data with csgd=false."),
     Claim("falcon_csgd_tree_vs_neither", "Falcon: CSGD + custom tree τ > neither (no CSGD, chain)",
           "τ 3.34 vs 1.64, 3.10× vs 2.06×", "Falcon Table 4, Vicuna-7B MT-Bench",
-          ("falcon", "falcon_nocsgd_chain"), ordered("tau", "falcon", "falcon_nocsgd_chain")),
+          ("falcon", "falcon_nocsgd_chain"), ordered("tau", "falcon", "falcon_nocsgd_chain", speedup=True)),
     Claim("parallelspec_vs_eagle",
           f"ParallelSpec faster than EAGLE (tok/s) at about equal τ (within {TAU_TOLERANCE:.0%})",
           "2.55× vs 2.18×, τ 3.52 vs 3.58 (avg. of 6 tasks)", "ParallelSpec Table 1, Vicuna-7B, T = 0",
@@ -428,7 +433,7 @@ def readme_block(result: dict) -> str:
     return "\n".join([MARK_START, "", f"`{meta['command_line']}` ({meta['date']}, {meta['model']}, "
                       f"{meta['num_prompts']} prompts × {meta['max_tokens']} tokens per dataset; full table and "
                       "configurations in `bench/results/parity.md`):", "", *claims_table(result["claims"]), "",
-                      MARK_END])
+                      *[f"* {r['id']}: {r['note']}" for r in result["claims"] if r.get("note")], "", MARK_END])
 
 
 def replace_block(text: str, block: str) -> str | None:

@@ -29,12 +29,13 @@ def claim(cid):
 def test_ordering_claim_holds_does_not_hold_and_partly():
     ctc_vs_medusa = claim("ctc_vs_medusa")
     cfgs = configs("ctc", "medusa")
-    good = [row("ctc", ds, tau=1.5) for ds in parity.GREEDY_DATASETS] + \
+    good = [row("ctc", ds, tau=1.5, speedup=0.9) for ds in parity.GREEDY_DATASETS] + \
            [row("medusa", ds, tau=1.3) for ds in parity.GREEDY_DATASETS]
     rec, = parity.evaluate([ctc_vs_medusa], good, cfgs, {})
     assert rec["holds"] == "yes"
-    assert rec["ours"].startswith("τ ctc / medusa: MT-Bench 1.50 / 1.30")
-    assert rec["per_dataset"]["gsm8k"] == {"values": {"ctc": 1.5, "medusa": 1.3}, "holds": True}
+    assert rec["ours"].startswith("τ ctc / medusa (speedup): MT-Bench 1.50 / 1.30 (0.90× / –); HumanEval")
+    assert rec["per_dataset"]["gsm8k"] == {"values": {"ctc": 1.5, "medusa": 1.3}, "holds": True,
+                                           "speedup": {"ctc": 0.9, "medusa": None}}
 
     bad = [row("ctc", ds, tau=1.2) for ds in parity.GREEDY_DATASETS] + \
           [row("medusa", ds, tau=1.3) for ds in parity.GREEDY_DATASETS]
@@ -148,6 +149,7 @@ def test_readme_block_is_replaced_idempotently(tmp_path):
     result["claims"][0]["holds"] = "no"
     assert parity.update_readme(readme, result)
     assert readme.read_text().count(parity.MARK_START) == 1 and "| **no** |" in readme.read_text()
+    assert parity.replace_block(parity.README.read_text(), "X") is not None   # the project README has its markers
     readme.write_text("no markers\n")
     assert not parity.update_readme(readme, result) and readme.read_text() == "no markers\n"
 
