@@ -12,6 +12,9 @@ run (one engine, every configuration a drafter of it, plain decoding beside them
 batches, batch 1, `--draft-budget fixed` so every step drafts its full tree: τ, α and SWI are the
 figures the papers compare). A configuration that is the same drafter with other options runs
 under an alias name (e.g. `falcon_topk` = `falcon` with `tree=topk`), registered for the run only.
+When a run fails to start (a checkpoint that does not load), each of its configurations runs again
+on its own, so that only the failing one is "not measured" (their speeds then come from separate
+runs).
 At temperature 0 every output is still checked against plain decoding token for token.
 
 A claim holds when its ordering holds on every dataset measured ("partly (k/n)" when on some);
@@ -336,10 +339,12 @@ def run_groups(args: argparse.Namespace, configs: dict[str, Config], workdir: Pa
     from specserve.bench import spec_decode
 
     rows, runs, failed = [], [], {}
-    for i, ((temperature, budget), group) in enumerate(sorted(groups_of(configs).items())):
-        prefix = workdir / f"group{i}"
+    queue = sorted(groups_of(configs).items())
+    while queue:
+        (temperature, budget), group = queue.pop(0)
+        prefix = workdir / f"run{len(runs)}"
         argv = spec_argv(args, group, temperature, budget, prefix)
-        print(f"parity: run {i + 1}: T={temperature:g}, {budget} nodes: {', '.join(c.name for c in group)}",
+        print(f"parity: run {len(runs) + 1}: T={temperature:g}, {budget} nodes: {', '.join(c.name for c in group)}",
               file=sys.stderr)
         t0 = time.perf_counter()
         record = {"temperature": temperature, "budget": budget, "configs": [c.name for c in group],
@@ -348,11 +353,14 @@ def run_groups(args: argparse.Namespace, configs: dict[str, Config], workdir: Pa
             with aliases(group):
                 record["exit_status"] = spec_decode.main(argv)
             result = json.loads(prefix.with_suffix(".json").read_text())
-        except Exception as exc:   # one configuration failing to load fails its group: report, go on
+        except Exception as exc:   # e.g. a checkpoint that does not load: report it, go on
             record["error"] = f"{type(exc).__name__}: {exc}"
-            print(f"parity: run {i + 1} failed: {record['error']}", file=sys.stderr)
-            for c in group:
-                failed[c.name] = record["error"]
+            print(f"parity: run {len(runs) + 1} failed: {record['error']}", file=sys.stderr)
+            if len(group) > 1:      # one configuration must not sink the others: each again on its own
+                record["retried_alone"] = True
+                queue[:0] = [((temperature, budget), [c]) for c in group]
+            else:
+                failed[group[0].name] = record["error"]
         else:
             record["meta"] = result["meta"]
             record["num_greedy_mismatches"] = result["num_greedy_mismatches"]
@@ -421,7 +429,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | {c['drafter']} | {opts} | {c['temperature']:g} | {', '.join(c['datasets'])} "
                      f"| {c['budget']} |")
     for name, why in result["unavailable"].items():
-        lines.append(f"| {name} | {CONFIGS[name].drafter} | not run: {why} | | | |")
+        lines.append(f"| {name} | {CONFIGS[name].drafter} | not measured: {why} | | | |")
     if result["num_greedy_mismatches"]:
         lines += ["", f"**{result['num_greedy_mismatches']} greedy output(s) differ from plain decoding** "
                       "(see the runs' greedy_mismatches)."]

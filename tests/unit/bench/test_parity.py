@@ -195,6 +195,28 @@ def test_parity_end_to_end_on_the_tiny_model(tiny_llama_dir, tmp_path, capsys):
     assert "falcon_topk" not in available_drafters()
 
 
+def test_a_configuration_that_fails_to_load_sinks_only_its_claims(tiny_llama_dir, tmp_path):
+    data = tmp_path / "tiny.jsonl"
+    data.write_text(json.dumps({"id": 1, "category": "qa", "turns": ["Hello world! Hello"]}) + "\n")
+    out = tmp_path / "parity"
+    rc = parity.main(["--model", str(tiny_llama_dir), "--datasets", str(data), "--num-prompts", "1",
+                      "--max-tokens", "4", "--out", str(out), "--no-readme",
+                      "--claims", "ctc_vs_medusa", "cascade_vs_mag",
+                      "--drafter-option", f"ctc.checkpoint={tmp_path / 'no_such_checkpoint'}",
+                      "--drafter-option", "medusa.random_init=true",
+                      "--drafter-option", 'cascade.level_options={"student": {"random_init": true}}'])
+    assert rc == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    by_id = {c["id"]: c for c in result["claims"]}
+    assert by_id["ctc_vs_medusa"]["holds"].startswith("not measured (ctc: failed: ")
+    assert by_id["cascade_vs_mag"]["holds"] in ("yes", "no")
+    runs = result["runs"]
+    assert runs[0]["retried_alone"] and "error" in runs[0]
+    assert [r["configs"] for r in runs[1:]] == [[n] for n in runs[0]["configs"]]
+    assert [("error" in r) for r in runs[1:]] == [n == "ctc" for n in runs[0]["configs"]]
+    assert result["unavailable"]["ctc"].startswith("failed: ")
+
+
 def test_cli_routes_bench_parity(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "parity", "--help"])
