@@ -334,7 +334,8 @@ def spec_argv(args: argparse.Namespace, configs: list[Config], temperature: floa
     return argv
 
 
-def run_groups(args: argparse.Namespace, configs: dict[str, Config], workdir: Path) -> tuple[list[dict], list[dict], dict]:
+def run_groups(args: argparse.Namespace, configs: dict[str, Config],
+               workdir: Path) -> tuple[list[dict], list[dict], dict]:
     """Run every group through bench/spec_decode.py; (rows, one record per group, {config: error})."""
     from specserve.bench import spec_decode
 
@@ -373,7 +374,8 @@ def run_groups(args: argparse.Namespace, configs: dict[str, Config], workdir: Pa
 # ---- evaluation ---------------------------------------------------------------------------------
 
 
-def evaluate(claims: list[Claim], rows: list[dict], configs: dict[str, Config], unavailable: dict[str, str]) -> list[dict]:
+def evaluate(claims: list[Claim], rows: list[dict], configs: dict[str, Config],
+             unavailable: dict[str, str]) -> list[dict]:
     """Each claim's record: its paper numbers, ours and whether it holds, from the rows."""
     index = {(r["method"], r["dataset"], r["temperature"]): r for r in rows}
 
@@ -425,6 +427,8 @@ def markdown(result: dict) -> str:
               "target forward, bonus included; SWI with c = parameters / the target's):", "",
               "| name | drafter | options | T | datasets | nodes |", "|---|---|---|---|---|---|"]
     for name, c in result["configs"].items():
+        if name in result["unavailable"]:
+            continue
         opts = " ".join(f"{k}={option_text(v)}" for k, v in c["options"].items()) or "(shipped defaults)"
         lines.append(f"| {name} | {c['drafter']} | {opts} | {c['temperature']:g} | {', '.join(c['datasets'])} "
                      f"| {c['budget']} |")
@@ -469,7 +473,8 @@ def update_readme(path: Path, result: dict) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="target model (default: %(default)s)")
-    ap.add_argument("--num-prompts", type=int, default=5, metavar="N", help="prompts per dataset (default: %(default)s)")
+    ap.add_argument("--num-prompts", type=int, default=5, metavar="N",
+                    help="prompts per dataset (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=96, metavar="N",
                     help="tokens generated per prompt (default: %(default)s)")
     ap.add_argument("--datasets", nargs="+", default=None, metavar="NAME_OR_PATH",
