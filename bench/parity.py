@@ -2,7 +2,7 @@
 checkpoints, as a table of claim / the paper's numbers / ours / holds.
 
     python -m specserve.bench.parity [--num-prompts 5] [--max-tokens 96] [--datasets NAME_OR_PATH ...]
-        [--claims ID ...] [--falcon-nocsgd PATH] [--out bench/results/parity] [--no-readme]
+        [--claims ID ...] [--falcon-nocsgd DIR] [--mcsd-decision DIR] [--out bench/results/parity] [--no-readme]
     (or: specserve bench parity ...)
 
 The claims are data (`CLAIMS`): each names the configurations it compares (`CONFIGS`: a drafter,
@@ -17,10 +17,12 @@ on its own, so that only the failing one is "not measured" (their speeds then co
 runs).
 At temperature 0 every output is still checked against plain decoding token for token.
 
-A claim holds when its ordering holds on every dataset measured ("partly (k/n)" when on some);
-it is "not measured" when a configuration cannot run here: a checkpoint that is not shipped (the
-Falcon checkpoint trained without CSGD, `--falcon-nocsgd`), or a drafter option this version does
-not have (dynamic MCSD). Writes PREFIX.json, PREFIX.md and the claim table into README.md between
+A claim holds when its ordering holds on every dataset measured ("partly (k/n)" when on some); it is
+"not measured" when a configuration cannot run here: a checkpoint that is not shipped (the Falcon
+checkpoint trained without CSGD, `--falcon-nocsgd`), or a drafter option this version does not have
+(dynamic MCSD: the draft model's `decision` option; with it, the fork k_config=fork:16,5 runs,
+early-stopped by the decision model given with `--mcsd-decision`, else to full depth, said in the
+row). Writes PREFIX.json, PREFIX.md and the claim table into README.md between
 `<!-- parity:start -->` and `<!-- parity:end -->` (replaced on every run; `--no-readme` to skip).
 """
 
@@ -66,9 +68,14 @@ class Config:
     needs: str | None = None           # an argument that must be given (its value fills options[needs_key])
     needs_key: str | None = None
     missing: str = ""                  # the "not measured" reason when `needs` is absent or an option is unknown
+    requires: tuple[str, ...] = ()     # options the drafter must declare (a feature of this version) to run
+    optional: dict = field(default_factory=dict)   # {argument: option} filled when the argument is given
+    caveat_without: dict = field(default_factory=dict)   # {option: what ours means when it is not set}
 
 
-DYNAMIC_MCSD_OPTIONS = {"tree": "fork", "width": 16, "depth": 5}   # + decision=PATH with --mcsd-decision
+# dynamic MCSD: MCSD+'s fork of W = 16 chains, D = 5 deep, early-stopped by a decision model (decision=DIR,
+# from --mcsd-decision; `specserve train mcsd-decision` makes one); runs where the drafter has `decision`
+DYNAMIC_MCSD_OPTIONS = {"k_config": "fork:16,5"}
 
 CONFIGS = {c.name: c for c in [
     Config("ctc", "ctc"),
@@ -93,7 +100,8 @@ CONFIGS = {c.name: c for c in [
     Config("mcsd_ti", "student", {"k_config": "4,3,1,1", "target_init_width": 2}, 0.7, ("mt_bench",),
            MCSD_BUDGET, gamma=4),
     Config("mcsd_dynamic", "student", DYNAMIC_MCSD_OPTIONS, 0.7, ("mt_bench",), MCSD_BUDGET, gamma=5,
-           missing="dynamic MCSD not available"),
+           missing="dynamic MCSD not available", requires=("decision",), optional={"mcsd_decision": "decision"},
+           caveat_without={"decision": "no decision model (--mcsd-decision): the fork always drafts D = 5"}),
 ]}
 
 
@@ -241,7 +249,8 @@ CLAIMS = [
     Claim("mcsd_dynamic_vs_ti", "Dynamic MCSD (fork D = 5, W = 16) α > static TI α",
           "0.74 (dynamic, T = 1) vs 0.47 (static TI, T = 0.7)", "MCSD+ Tables 2 and 3, Llama-2-7B-Chat, MT-Bench",
           ("mcsd_dynamic", "mcsd_ti"), ordered("mcsd_alpha", "mcsd_dynamic", "mcsd_ti"),
-          "Both at T = 0.7 here; dynamic MCSD's γ is its depth D = 5."),
+          "Both at T = 0.7 here; dynamic MCSD's γ is its depth D = 5 (an early stop only shortens a draft, so "
+          "without a decision model its α is an upper bound on the dynamic one's)."),
 ]
 CLAIM_IDS = [c.id for c in CLAIMS]
 
@@ -268,13 +277,14 @@ def resolve_configs(claims: list[Claim], args: argparse.Namespace, extra: dict[s
                 missing[name] = cfg.missing
                 continue
             options[cfg.needs_key] = value
-        if name.startswith("mcsd_dynamic") and getattr(args, "mcsd_decision", None):
-            options["decision"] = args.mcsd_decision
+        for arg, key in cfg.optional.items():
+            if getattr(args, arg, None):
+                options[key] = getattr(args, arg)
         if cfg.drafter not in registered:
             missing[name] = f"drafter {cfg.drafter!r} is not registered"
             continue
         declared = drafter_options(drafter_class(cfg.drafter))
-        unknown = [k for k in options if k not in declared]
+        unknown = [k for k in (*options, *cfg.requires) if k not in declared]
         if unknown:
             missing[name] = cfg.missing or f"{cfg.drafter} has no option {', '.join(unknown)}"
             continue
@@ -395,7 +405,10 @@ def evaluate(claims: list[Claim], rows: list[dict], configs: dict[str, Config],
             datasets = list(dict.fromkeys(ds for n in claim.configs for ds in configs[n].datasets))
             datasets = [Path(ds).stem if Path(ds).is_file() else ds for ds in datasets]
             outcome = claim.evaluate(lookup, datasets)
-            rec.update(ours=outcome.ours, holds=outcome.holds, per_dataset=outcome.per_dataset)
+            caveats = [f"{n}: {text}" for n in claim.configs
+                       for key, text in configs[n].caveat_without.items() if key not in configs[n].options]
+            ours = outcome.ours + "".join(f" [{c}]" for c in caveats) if outcome.ours else outcome.ours
+            rec.update(ours=ours, holds=outcome.holds, per_dataset=outcome.per_dataset, caveats=caveats)
         out.append(rec)
     return out
 

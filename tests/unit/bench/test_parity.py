@@ -62,6 +62,20 @@ def test_unavailable_configuration_means_not_measured():
     assert rec["holds"] == "not measured (ctc: failed: boom)"
 
 
+def test_caveat_when_dynamic_mcsd_runs_without_a_decision_model():
+    from dataclasses import replace
+
+    rows = [row("mcsd_dynamic", temperature=0.7, accepted_length_counts=[0, 0, 0, 1]),   # α 3/5
+            row("mcsd_ti", temperature=0.7, accepted_length_counts=[0, 0, 1])]           # α 2/4
+    cfgs = configs("mcsd_dynamic", "mcsd_ti")
+    rec, = parity.evaluate([claim("mcsd_dynamic_vs_ti")], rows, cfgs, {})
+    assert rec["holds"] == "yes" and "0.60 / 0.50" in rec["ours"]
+    assert rec["caveats"] and "no decision model" in rec["ours"]
+    cfgs["mcsd_dynamic"] = replace(cfgs["mcsd_dynamic"], options={**parity.DYNAMIC_MCSD_OPTIONS, "decision": "d"})
+    rec, = parity.evaluate([claim("mcsd_dynamic_vs_ti")], rows, cfgs, {})
+    assert rec["caveats"] == [] and "decision" not in rec["ours"]
+
+
 def test_parallelspec_faster_at_about_equal_tau():
     c, cfgs = claim("parallelspec_vs_eagle"), configs("parallelspec", "eagle")
 
@@ -108,13 +122,24 @@ def test_dynamic_mcsd_is_not_run_without_its_options(monkeypatch):
 
     args = argparse.Namespace(datasets=None, falcon_nocsgd=None, mcsd_decision=None)
     ready, missing = parity.resolve_configs([claim("mcsd_dynamic_vs_ti"), claim("falcon_csgd")], args, {})
-    assert set(ready) == {"mcsd_ti", "falcon"} and ready["mcsd_ti"].options["target_init_width"] == 2
+    assert {"mcsd_ti", "falcon"} <= set(ready) <= {"mcsd_ti", "falcon", "mcsd_dynamic"}
+    assert ready["mcsd_ti"].options["target_init_width"] == 2
     assert missing["falcon_nocsgd"] == parity.CONFIGS["falcon_nocsgd"].missing
-    declared = drafter_options(drafter_class("student"))
-    if all(k in declared for k in parity.DYNAMIC_MCSD_OPTIONS):
-        assert "mcsd_dynamic" in ready
+    if "decision" in drafter_options(drafter_class("student")):
+        assert ready["mcsd_dynamic"].options == parity.DYNAMIC_MCSD_OPTIONS
     else:
         assert missing["mcsd_dynamic"] == "dynamic MCSD not available"
+    # a drafter declaring the options runs it, with the decision model when one is given
+    from specserve.drafters import base
+
+    def student_with_decision(ctx, *, k_config="chain:4", target_init_width=1, decision=None):
+        raise AssertionError("never built here")
+
+    monkeypatch.setitem(base._REGISTRY, "student", student_with_decision)
+    args.mcsd_decision = "ckpt/decision"
+    ready, missing = parity.resolve_configs([claim("mcsd_dynamic_vs_ti")], args, {})
+    assert not missing and ready["mcsd_dynamic"].options == {**parity.DYNAMIC_MCSD_OPTIONS,
+                                                             "decision": "ckpt/decision"}
     args = argparse.Namespace(datasets=["x.jsonl"], falcon_nocsgd="ckpt/nocsgd", mcsd_decision=None)
     ready, missing = parity.resolve_configs([claim("falcon_csgd")], args, {"falcon": {"draft_vocab": 0}})
     assert ready["falcon_nocsgd"].options == {"draft_vocab": 0, "checkpoint": "ckpt/nocsgd"}
@@ -175,6 +200,11 @@ def test_parity_end_to_end_on_the_tiny_model(tiny_llama_dir, tmp_path, capsys):
     assert {c["id"] for c in measured} >= {"ctc_vs_medusa", "falcon_tree_vs_topk", "falcon_tree_vs_chain",
                                            "parallelspec_vs_eagle", "cascade_vs_sps", "cascade_vs_mag",
                                            "mcsd_alpha"}
+    from specserve.drafters.base import drafter_class, drafter_options
+    if "decision" in drafter_options(drafter_class("student")):    # this version has dynamic MCSD: a fork runs
+        assert by_id["mcsd_dynamic_vs_ti"] in measured and "no decision model" in by_id["mcsd_dynamic_vs_ti"]["ours"]
+    else:
+        assert by_id["mcsd_dynamic_vs_ti"]["holds"] == "not measured (dynamic MCSD not available)"
     for c in measured:
         assert c["holds"] in ("yes", "no") and c["ours"] and set(c["per_dataset"]) == {"tiny"}, c
     # two engine runs: greedy at 8 nodes, T = 0.7 at the MCSD budget; every configuration has its row
