@@ -445,6 +445,8 @@ class DraftModelDrafter(Drafter):
     def accept(self, seqs: Seq, results: Seq) -> None:
         """Keep the draft KV of the chosen root and of the accepted nodes that were fed (a prefix
         of the path); node i sits at draft_len - 1 + i."""
+        if self.recorder is not None:     # logging verification outcomes for the decision models
+            self.recorder.label(seqs, results)
         ids, prefixes, paths = [], [], []
         for seq, res in zip(seqs, results):
             st = self.state.get(seq.seq_id)
