@@ -55,6 +55,8 @@ class DecisionLog:
         self.labels: list[float] = []
         self.depths: list[int] = []
         self.seq_ids: list[int] = []
+        self.tree_ids: list[int] = []     # which labelled tree (verification step of a sequence) a row is from
+        self.num_trees = 0
 
     def record(self, seq_ids: Sequence[int], nodes: Sequence[int], depth: int, hidden: torch.Tensor,
                logits: torch.Tensor) -> None:
@@ -80,6 +82,8 @@ class DecisionLog:
                 self.labels.extend(float(n in accepted) for n in nodes)
                 self.depths.extend([depth] * len(nodes))
                 self.seq_ids.extend([seq.seq_id] * len(nodes))
+                self.tree_ids.extend([self.num_trees] * len(nodes))
+            self.num_trees += 1
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -88,12 +92,14 @@ class DecisionLog:
         return {"hidden": torch.cat(self.hidden).float() if self.hidden else torch.empty(0),
                 "topk": torch.cat(self.topk) if self.topk else torch.empty(0),
                 "labels": torch.tensor(self.labels), "depths": torch.tensor(self.depths),
-                "seq_ids": torch.tensor(self.seq_ids)}
+                "seq_ids": torch.tensor(self.seq_ids), "tree_ids": torch.tensor(self.tree_ids)}
 
 
 def log_outcomes(engine, drafter: str, prompts: Sequence[list[int]], *, max_tokens: int, temperature: float,
                  seed: int = 0, top_k: int = 8, progress: bool = False) -> DecisionLog:
-    """Serve `prompts` through `engine` with `drafter` recording, one request each; the log."""
+    """Serve `prompts` through `engine` with `drafter` recording, one request each; the log. A
+    sequence's last tree (the step it finished in) is not labelled: the engine tells a drafter
+    nothing about a finished sequence's verification."""
     from specserve.engine.sampling_params import SamplingParams
 
     log = DecisionLog(top_k)
@@ -111,6 +117,7 @@ def log_outcomes(engine, drafter: str, prompts: Sequence[list[int]], *, max_toke
                 logger.info("mcsd-decision: %d steps, %d tokens logged (%.0f s)", steps, len(log), time.time() - t0)
     finally:
         instance.recorder = None
+        log.pending.clear()
     return log
 
 
