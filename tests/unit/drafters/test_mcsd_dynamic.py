@@ -252,3 +252,61 @@ def test_dynamic_forest_of_target_initialised_roots_runs(tiny_llama_dir, decisio
                                                                     seed=1), prefix="s")
     assert all(len(v) == 24 for v in sampled.values())
     assert 1.0 < eng.drafters["draft_model"].mean_stop_depth < 4.0
+
+
+# ---- the embedded SmolLM2 with its shipped student -------------------------------------------------------
+
+@pytest.mark.slow
+def test_dynamic_mcsd_on_the_default_model_is_lossless(default_model, tmp_path):
+    """SmolLM2-135M (fp32) with the shipped student drafting a fork of 4 chains of depth 4: decision
+    models of both types trained (on features logged through the engine) on the rule 'accepted iff
+    the draft's top-1 probability is above its median' stop some trees early and not others, and
+    greedy output is plain decoding's token for token."""
+    from specserve.drafters.nets.checkpoint import target_fingerprint
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.core import LLMEngine
+
+    texts = ["What is the capital of France?", "Write a Python function that reverses a string.",
+             "List three colours of the rainbow.", "Repeat after me: the quick brown fox jumps over the lazy dog."]
+
+    def engine(drafter_options):
+        return LLMEngine(EngineConfig(model="default", dtype="float32", device="cpu", max_num_seqs=4,
+                                      max_model_len=512, drafters=("none", "student"), num_speculative_tokens=16,
+                                      max_draft_tokens_per_step=64, draft_budget="fixed",
+                                      drafter_options={"student": {"k_config": "fork:4,4", **drafter_options}}),
+                         loaded=default_model)
+
+    static = engine({})
+    tok = static.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+    rows = log_outcomes(static, "student", prompts, max_tokens=24, temperature=0.0).tensors()
+    top1 = rows["topk"][:, 0]
+    rule = (top1 > top1.median()).float()
+    paths = {}
+    for t in (1, 2):
+        x = rows["hidden"] if t == 1 else rows["topk"]
+        torch.manual_seed(0)
+        model = DecisionModel(t, x.shape[1], 32)
+        fit_decision(model, x, rule, epochs=60, lr=3e-3, batch_size=128)
+        paths[t] = str(save_decision(tmp_path / f"type{t}", model, target_name="SmolLM2",
+                                     target_fingerprint=target_fingerprint(static.model_config, static.model),
+                                     draft={"fingerprint": static.drafters["student"].draft_fingerprint()}))
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+
+    def generate(eng, drafter):
+        for i, p in enumerate(prompts):
+            eng.add_request(f"{drafter}-{i}", p, params, drafter=drafter)
+        got: dict[str, list[int]] = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                for d in out.outputs:
+                    got.setdefault(out.request_id, []).extend(d.token_ids)
+        return [got[f"{drafter}-{i}"] for i in range(len(prompts))]
+
+    plain = generate(static, "none")
+    assert all(len(t) > 5 for t in plain)
+    for t in (1, 2):
+        eng = engine({"decision": paths[t]})
+        assert generate(eng, "student") == plain, t
+        assert 1.0 < eng.drafters["student"].mean_stop_depth < 4.0, t
+        assert eng.get_stats().drafters["student"].num_fallbacks == 0
