@@ -336,11 +336,15 @@ class DraftModelDrafter(Drafter):
                                  hidden, logits)
         if self.decision is None:
             return set()
-        p = self.decision.accept_probability(self.decision.features(hidden, logits)).tolist()
+        keep = [i for i, (b, _, _) in enumerate(scored) if depth < max(depths[b])]
+        if not keep:
+            return set()
+        index = torch.tensor(keep, device=hidden.device)
+        p = self.decision.accept_probability(self.decision.features(hidden[index], logits[index])).tolist()
         best: dict[int, float] = {}
-        for (b, _, _), pb in zip(scored, p):
-            if depth < max(depths[b]):
-                best[b] = max(best.get(b, 0.0), pb)
+        for i, pb in zip(keep, p):
+            b = scored[i][0]
+            best[b] = max(best.get(b, 0.0), pb)
         return {b for b, pb in best.items() if pb < self.decision_threshold}
 
     @torch.inference_mode()
