@@ -30,7 +30,8 @@ is a forest with those W tokens as roots, the k-configuration under each (MCSD+'
 **Dynamic MCSD** (MCSD+): a fork `k_config=fork:W,D` (W chains from the root that never branch
 again; with `target_init_width=W` and `k_config=chain:D`, W target-initialised roots each followed
 by a chain) drafted level by level as above, plus `decision=DIR`, an early-stop decision model
-(drafters/nets/mcsd_decision.py, trained by `specserve train mcsd-decision`). After each level the
+(drafters/nets/mcsd_decision.py, trained by `specserve train mcsd-decision`; `decision=type1` or
+`type2` takes the shipped one for the target, if any). After each level the
 decision model scores every newest token of every sequence in one batched call (from the draft
 forward that produced it: no extra forward); a sequence whose newest tokens all score below β
 (`decision_threshold`, default 0.4) stops growing, and its tree is the level-major prefix of the
@@ -176,11 +177,22 @@ class DraftModelDrafter(Drafter):
         self.recorder = None
 
     def _load_decision(self, path: str, ctx: DrafterContext):
+        """`decision=DIR` (a checkpoint folder), or `type1` / `type2`: the shipped one of that type
+        for this target (and, type 1, this draft model) when no folder of that name exists."""
+        from pathlib import Path
+
         from specserve.drafters.nets.checkpoint import target_fingerprint
-        from specserve.drafters.nets.mcsd_decision import load_decision
+        from specserve.drafters.nets.mcsd_decision import load_decision, shipped_decision
 
         fingerprint = target_fingerprint(ctx.model_config, ctx.target) if ctx.target is not None else None
-        return load_decision(path, target_fingerprint=fingerprint, draft_fingerprint=self.draft_fingerprint(),
+        draft_fingerprint = self.draft_fingerprint()
+        if str(path) in ("type1", "type2") and not Path(path).exists():
+            found = shipped_decision(int(str(path)[-1]), fingerprint, draft_fingerprint) if fingerprint else None
+            if found is None:
+                raise ValueError(f"no {path} MCSD decision model ships for this target and draft model; train one "
+                                 f"with `specserve train mcsd-decision --out DIR` and pass decision=DIR/{path}")
+            path = str(found)
+        return load_decision(path, target_fingerprint=fingerprint, draft_fingerprint=draft_fingerprint,
                              hidden_size=self.model.cfg.hidden_size, device=self.device)
 
     def draft_fingerprint(self) -> str:

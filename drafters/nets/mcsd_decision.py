@@ -22,6 +22,8 @@ Inputs are standardised with the training features' mean and standard deviation 
 `scale` buffers saved with the weights). A checkpoint is a folder in the format of
 drafters/nets/checkpoint.py, kind "mcsd-decision", tied to the target's fingerprint; type 1 also
 records the draft model's fingerprint (its hidden states mean nothing to another draft model).
+Shipped ones (drafters/checkpoints/mcsd-student-1l/type1|type2, for the default target's shipped
+student) are found by `shipped_decision` (the drafter's `decision=type1` / `decision=type2`).
 """
 
 from __future__ import annotations
@@ -126,4 +128,23 @@ def load_decision(directory: str | os.PathLike, *, target_fingerprint: str | Non
     return model.to(device).eval().requires_grad_(False)
 
 
-__all__ = ["KIND", "DecisionModel", "topk_entropy_features", "save_decision", "load_decision", "DEFAULT_TOP_K"]
+def shipped_decision(decision_type: int, target_fingerprint: str, draft_fingerprint: str | None = None,
+                     root: str | os.PathLike | None = None) -> Path | None:
+    """The shipped `typeN` decision checkpoint (drafters/checkpoints/*/typeN/) for this target — for
+    type 1 also trained on this draft model — or None."""
+    from specserve.drafters.nets.checkpoint import SHIPPED_DIR, read_meta
+
+    root = SHIPPED_DIR if root is None else Path(root)
+    for meta_file in sorted(root.glob(f"*/type{decision_type}/meta.json")) if root.is_dir() else ():
+        try:
+            meta = read_meta(meta_file.parent)
+        except (OSError, ValueError):
+            continue
+        trained_on = (meta.hyperparams.get("draft") or {}).get("fingerprint")
+        if meta.kind == KIND and meta.target_fingerprint == target_fingerprint and int(meta.hyperparams.get("type", 0)) \
+                == decision_type and (decision_type == 2 or draft_fingerprint is None or trained_on == draft_fingerprint):
+            return meta_file.parent
+    return None
+
+
+__all__ = ["KIND", "shipped_decision", "DecisionModel", "topk_entropy_features", "save_decision", "load_decision", "DEFAULT_TOP_K"]

@@ -99,6 +99,9 @@ def test_decision_options_are_validated(tiny_llama_dir, decisions):
     # a folder holding checkpoints is named in the error
     with pytest.raises(FileNotFoundError, match="reject"):
         fork_engine(tiny_llama_dir, decision=str(Path(decisions["reject"]).parent))
+    # the shipped decision models are for the default target's student only
+    with pytest.raises(ValueError, match="no type2 MCSD decision model ships"):
+        fork_engine(tiny_llama_dir, decision="type2")
     # type 1 reads one draft model's hidden states: refused for another draft model of the target
     with pytest.raises(CheckpointMismatchError, match="another draft model"):
         fork_engine(tiny_llama_dir, decision=decisions["median1"], draft_layers=2)
@@ -260,8 +263,8 @@ def test_dynamic_forest_of_target_initialised_roots_runs(tiny_llama_dir, decisio
 def test_dynamic_mcsd_on_the_default_model_is_lossless(default_model, tmp_path):
     """SmolLM2-135M (fp32) with the shipped student drafting a fork of 4 chains of depth 4: decision
     models of both types trained (on features logged through the engine) on the rule 'accepted iff
-    the draft's top-1 probability is above its median' stop some trees early and not others, and
-    greedy output is plain decoding's token for token."""
+    the draft's top-1 probability is above its median' stop some trees early and not others, the
+    shipped decision models load by type, and greedy output is plain decoding's token for token."""
     from specserve.drafters.nets.checkpoint import target_fingerprint
     from specserve.engine.config import EngineConfig
     from specserve.engine.core import LLMEngine
@@ -305,8 +308,9 @@ def test_dynamic_mcsd_on_the_default_model_is_lossless(default_model, tmp_path):
 
     plain = generate(static, "none")
     assert all(len(t) > 5 for t in plain)
-    for t in (1, 2):
-        eng = engine({"decision": paths[t]})
+    for t in (1, 2, "type1", "type2"):          # typeN: the shipped decision models of the shipped student
+        eng = engine({"decision": paths.get(t, t)})
         assert generate(eng, "student") == plain, t
-        assert 1.0 < eng.drafters["student"].mean_stop_depth < 4.0, t
+        depth = eng.drafters["student"].mean_stop_depth
+        assert (1.0 < depth < 4.0) if t in paths else (1.0 <= depth <= 4.0), (t, depth)
         assert eng.get_stats().drafters["student"].num_fallbacks == 0
