@@ -59,7 +59,8 @@ class DecisionModel(nn.Module):
             raise ValueError(f"decision type must be 1 or 2, got {decision_type!r}")
         if decision_type == 2 and in_dim != top_k + 1:
             raise ValueError(f"a type-2 decision model reads top_k + 1 = {top_k + 1} features, got in_dim {in_dim}")
-        self.decision_type, self.in_dim, self.hidden, self.top_k = int(decision_type), int(in_dim), int(hidden), int(top_k)
+        self.decision_type, self.in_dim = int(decision_type), int(in_dim)
+        self.hidden, self.top_k = int(hidden), int(top_k)
         if decision_type == 1:
             self.mlp = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
                                      nn.Linear(hidden, 1))
@@ -119,8 +120,9 @@ def load_decision(directory: str | os.PathLike, *, target_fingerprint: str | Non
     if model.decision_type == 1:
         trained_on = (hp.get("draft") or {}).get("fingerprint")
         if draft_fingerprint is not None and trained_on is not None and trained_on != draft_fingerprint:
-            raise CheckpointMismatchError(f"{directory}: a type-1 decision model trained on the hidden states of "
-                                          f"another draft model (fingerprint {trained_on}, this one {draft_fingerprint})")
+            raise CheckpointMismatchError(
+                f"{directory}: a type-1 decision model trained on the hidden states of another draft model "
+                f"(fingerprint {trained_on}, this one {draft_fingerprint})")
         if hidden_size is not None and model.in_dim != hidden_size:
             raise CheckpointMismatchError(f"{directory}: a type-1 decision model reads hidden states of size "
                                           f"{model.in_dim}, this draft model's are {hidden_size}")
@@ -141,10 +143,12 @@ def shipped_decision(decision_type: int, target_fingerprint: str, draft_fingerpr
         except (OSError, ValueError):
             continue
         trained_on = (meta.hyperparams.get("draft") or {}).get("fingerprint")
-        if meta.kind == KIND and meta.target_fingerprint == target_fingerprint and int(meta.hyperparams.get("type", 0)) \
-                == decision_type and (decision_type == 2 or draft_fingerprint is None or trained_on == draft_fingerprint):
+        same_draft = decision_type == 2 or draft_fingerprint is None or trained_on == draft_fingerprint
+        if meta.kind == KIND and meta.target_fingerprint == target_fingerprint and same_draft \
+                and int(meta.hyperparams.get("type", 0)) == decision_type:
             return meta_file.parent
     return None
 
 
-__all__ = ["KIND", "shipped_decision", "DecisionModel", "topk_entropy_features", "save_decision", "load_decision", "DEFAULT_TOP_K"]
+__all__ = ["KIND", "DEFAULT_TOP_K", "DecisionModel", "topk_entropy_features", "save_decision", "load_decision",
+           "shipped_decision"]
