@@ -27,6 +27,24 @@ is a forest with those W tokens as roots, the k-configuration under each (MCSD+'
 `target_init_width=2, k_config=4,3,1,1`). Verification keeps the root whose subtree accepted most
 (the first-drawn on ties), which biases the output towards easily drafted text.
 
+**Dynamic MCSD** (MCSD+): a fork `k_config=fork:W,D` (W chains from the root that never branch
+again; with `target_init_width=W` and `k_config=chain:D`, W target-initialised roots each followed
+by a chain) drafted level by level as above, plus `decision=DIR`, an early-stop decision model
+(drafters/nets/mcsd_decision.py, trained by `specserve train mcsd-decision`; `decision=type1` or
+`type2` takes the shipped one for the target, if any). After each level the
+decision model scores every newest token of every sequence in one batched call (from the draft
+forward that produced it: no extra forward); a sequence whose newest tokens all score below β
+(`decision_threshold`, default 0.4) stops growing, and its tree is the level-major prefix of the
+levels drafted so far (at least one). Stopping only shortens drafts, so losslessness is untouched.
+Without `decision` a fork drafts to full depth (static). Any k-configuration can stop early the
+same way; the paper's dynamic mode is the fork. `mean_stop_depth` is the mean depth of the trees
+proposed.
+
+The draft forwards' tree masks are sliced, never rebuilt: each template's ancestor mask is built
+once for its full depth (`engine.tree.tree_topology`, the one place masks are derived), and a
+level fed at depth d attends through the top-left block of it up to that level's last node (MCSD+'s
+sliced mask: level-major order makes the first d levels' mask the top-left square of the full one).
+
 The draft model is either loaded from a source (`draft_model=` anything `--model` accepts) or is
 the target's first `draft_layers` layers with its final norm and LM head, sharing the weights.
 
@@ -50,15 +68,27 @@ from specserve.engine.config import ModelConfig
 from specserve.engine.kv_cache import PagedDraftKV
 from specserve.engine.model import LlamaModel
 from specserve.engine.sampler import SamplingTensors, processed_probs
-from specserve.engine.tree import TokenTree, TreeTemplate, ancestor_mask, num_roots, tree_depths
+from specserve.engine.tree import TokenTree, TreeTemplate, num_roots, tree_depths, tree_topology
+
+DEFAULT_DECISION_THRESHOLD = 0.4   # MCSD+'s β
 
 
 def parse_k_config(value) -> tuple[int, ...]:
-    """"4,2,2,1" / (4, 2, 2, 1) -> (4, 2, 2, 1); "chain:5" -> (1, 1, 1, 1, 1)."""
+    """"4,2,2,1" / (4, 2, 2, 1) -> (4, 2, 2, 1); "chain:5" -> (1, 1, 1, 1, 1); "fork:W,D" (MCSD+'s
+    fork: W chains of depth D that never branch again) -> (W, 1, ..., 1), D entries."""
     if isinstance(value, str):
+        value = value.replace(" ", "")
         if value.startswith("chain:"):
-            return (1,) * int(value.split(":", 1)[1])
-        value = [int(x) for x in value.replace(" ", "").split(",") if x]
+            return parse_k_config((1,) * int(value.split(":", 1)[1]))
+        if value.startswith("fork:"):
+            parts = value.split(":", 1)[1].split(",")
+            if len(parts) != 2 or not all(x.lstrip("-").isdigit() for x in parts):
+                raise ValueError(f"a fork k-configuration is fork:WIDTH,DEPTH, got {value!r}")
+            width, depth = int(parts[0]), int(parts[1])
+            if width < 1 or depth < 1:
+                raise ValueError(f"a fork needs width >= 1 and depth >= 1, got {value!r}")
+            return (width,) + (1,) * (depth - 1)
+        value = [int(x) for x in value.split(",") if x]
     ks = tuple(int(k) for k in value)
     if not ks or any(k < 1 for k in ks):
         raise ValueError(f"a k-configuration needs positive branching factors, got {value!r}")
@@ -86,16 +116,24 @@ class DraftModelDrafter(Drafter):
     def __init__(self, ctx: DrafterContext, *, draft_model: str | None = None, draft_layers: int | None = None,
                  k_config="chain:4", num_blocks: int | None = None, block_size: int = 16,
                  target_init_width: int = 1, deterministic: bool = False, prebuilt: LlamaModel | None = None,
-                 draft_vocab: int | None = None, vocab_rank: torch.Tensor | None = None):
+                 draft_vocab: int | None = None, vocab_rank: torch.Tensor | None = None,
+                 decision: str | None = None, decision_threshold: float | None = None):
         target, model_config, device, dtype = ctx.target, ctx.model_config, ctx.device, ctx.dtype
         max_model_len, max_num_seqs = ctx.max_model_len, ctx.max_num_seqs
         if int(target_init_width) < 1:
             raise ValueError(f"target_init_width must be >= 1, got {target_init_width}")
+        if decision_threshold is not None:
+            if decision is None:
+                raise ValueError("decision_threshold needs a decision model (decision=DIR)")
+            if isinstance(decision_threshold, bool) or not 0.0 <= float(decision_threshold) <= 1.0:
+                raise ValueError(f"decision_threshold must be a probability in [0, 1], got {decision_threshold!r}")
         self.k_config = parse_k_config(k_config)
         self.deterministic = deterministic
         self.target_init_width = int(target_init_width)
         self.template = TreeTemplate.from_branching(self.k_config)
         self.forests = {w: TreeTemplate.forest(w, self.k_config) for w in range(2, self.target_init_width + 1)}
+        # the sliced mask: each template's ancestor mask, built once for its full depth
+        self.masks = {t: tree_topology(t.parents).mask for t in [self.template, *self.forests.values()]}
         self.device = device
         if prebuilt is not None:          # a subclass's own model (e.g. a distilled student)
             self.model, cfg = prebuilt, prebuilt.cfg
@@ -128,6 +166,45 @@ class DraftModelDrafter(Drafter):
         # standardized walltime: draft forward runs (one per sequence served) and their cost ratio
         self.num_runs = 0
         self.cost = param_count(self.model) / param_count(target) if target is not None else 1.0
+        # dynamic MCSD: the early-stop decision model and β; depth statistics of the trees proposed
+        self.decision, self.decision_threshold = None, DEFAULT_DECISION_THRESHOLD
+        if decision is not None:
+            self.decision = self._load_decision(decision, ctx)
+            if decision_threshold is not None:
+                self.decision_threshold = float(decision_threshold)
+        self.num_trees, self.sum_depth = 0, 0
+        # training the decision models (drafters/train/mcsd_decision.py): a DecisionLog, else None
+        self.recorder = None
+
+    def _load_decision(self, path: str, ctx: DrafterContext):
+        """`decision=DIR` (a checkpoint folder), or `type1` / `type2`: the shipped one of that type
+        for this target (and, type 1, this draft model) when no folder of that name exists."""
+        from pathlib import Path
+
+        from specserve.drafters.nets.checkpoint import target_fingerprint
+        from specserve.drafters.nets.mcsd_decision import load_decision, shipped_decision
+
+        fingerprint = target_fingerprint(ctx.model_config, ctx.target) if ctx.target is not None else None
+        draft_fingerprint = self.draft_fingerprint()
+        if str(path) in ("type1", "type2") and not Path(path).exists():
+            found = shipped_decision(int(str(path)[-1]), fingerprint, draft_fingerprint) if fingerprint else None
+            if found is None:
+                raise ValueError(f"no {path} MCSD decision model ships for this target and draft model; train one "
+                                 f"with `specserve train mcsd-decision --out DIR` and pass decision=DIR/{path}")
+            path = str(found)
+        return load_decision(path, target_fingerprint=fingerprint, draft_fingerprint=draft_fingerprint,
+                             hidden_size=self.model.cfg.hidden_size, device=self.device)
+
+    def draft_fingerprint(self) -> str:
+        """The draft model's own fingerprint (type-1 decision models are tied to its hidden states)."""
+        from specserve.drafters.nets.checkpoint import target_fingerprint
+
+        return target_fingerprint(self.model.cfg, self.model)
+
+    @property
+    def mean_stop_depth(self) -> float:
+        """Mean depth (levels) of the trees proposed so far (0.0 before any)."""
+        return self.sum_depth / self.num_trees if self.num_trees else 0.0
 
     def model_runs(self) -> dict[str, tuple[int, float]]:
         return {self.name: (self.num_runs, self.cost)}
@@ -181,30 +258,36 @@ class DraftModelDrafter(Drafter):
         for st, chunk in zip(states, chunks):
             st.draft_len += len(chunk)
             st.fed = [True]                       # the root is now in the draft cache
-        root_logits = self.vocab.expanded_logits(hidden[last_rows])               # [B, vocab]
+        root_hidden = hidden[last_rows]
+        root_logits = self.vocab.expanded_logits(root_hidden)                     # [B, vocab]
         frontier = [list(range(r)) for r in roots]  # per sequence: nodes whose children come next
         # the other target-initialised roots: fed at the root's position, each seeing only the prefix
         forests = [b for b in range(len(seqs)) if roots[b] > 1]
-        alt_logits = self._feed(seqs, states, parents, tokens, {b: list(range(1, roots[b])) for b in forests})
-        rows, a = [], 0
+        alt_logits, alt_hidden = self._feed(seqs, states, templates, tokens,
+                                            {b: list(range(1, roots[b])) for b in forests})
+        rows, hrows, a = [], [], 0
         for b in range(len(seqs)):
             rows.append(root_logits[b:b + 1])
+            hrows.append(root_hidden[b:b + 1])
             if roots[b] > 1:
                 rows.append(alt_logits[a:a + roots[b] - 1])
+                hrows.append(alt_hidden[a:a + roots[b] - 1])
                 a += roots[b] - 1
-        frontier_logits = torch.cat(rows)
+        frontier_logits, frontier_hidden = torch.cat(rows), torch.cat(hrows)
+        scoring = self.decision is not None or self.recorder is not None
 
         max_depth = max(max(d) for d in depths)
         for depth in range(1, max_depth + 1):
             # 2a. choose the children of every frontier node
             row = 0
             new_nodes: list[list[int]] = []
+            scored: list[tuple[int, int, int]] = []   # (sequence, node, frontier row of its parent)
             for b, seq in enumerate(seqs):
-                level = [i for i in range(len(parents[b])) if depths[b][i] == depth]
+                level = [i for i in range(len(parents[b])) if depths[b][i] == depth] if frontier[b] else []
                 new_nodes.append(level)
                 n_front = len(frontier[b])
                 logits_b = frontier_logits[row:row + n_front]
-                row += n_front
+                row0, row = row, row + n_front
                 if not level:
                     continue
                 k = self.k_config[depth - 1]
@@ -222,11 +305,16 @@ class DraftModelDrafter(Drafter):
                     rank = templates[b].ranks[node]
                     tokens[b].append(picks[f][rank])
                     probs[b].append(q[f] if q is not None else None)
-            # 2b. feed the new level (unless it is the last) to get the next frontier's logits
-            feed = {b: new_nodes[b] for b in range(len(seqs)) if new_nodes[b] and depth < max(depths[b])}
+                    scored.append((b, node, row0 + f))
+            # 2b. dynamic MCSD: score the new level; a sequence whose new tokens all score below β stops
+            stopped = self._score_level(seqs, depth, depths, scored, frontier_hidden, frontier_logits) \
+                if scoring and scored else set()
+            # 2c. feed the new level (unless it is the last) to get the next frontier's logits
+            feed = {b: new_nodes[b] for b in range(len(seqs))
+                    if new_nodes[b] and depth < max(depths[b]) and b not in stopped}
             if depth == max_depth or not feed:
                 break
-            frontier_logits = self._feed(seqs, states, parents, tokens, feed)
+            frontier_logits, frontier_hidden = self._feed(seqs, states, templates, tokens, feed)
             for b in range(len(seqs)):
                 frontier[b] = new_nodes[b] if b in feed else []
 
@@ -244,7 +332,32 @@ class DraftModelDrafter(Drafter):
                 if self.target_init_width > 1 and not seq_params_exclude(seqs[b].params):
                     next_roots = self.target_init_width
                 trees[i] = TokenTree(tokens[b], parents[b][:len(tokens[b])], dp, next_roots)
+                self.num_trees += 1
+                self.sum_depth += depths[b][len(tokens[b]) - 1]
         return trees
+
+    def _score_level(self, seqs, depth: int, depths, scored, frontier_hidden, frontier_logits) -> set[int]:
+        """The sequences (indices) that stop after this level: the decision model scores every new
+        node from its parent's draft forward (final hidden state, logits), all sequences in one
+        call; a sequence stops when each of its new nodes scores below β. A level that is some
+        sequence's last is not scored for it (nothing to stop). Logs the features when recording."""
+        parent_rows = torch.tensor([r for _, _, r in scored], device=frontier_hidden.device)
+        hidden, logits = frontier_hidden[parent_rows], frontier_logits[parent_rows]
+        if self.recorder is not None:
+            self.recorder.record([seqs[b].seq_id for b, _, _ in scored], [n for _, n, _ in scored], depth,
+                                 hidden, logits)
+        if self.decision is None:
+            return set()
+        keep = [i for i, (b, _, _) in enumerate(scored) if depth < max(depths[b])]
+        if not keep:
+            return set()
+        index = torch.tensor(keep, device=hidden.device)
+        p = self.decision.accept_probability(self.decision.features(hidden[index], logits[index])).tolist()
+        best: dict[int, float] = {}
+        for i, pb in zip(keep, p):
+            b = scored[i][0]
+            best[b] = max(best.get(b, 0.0), pb)
+        return {b for b, pb in best.items() if pb < self.decision_threshold}
 
     @torch.inference_mode()
     def review(self, seqs: Seq, proposals: Seq[Seq[int]], leniency: float = 1.0) -> list[tuple[int, int]]:
@@ -312,19 +425,23 @@ class DraftModelDrafter(Drafter):
             self._vocab_index = inv.index_copy_(0, self.vocab.ids, torch.arange(len(self.vocab.ids), device=inv.device))
         return self._vocab_index[token_ids.to(self._vocab_index.device)].to(token_ids.device)
 
-    def _feed(self, seqs, states, parents, tokens, feed: dict[int, list[int]]) -> torch.Tensor:
+    def _feed(self, seqs, states, templates, tokens, feed: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward over new tree nodes (`feed[b]`: consecutive node indices of sequence
         b), each attending to the prefix plus its own ancestors in the tree; node i sits at cache
-        position draft_len - 1 + i and RoPE position draft_len - 1 + depth. Logits, rows in order."""
+        position draft_len - 1 + i and RoPE position draft_len - 1 + depth. The tree part of the
+        mask is the top-left slice of the template's full-depth mask (rows `feed[b]`, columns up to
+        the last of them: the nodes in the cache after the prefix). (logits, final hidden states),
+        rows in order."""
         if not feed:
-            return torch.empty(0, self.vocab_size, device=self.device)
+            return (torch.empty(0, self.vocab_size, device=self.device),
+                    torch.empty(0, self.model.cfg.hidden_size, device=self.device))
         starts, qlens, masks, pos, ids = [], [], [], [], []
         for b, nodes in feed.items():
-            st = states[b]
-            depth = tree_depths(parents[b])
+            st, template = states[b], templates[b]
+            depth = tree_depths(template.parents[:nodes[-1] + 1])
             starts.append(st.draft_len - 1 + nodes[0])
             qlens.append(len(nodes))
-            masks.append(ancestor_mask(parents[b], nodes))   # over tree nodes 0..last fed
+            masks.append(self.sliced_mask(template, nodes[0], nodes[-1] + 1))
             pos.extend(st.draft_len - 1 + depth[n] for n in nodes)
             ids.extend(tokens[b][n] for n in nodes)
             st.fed.extend([False] * (nodes[0] - len(st.fed)))
@@ -333,11 +450,19 @@ class DraftModelDrafter(Drafter):
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
                             torch.tensor(pos, dtype=torch.int64, device=self.device), self.cache, meta)
         self.num_runs += len(feed)
-        return self.vocab.expanded_logits(hidden)
+        return self.vocab.expanded_logits(hidden), hidden
+
+    def sliced_mask(self, template: TreeTemplate, first: int, end: int) -> torch.Tensor:
+        """Rows `first..end-1`, columns `0..end-1` of `template`'s full-depth ancestor mask: the
+        visibility of nodes first..end-1 over the tree nodes fed so far (MCSD+'s sliced mask; with
+        first = 0 the top-left square, the mask of the tree cut to its first `end` nodes)."""
+        return self.masks[template][first:end, :end]
 
     def accept(self, seqs: Seq, results: Seq) -> None:
         """Keep the draft KV of the chosen root and of the accepted nodes that were fed (a prefix
         of the path); node i sits at draft_len - 1 + i."""
+        if self.recorder is not None:     # logging verification outcomes for the decision models
+            self.recorder.label(seqs, results)
         ids, prefixes, paths = [], [], []
         for seq, res in zip(seqs, results):
             st = self.state.get(seq.seq_id)

@@ -133,12 +133,14 @@ def run_training(drafter: str, options: Mapping[str, Any], *, target: TrainTarge
     torch.manual_seed(o["seed"])
     target = target or prepare_target(str(o["model"]), device=o["device"], dtype=o["dtype"],
                                       max_positions=max(o["max_len"], 512))
-    data = prepare_data(target, o)
+    # a trainer that logs its own data (e.g. mcsd-decision) sets `needs_teacher_shards = False`
+    data = prepare_data(target, o) if getattr(trainer, "needs_teacher_shards", True) else None
     out = Path(o["out"]).expanduser()
     # trainers see concrete values: the folder, the target's device and dtype ("auto" resolved)
     o.update(out=out, device=str(target.device), dtype=str(target.dtype).removeprefix("torch."))
-    logger.info("training %s for %s (%d train / %d held-back examples) -> %s", drafter, target.name, len(data.train),
-                len(data.held_back), out)
+    if data is not None:
+        logger.info("training %s for %s (%d train / %d held-back examples) -> %s", drafter, target.name,
+                    len(data.train), len(data.held_back), out)
     result = trainer(dict(o), target, data)
     return Path(result) if result is not None else out
 
