@@ -21,8 +21,8 @@ A claim holds when its ordering holds on every dataset measured ("partly (k/n)" 
 "not measured" when a configuration cannot run here: a checkpoint that is not shipped (the Falcon
 checkpoint trained without CSGD, `--falcon-nocsgd`), or a drafter option this version does not have
 (dynamic MCSD: the draft model's `decision` option; with it, the fork k_config=fork:16,5 runs,
-early-stopped by the decision model given with `--mcsd-decision`, else to full depth, said in the
-row). Writes PREFIX.json, PREFIX.md and the claim table into README.md between
+early-stopped by the decision model given with `--mcsd-decision` (default: the shipped type-1 model),
+with `--mcsd-decision none` to full depth, said in the row). Writes PREFIX.json, PREFIX.md and the claim table into README.md between
 `<!-- parity:start -->` and `<!-- parity:end -->` (replaced on every run; `--no-readme` to skip).
 """
 
@@ -278,7 +278,7 @@ def resolve_configs(claims: list[Claim], args: argparse.Namespace, extra: dict[s
                 continue
             options[cfg.needs_key] = value
         for arg, key in cfg.optional.items():
-            if getattr(args, arg, None):
+            if getattr(args, arg, None) not in (None, "", "none"):
                 options[key] = getattr(args, arg)
         if cfg.drafter not in registered:
             missing[name] = f"drafter {cfg.drafter!r} is not registered"
@@ -497,8 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"a subset of the claims (default: all): {', '.join(CLAIM_IDS)}")
     ap.add_argument("--falcon-nocsgd", default=None, metavar="DIR",
                     help="a falcon checkpoint trained with csgd=false, for the CSGD half of the Falcon claim")
-    ap.add_argument("--mcsd-decision", default=None, metavar="PATH",
-                    help="a decision-model checkpoint for dynamic MCSD (default: none, depth D always)")
+    ap.add_argument("--mcsd-decision", default="type1", metavar="PATH",
+                    help="the decision model of dynamic MCSD: a checkpoint folder, type1/type2 (those shipped for "
+                         "the default target's student), or none (the fork always drafts D deep) (default: %(default)s)")
     ap.add_argument("--drafter-option", action="append", default=[], metavar="NAME.OPTION=VALUE",
                     help="an option added to every configuration of drafter NAME (or to configuration NAME), "
                          "e.g. ctc.checkpoint=DIR (repeatable)")
