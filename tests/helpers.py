@@ -50,18 +50,22 @@ def step_and_collect(engine, got: dict[str, list[int]]) -> None:
             got.setdefault(out.request_id, []).extend(d.token_ids)
 
 
-def run_requests(engine, prompts, params, *, stagger: bool = True, prefix: str = "r",
-                 max_steps: int = 5000) -> dict[str, list[int]]:
-    """Add `prompts` as requests f"{prefix}{i}", one every other step (`stagger`, so that prefills,
-    plain decodes and trees share steps) or one per step, and step until all are finished (in fewer
-    than `max_steps` steps); request id -> generated token ids."""
+def run_requests(engine, prompts, params, *, stagger: bool = True, prefix: str = "r", every: int = 2,
+                 drafter: str | None = None, max_steps: int = 5000) -> dict[str, list[int]]:
+    """Add `prompts` as requests f"{prefix}{i}" (drafted by `drafter`, when given), one every
+    `every` steps (`stagger`, so that prefills, plain decodes and trees share steps) or one per
+    step, and step until all are finished (in fewer than `max_steps` steps); request id ->
+    generated token ids."""
     got: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))
     step = 0
     while pending or engine.has_unfinished_requests():
-        if pending and (not stagger or step % 2 == 0):
+        if pending and (not stagger or step % every == 0):
             i, p = pending.pop(0)
-            engine.add_request(f"{prefix}{i}", p, params)
+            if drafter is None:
+                engine.add_request(f"{prefix}{i}", p, params)
+            else:
+                engine.add_request(f"{prefix}{i}", p, params, drafter=drafter)
         step_and_collect(engine, got)
         step += 1
         assert step < max_steps

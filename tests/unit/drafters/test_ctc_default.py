@@ -5,6 +5,7 @@ different steps, and drafts that get accepted."""
 from __future__ import annotations
 
 import pytest
+from helpers import run_requests
 
 from specserve.engine.config import EngineConfig
 from specserve.engine.core import LLMEngine
@@ -21,17 +22,9 @@ PROMPTS = [
 
 
 def run_staggered(engine: LLMEngine, prompts: list[list[int]], drafter: str, max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    got: dict[str, list[int]] = {}
-    pending, step = list(enumerate(prompts)), 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % 3 == 0:
-            i, p = pending.pop(0)
-            engine.add_request(f"{drafter}-{i}", p, params, drafter=drafter)
-        for out in engine.step():
-            for d in out.outputs:
-                got.setdefault(out.request_id, []).extend(d.token_ids)
-        step += 1
+    """Greedy requests drafted by `drafter`, one added every third step; outputs in prompt order."""
+    got = run_requests(engine, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), every=3,
+                       prefix=f"{drafter}-", drafter=drafter)
     return [got[f"{drafter}-{i}"] for i in range(len(prompts))]
 
 

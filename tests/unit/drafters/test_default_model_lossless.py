@@ -6,6 +6,7 @@ decoding gives, with one engine serving all drafters side by side (per-request c
 from __future__ import annotations
 
 import pytest
+from helpers import run_requests
 
 from specserve.bench.datasets import data_dir
 from specserve.engine.config import EngineConfig
@@ -24,18 +25,10 @@ DRAFTERS = ("ngram", "mag", "draft_model", "student", "medusa", "eagle", "parall
             "cascade")   # trained ones: shipped checkpoints; cascade: student reviewing mag
 
 
-def run_staggered(engine: LLMEngine, prompts: list[list[int]], drafter: str) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-    got: dict[str, list[int]] = {}
-    pending, step = list(enumerate(prompts)), 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % 3 == 0:
-            i, p = pending.pop(0)
-            engine.add_request(f"{drafter}-{i}", p, params, drafter=drafter)
-        for out in engine.step():
-            for d in out.outputs:
-                got.setdefault(out.request_id, []).extend(d.token_ids)
-        step += 1
+def run_staggered(engine: LLMEngine, prompts: list[list[int]], drafter: str, max_tokens: int = 24) -> list[list[int]]:
+    """Greedy requests drafted by `drafter`, one added every third step; outputs in prompt order."""
+    got = run_requests(engine, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), every=3,
+                       prefix=f"{drafter}-", drafter=drafter)
     return [got[f"{drafter}-{i}"] for i in range(len(prompts))]
 
 
