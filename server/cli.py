@@ -369,11 +369,13 @@ TRAIN_DEFAULTS = dict(model="default", data="default", epochs=None, lr=None, bat
 def _add_train(sub) -> None:
     d = TRAIN_DEFAULTS
     p = sub.add_parser(
-        "train", help="train a drafter (medusa, eagle, ...) for the target model",
+        "train", help="train a drafter (medusa, eagle, ..., mcsd-decision) for the target model",
         description="Distil a trained drafter from the target: build (or reuse) teacher shards -- the target's "
                     "hidden states and top-k next tokens over prompt + answer -- from the prompt pool, hold back "
                     "some examples to measure tau, then run the drafter's trainer and write its checkpoint "
-                    "(model.safetensors + meta.json) to --out.")
+                    "(model.safetensors + meta.json) to --out. `mcsd-decision` builds no teacher shards: it runs "
+                    "the engine with the draft model's fork, logs every drafted token's verification outcome and "
+                    "trains the early-stop decision models into --out/type1 and --out/type2.")
     p.add_argument("drafter", metavar="DRAFTER", help="the drafter to train (an unknown name lists the available ones)")
     p.add_argument("--model", default=d["model"], help=MODEL_HELP)
     p.add_argument("--data", default=d["data"], metavar="PATH",
