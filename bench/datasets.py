@@ -20,6 +20,11 @@ def data_dir() -> Path:
     return Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
 
+def dataset_label(name_or_path: str) -> str:
+    """The name a dataset's rows carry in the results: a file's stem, else the name itself."""
+    return Path(name_or_path).stem if Path(name_or_path).is_file() else name_or_path
+
+
 def load_prompts(name_or_path: str, limit: int | None = None) -> list[str]:
     """First user turn of each row, in file order."""
     path = Path(name_or_path)

@@ -40,6 +40,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
+from specserve.bench.datasets import dataset_label
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "parity"
 README = Path(__file__).resolve().parent.parent / "README.md"
 MARK_START, MARK_END = "<!-- parity:start -->", "<!-- parity:end -->"
@@ -76,6 +78,9 @@ class Config:
 # dynamic MCSD: MCSD+'s fork of W = 16 chains, D = 5 deep, early-stopped by a decision model (decision=DIR,
 # from --mcsd-decision; `specserve train mcsd-decision` makes one); runs where the drafter has `decision`
 DYNAMIC_MCSD_OPTIONS = {"k_config": "fork:16,5"}
+# why the Falcon configurations trained without CSGD (not shipped) read "not measured"
+NO_CSGD_CHECKPOINT = ("no csgd=false checkpoint; train with `specserve train falcon ... --option csgd=false` "
+                      "and pass --falcon-nocsgd DIR")
 
 CONFIGS = {c.name: c for c in [
     Config("ctc", "ctc"),
@@ -84,11 +89,9 @@ CONFIGS = {c.name: c for c in [
     Config("falcon_topk", "falcon", {"tree": "topk"}),
     Config("falcon_chain", "falcon", {"tree": "chain"}),
     Config("falcon_nocsgd", "falcon", needs="falcon_nocsgd", needs_key="checkpoint",
-           missing="no csgd=false checkpoint; train with `specserve train falcon ... --option csgd=false` "
-                   "and pass --falcon-nocsgd DIR"),
+           missing=NO_CSGD_CHECKPOINT),
     Config("falcon_nocsgd_chain", "falcon", {"tree": "chain"}, needs="falcon_nocsgd", needs_key="checkpoint",
-           missing="no csgd=false checkpoint; train with `specserve train falcon ... --option csgd=false` "
-                   "and pass --falcon-nocsgd DIR"),
+           missing=NO_CSGD_CHECKPOINT),
     Config("eagle", "eagle"),
     Config("parallelspec", "parallelspec"),
     Config("student", "student", {"k_config": "chain:4"}),        # SpS: the shipped student drafting chains of 4
@@ -403,7 +406,7 @@ def evaluate(claims: list[Claim], rows: list[dict], configs: dict[str, Config],
             rec["holds"] = f"not measured ({'; '.join(dict.fromkeys(why))})"
         else:
             datasets = list(dict.fromkeys(ds for n in claim.configs for ds in configs[n].datasets))
-            datasets = [Path(ds).stem if Path(ds).is_file() else ds for ds in datasets]
+            datasets = [dataset_label(ds) for ds in datasets]
             outcome = claim.evaluate(lookup, datasets)
             caveats = [f"{n}: {text}" for n in claim.configs
                        for key, text in configs[n].caveat_without.items() if key not in configs[n].options]

@@ -265,7 +265,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     import transformers
 
     from specserve.bench.common import build_hf_model, chat_ids, machine_info, run_hf
-    from specserve.bench.datasets import load_prompts
+    from specserve.bench.datasets import dataset_label, load_prompts
     from specserve.drafters.base import available_drafters, parse_drafter_options
     from specserve.engine.config import EngineConfig
     from specserve.engine.core import LLMEngine
@@ -289,8 +289,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     loaded = load_model(args.model)
     prompts = {}
     for ds in args.datasets:
-        label = Path(ds).stem if Path(ds).is_file() else ds
-        prompts[label] = [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, args.num_prompts)]
+        prompts[dataset_label(ds)] = [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, args.num_prompts)]
     longest = max(len(p) for ps in prompts.values() for p in ps)
     needed = longest + args.max_tokens + args.num_speculative_tokens + 1
     max_model_len = min(-(-needed // 256) * 256, getattr(loaded.hf_config, "max_position_embeddings", needed))
