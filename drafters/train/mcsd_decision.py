@@ -33,12 +33,12 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from specserve.drafters.nets.mcsd_decision import DecisionModel, save_decision, topk_entropy_features
+from specserve.drafters.nets.mcsd_decision import (DEFAULT_TOP_K, KIND, DecisionModel, save_decision,
+                                                   topk_entropy_features)
 from specserve.drafters.train import register_trainer
 
 logger = logging.getLogger("specserve")
 
-KIND = "mcsd-decision"
 DEFAULTS = dict(drafter="student", k_config="fork:4,4", prompts=200, max_tokens=64, types="1,2", hidden=64,
                 threshold=0.4, held_back=0.1, batch_size=1024, epochs=30, lr=1e-3)
 
@@ -47,7 +47,7 @@ class DecisionLog:
     """Per drafted token: the draft model's final hidden state (fp16), the type-2 features, the
     depth, the sequence, and whether verification accepted it. Set as a drafter's `recorder`."""
 
-    def __init__(self, top_k: int = 8):
+    def __init__(self, top_k: int = DEFAULT_TOP_K):
         self.top_k = top_k
         self.pending: dict[int, list[tuple[list[int], int, torch.Tensor, torch.Tensor]]] = {}
         self.hidden: list[torch.Tensor] = []
@@ -96,7 +96,7 @@ class DecisionLog:
 
 
 def log_outcomes(engine, drafter: str, prompts: Sequence[list[int]], *, max_tokens: int, temperature: float,
-                 seed: int = 0, top_k: int = 8, progress: bool = False) -> DecisionLog:
+                 seed: int = 0, top_k: int = DEFAULT_TOP_K, progress: bool = False) -> DecisionLog:
     """Serve `prompts` through `engine` with `drafter` recording, one request each; the log. A
     sequence's last tree (the step it finished in) is not labelled: the engine tells a drafter
     nothing about a finished sequence's verification."""
@@ -126,12 +126,10 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
     pos, neg = scores[labels > 0.5], scores[labels <= 0.5]
     if not len(pos) or not len(neg):
         return None
-    ranks = torch.empty(len(scores))
-    ranks[scores.argsort()] = torch.arange(1, len(scores) + 1, dtype=torch.float32)
-    for v in scores.unique():   # average ranks of ties
-        at = scores == v
-        if at.sum() > 1:
-            ranks[at] = ranks[at].mean()
+    # each score's rank (1-based) in ascending order, tied scores sharing their group's mean rank
+    _, group, counts = scores.unique(return_inverse=True, return_counts=True)
+    last = counts.cumsum(0).to(torch.float32)                  # the highest rank in each tie group
+    ranks = (last - (counts - 1).to(torch.float32) / 2)[group]
     r = ranks[labels > 0.5].sum() - len(pos) * (len(pos) + 1) / 2
     return float(r / (len(pos) * len(neg)))
 
@@ -193,7 +191,9 @@ def train_mcsd_decision(options: dict, target, data=None) -> Path:
     drafter = str(o["drafter"])
     if drafter not in ("draft_model", "student"):
         raise ValueError(f"drafter must be draft_model or student, got {drafter!r}")
-    top_k = int(o.get("top_k") or 8)
+    top_k = int(o.get("top_k") or DEFAULT_TOP_K)
+    seed = int(o.get("seed") or 0)
+    temperature = float(o.get("temperature") or 0.0)
     out = Path(o["out"]).expanduser()
     t0 = time.time()
 
@@ -210,16 +210,16 @@ def train_mcsd_decision(options: dict, target, data=None) -> Path:
         dtype=str(target.dtype).removeprefix("torch."), max_model_len=max_len, max_num_seqs=16,
         max_num_batched_tokens=2048, drafters=(drafter,), drafter_options={drafter: dopts},
         num_speculative_tokens=nodes, max_draft_tokens_per_step=16 * nodes, draft_budget="fixed",
-        seed=int(o.get("seed") or 0)), loaded=target.loaded)
+        seed=seed), loaded=target.loaded)
     data_path = o.get("data") if o.get("data") not in (None, "default") else None
-    examples = load_prompt_pool(data_path, max_examples=int(o["prompts"]), seed=int(o.get("seed") or 0),
+    examples = load_prompt_pool(data_path, max_examples=int(o["prompts"]), seed=seed,
                                 require_output=False)
     prompts = [render_prompt(engine.tokenizer, ex.turns)[-(max_len - max_tokens - 1):] for ex in examples]
     if not prompts:
         raise ValueError("the prompt pool is empty")
     instance = engine.drafters[drafter]
-    log = log_outcomes(engine, drafter, prompts, max_tokens=max_tokens, temperature=float(o.get("temperature") or 0.0),
-                       seed=int(o.get("seed") or 0), top_k=top_k, progress=bool(o.get("progress")))
+    log = log_outcomes(engine, drafter, prompts, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                       top_k=top_k, progress=bool(o.get("progress")))
     if not len(log):
         raise ValueError("no drafted token was logged (no prompt got a draft)")
     rows = log.tensors()
@@ -229,12 +229,12 @@ def train_mcsd_decision(options: dict, target, data=None) -> Path:
 
     # 2. train each type on the train sequences, figures on the held-back ones
     seq_ids = rows["seq_ids"].unique()
-    g = torch.Generator().manual_seed(int(o.get("seed") or 0))
+    g = torch.Generator().manual_seed(seed)
     n_held = int(round(float(o["held_back"]) * len(seq_ids)))
     held = seq_ids[torch.randperm(len(seq_ids), generator=g)[:n_held]]
     is_held = torch.isin(rows["seq_ids"], held)
     y = rows["labels"]
-    summary = {"prompts": len(prompts), "max_tokens": max_tokens, "temperature": float(o.get("temperature") or 0.0),
+    summary = {"prompts": len(prompts), "max_tokens": max_tokens, "temperature": temperature,
                "k_config": str(o["k_config"]), "drafted_tokens": len(log), "accepted_rate": float(y.mean()),
                "held_back_sequences": n_held,
                "accepted_rate_by_depth": {int(d): float(y[rows["depths"] == d].mean())
@@ -243,13 +243,13 @@ def train_mcsd_decision(options: dict, target, data=None) -> Path:
              "fingerprint": instance.draft_fingerprint()}
     for t in types:
         x = rows["hidden"] if t == 1 else rows["topk"]
-        torch.manual_seed(int(o.get("seed") or 0))
+        torch.manual_seed(seed)
         model = DecisionModel(t, x.shape[1], int(o["hidden"]), top_k)
         train_x, train_y = x[~is_held], y[~is_held]
         if not len(train_x):
             train_x, train_y = x, y
         history = fit_decision(model, train_x, train_y, epochs=int(o["epochs"]), lr=float(o["lr"]),
-                               batch_size=int(o["batch_size"]), seed=int(o.get("seed") or 0))
+                               batch_size=int(o["batch_size"]), seed=seed)
         figures = evaluate_decision(model, x[is_held], y[is_held], float(o["threshold"]))
         logger.info("mcsd-decision type %d: train loss %.4f, held back %s", t, history[-1], figures)
         save_decision(out / f"type{t}", model, target_name=target.name, target_fingerprint=target.fingerprint,
