@@ -47,6 +47,13 @@ The models, all learnt online from what the engine observes:
   E_i(b) = P(tree) * max(multiplier * drafter mean(b), chain(own rate, drafter depth(b))): the
   second term sees that a sequence whose drafts are accepted whole would gain from larger ones
   even where the drafter's mean for those sizes was measured on other sequences.
+* Persistence, per drafter: how much of a sequence's own deviation from its drafter (in its
+  multiplier and its own rate) carries over to its next tree, k in [0, 1], fitted on the drafter's
+  trees (what the sequence's own record predicted against what its drafter's did, before each
+  tree was verified). Where acceptance runs in streaks (n-grams inside a repeated passage) k stays
+  near 1; where a learnt drafter's trees are accepted 0 to 4 tokens from one tree to the next on
+  every sequence alike, k falls, and a sequence is neither left at 0 after two unlucky trees nor
+  drafted deeper after one lucky tree (the winner's curse of picking sequences by noisy records).
 * Exploration: sizes never tried get the optimistic prior; a sequence left at 0 is given a probe
   on its first decoding step, then after 16, 32, ... MAX_PROBE_PAUSE steps at 0 (the pause
   doubles with every probe; once the allocator picks the sequence by itself it starts over at
@@ -100,6 +107,9 @@ DEPTH_DECAY_SEQ = 0.8       # a sequence's per-depth acceptance counts decay by 
 DEPTH_DECAY_DRAFTER = 0.99  # its drafter's (the prior of the sequence's rate)
 DEPTH_PRIOR_WEIGHT = 2.0    # trials the drafter's rate counts for in a sequence's
 TREE_RATE_DRAFTER = 0.05    # EMA rate of a drafter's chance of returning a tree (its new sequences' prior)
+PERSISTENCE_PRIOR = 1.0     # how much of a sequence's own deviation from its drafter carries to its next tree
+PERSISTENCE_WEIGHT = 2.0    # ... before evidence (all of it), worth this many squared tokens of deviation,
+PERSISTENCE_DECAY = 0.995   # ... learnt per drafter from its trees (about the last 200), decaying by this per tree
 # costs
 STEP_FORGET = 0.98          # step cost fit: weight of an observation decays by this per step
 DRAFT_FORGET = 0.95         # draft cost fit: the same per `propose` call
@@ -381,6 +391,27 @@ class _DrafterModel:
         self.depth_hits = 0.0                                 # accepted depths (decayed)
         self.depth_trials = 0.0                               # depths tested (decayed)
         self.seq_rates: deque[float] = deque(maxlen=PROBE_POPULATION)   # finished sequences' own rates
+        self.persist_xy = 0.0                                 # see `persistence` (decayed sums)
+        self.persist_xx = 0.0
+
+    @property
+    def persistence(self) -> float:
+        """k in [0, 1]: the share of a sequence's own deviation from its drafter's expectation that
+        carries over to its next tree. A least-squares fit through the origin of (accepted - the
+        drafter's expectation) on (the sequence's own expectation - the drafter's), both made before
+        the tree was verified, over this drafter's recent trees, with a prior of PERSISTENCE_PRIOR
+        worth PERSISTENCE_WEIGHT. Where acceptance runs in streaks (an n-gram drafter inside a
+        repeated passage) k is near 1; where one tree's luck says little about the next (a learnt
+        drafter on varied text) k is near 0, and a sequence is not starved of drafts by one miss nor
+        overdrafted after one lucky tree. Selecting which sequences draft by their own expectation
+        does not bias the fit: it conditions on the regressor, not on the outcome."""
+        k = (self.persist_xy + PERSISTENCE_WEIGHT * PERSISTENCE_PRIOR) / (self.persist_xx + PERSISTENCE_WEIGHT)
+        return min(1.0, max(0.0, k))
+
+    def observe_persistence(self, own: float, drafter: float, accepted: float) -> None:
+        x = own - drafter
+        self.persist_xy = PERSISTENCE_DECAY * self.persist_xy + x * (accepted - drafter)
+        self.persist_xx = PERSISTENCE_DECAY * self.persist_xx + x * x
 
     def probe_optimism(self) -> float:
         """The per-depth rate a probe of a sequence without evidence of its own hopes for:
@@ -551,20 +582,26 @@ class GoodputBudget:
         if st is not None and drafter is not None and st.depth_trials >= MIN_RATE_TRIALS:
             self._drafter(drafter).seq_rates.append(st.depth_hits / st.depth_trials)
 
-    def _gains(self, st: _SeqState, dm: _DrafterModel, sizes: list[int]) -> list[float]:
-        """Expected accepted tokens of a sequence for each budget size: the better of two estimates,
-        its drafter's per-size curve times the sequence's multiplier, and a path as deep as its
-        drafter's trees of that size accepting each depth at the sequence's own per-depth rate (which
-        sees that a sequence whose drafts are accepted whole would gain from larger ones); times its
-        chance of getting a tree at all."""
+    def _expected(self, st: _SeqState, dm: _DrafterModel, sizes: list[int], k: float) -> list[float]:
+        """Expected accepted tokens of a sequence, given a tree, for each budget size: the better of
+        two estimates, its drafter's per-size curve times the sequence's multiplier, and a path as
+        deep as its drafter's trees of that size accepting each depth at the sequence's own
+        per-depth rate (which sees that a sequence whose drafts are accepted whole would gain from
+        larger ones). `k` of the sequence's own deviation from its drafter counts (the drafter's
+        `persistence`; 0: the drafter's expectation, 1: the sequence's own)."""
         estimates = dict(zip(self.sizes, dm.accepted(self.sizes)))
-        m, p = st.multiplier(estimates), st.tree_rate
-        rate = st.depth_rate(dm.depth_rate)
-        gains, best = [], 0.0
+        m = 1.0 + k * (st.multiplier(estimates) - 1.0)
+        rate = dm.depth_rate + k * (st.depth_rate(dm.depth_rate) - dm.depth_rate)
+        out, best = [], 0.0
         for s, a, d in zip(sizes, [estimates[s] for s in sizes], dm.depths(sizes)):
             best = max(best, min(float(s), max(m * a, chain_accepted(rate, d))))
-            gains.append(p * best)
-        return gains
+            out.append(best)
+        return out
+
+    def _gains(self, st: _SeqState, dm: _DrafterModel, sizes: list[int]) -> list[float]:
+        """Expected accepted tokens of a sequence for each budget size (`_expected` with its
+        drafter's persistence) times its chance of getting a tree at all."""
+        return [st.tree_rate * g for g in self._expected(st, dm, sizes, dm.persistence)]
 
     # ---- the allocation ----
 
@@ -749,7 +786,11 @@ class GoodputBudget:
             return
         nodes = st.pending_nodes or st.pending
         depth = depth if depth is not None else nodes
-        self._drafter(seq.drafter).observe(st.pending, num_accepted, nodes, depth)
+        dm = self._drafter(seq.drafter)
+        sizes = [s for s in self.sizes if s <= st.pending]
+        dm.observe_persistence(self._expected(st, dm, sizes, 1.0)[-1], self._expected(st, dm, sizes, 0.0)[-1],
+                               num_accepted)
+        dm.observe(st.pending, num_accepted, nodes, depth)
         st.acc_sum = SEQ_DECAY * st.acc_sum + num_accepted
         for size in st.size_weights:
             st.size_weights[size] *= SEQ_DECAY

@@ -266,6 +266,71 @@ def test_a_good_probe_brings_a_sequence_back():
     assert budgets[-1] > 1 and sum(x > 0 for x in budgets[-8:]) == 8
 
 
+def run_population(b: GoodputBudget, rate, n: int = 24, steps: int = 24, start: int = 0) -> None:
+    """`n` sequences of drafter "d" decode one after another at batch 1 for `steps` steps each; a
+    tree of sequence i accepts each next depth with probability `rate(i)`."""
+    rng = random.Random(3)
+
+    def accept(s, bud):
+        k = 0
+        while k < bud and rng.random() < rate(s.seq_id):
+            k += 1
+        return k
+
+    for s in seqs_of(n, start=start):
+        for _ in range(steps):
+            run_step(b, [s], accept=accept)
+        b.forget(s)
+
+
+def streaks(i: int) -> float:
+    """Every other sequence accepts well, for good."""
+    return 0.95 if i % 2 == 0 else 0.05
+
+
+def luck(i: int) -> float:
+    """Every sequence alike: one tree's luck says nothing of the next."""
+    return 0.6
+
+
+def flat_cost(n: float) -> float:
+    return 0.02 + 0.0002 * n
+
+
+def steep_cost(n: float) -> float:
+    return 0.02 + 0.002 * n
+
+
+@pytest.mark.parametrize("cost", [flat_cost, steep_cost])
+def test_persistence_is_learnt_from_streaks_and_from_luck(cost):
+    """How much of a sequence's own record carries to its next tree is measured: near 1 where each
+    sequence accepts well or badly for good (streaks), low where every sequence accepts alike and
+    one tree's luck says nothing of the next; the prior, before any tree, is all of it."""
+    assert make_budget(cost)._drafter("d").persistence == 1.0
+    persistence = {}
+    for rate in (streaks, luck):
+        b = make_budget(cost)
+        run_population(b, rate)
+        persistence[rate] = b.drafters["d"].persistence
+    assert persistence[streaks] > 0.7 and persistence[luck] < 0.5
+
+
+@pytest.mark.parametrize("cost", [flat_cost, steep_cost])
+def test_rejected_trees_do_not_shrink_a_sequence_where_luck_does_not_last(cost):
+    """Batch 1, a drafter accepting 0.6 per depth on every sequence alike: a new sequence whose trees
+    are all rejected keeps the size its drafter's record earns (with its own record counted in full
+    it would shrink after the first). The control, a drafter whose sequences accept 0.95 or 0.05 for
+    good: one rejected tree and the next is smaller."""
+    budgets = {}
+    for rate in (luck, streaks):
+        b = make_budget(cost)
+        run_population(b, rate)
+        s = seqs_of(1, start=500)
+        budgets[rate] = [run_step(b, s).budgets[500] for _ in range(10)]
+    assert budgets[luck][0] > 0 and budgets[luck] == budgets[luck][:1] * 10
+    assert budgets[streaks][1] < budgets[streaks][0]
+
+
 def test_untried_sizes_get_an_optimistic_prior():
     b = make_budget(gpu_cost)
     dm = b._drafter("d")
