@@ -11,7 +11,6 @@ import json
 import pytest
 
 from specserve.bench import parity
-from specserve.server import cli
 
 
 def row(method, dataset="mt_bench", temperature=0.0, **figures):
@@ -245,11 +244,3 @@ def test_a_configuration_that_fails_to_load_sinks_only_its_claims(tiny_llama_dir
     assert [r["configs"] for r in runs[1:]] == [[n] for n in runs[0]["configs"]]
     assert [("error" in r) for r in runs[1:]] == [n == "ctc" for n in runs[0]["configs"]]
     assert result["unavailable"]["ctc"].startswith("failed: ")
-
-
-def test_cli_routes_bench_parity(capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", "parity", "--help"])
-    assert exc.value.code == 0
-    out = capsys.readouterr().out
-    assert "--falcon-nocsgd" in out and "Paper parity" in out

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from specserve.bench import spec_decode
-from specserve.server import cli
 
 META_FIELDS = {"date", "datetime", "machine", "torch", "transformers", "command_line", "invocation", "model",
                "device", "dtype", "datasets", "num_prompts", "max_tokens", "temperatures", "batch_size", "seed",
@@ -125,11 +124,3 @@ def test_greedy_mismatches_are_found_and_loud():
                       "plain": [3, 4], "drafter_output": [9, 4]}]
     assert "LOSSLESSNESS BUG" in spec_decode.mismatch_alarm(found, "float32")
     assert "LOSSLESSNESS BUG" not in spec_decode.mismatch_alarm(found, "bfloat16")
-
-
-def test_cli_routes_bench_spec(capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", "spec", "--help"])
-    assert exc.value.code == 0
-    out = capsys.readouterr().out
-    assert "--drafter-option" in out and "Speculative decoding benchmark" in out

@@ -123,6 +123,17 @@ def test_bench_names_its_benchmarks(capsys):
     assert cli.build_parser().parse_args(["bench", "serve"]).args == []
 
 
+@pytest.mark.parametrize("benchmark, option, title", [("spec", "--drafter-option", "Speculative decoding benchmark"),
+                                                       ("parity", "--falcon-nocsgd", "Paper parity")])
+def test_bench_routes_to_each_benchmark(capsys, benchmark, option, title):
+    """`specserve bench NAME --help` reaches that benchmark's own parser."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", benchmark, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert option in out and title in out
+
+
 def test_a_command_is_required(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main([])
