@@ -263,7 +263,7 @@ class DraftModelDrafter(Drafter):
         frontier = [list(range(r)) for r in roots]  # per sequence: nodes whose children come next
         # the other target-initialised roots: fed at the root's position, each seeing only the prefix
         forests = [b for b in range(len(seqs)) if roots[b] > 1]
-        alt_logits, alt_hidden = self._feed(seqs, states, templates, tokens,
+        alt_logits, alt_hidden = self._feed(seqs, states, templates, depths, tokens,
                                             {b: list(range(1, roots[b])) for b in forests})
         rows, hrows, a = [], [], 0
         for b in range(len(seqs)):
@@ -314,7 +314,7 @@ class DraftModelDrafter(Drafter):
                     if new_nodes[b] and depth < max(depths[b]) and b not in stopped}
             if depth == max_depth or not feed:
                 break
-            frontier_logits, frontier_hidden = self._feed(seqs, states, templates, tokens, feed)
+            frontier_logits, frontier_hidden = self._feed(seqs, states, templates, depths, tokens, feed)
             for b in range(len(seqs)):
                 frontier[b] = new_nodes[b] if b in feed else []
 
@@ -425,10 +425,12 @@ class DraftModelDrafter(Drafter):
             self._vocab_index = inv.index_copy_(0, self.vocab.ids, torch.arange(len(self.vocab.ids), device=inv.device))
         return self._vocab_index[token_ids.to(self._vocab_index.device)].to(token_ids.device)
 
-    def _feed(self, seqs, states, templates, tokens, feed: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _feed(self, seqs, states, templates, depths, tokens,
+              feed: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward over new tree nodes (`feed[b]`: consecutive node indices of sequence
         b), each attending to the prefix plus its own ancestors in the tree; node i sits at cache
-        position draft_len - 1 + i and RoPE position draft_len - 1 + depth. The tree part of the
+        position draft_len - 1 + i and RoPE position draft_len - 1 + depth (`depths[b]`, of the
+        tree `propose` cut from the template). The tree part of the
         mask is the top-left slice of the template's full-depth mask (rows `feed[b]`, columns up to
         the last of them: the nodes in the cache after the prefix). (logits, final hidden states),
         rows in order."""
@@ -437,8 +439,7 @@ class DraftModelDrafter(Drafter):
                     torch.empty(0, self.model.cfg.hidden_size, device=self.device))
         starts, qlens, masks, pos, ids = [], [], [], [], []
         for b, nodes in feed.items():
-            st, template = states[b], templates[b]
-            depth = tree_depths(template.parents[:nodes[-1] + 1])
+            st, template, depth = states[b], templates[b], depths[b]
             starts.append(st.draft_len - 1 + nodes[0])
             qlens.append(len(nodes))
             masks.append(self.sliced_mask(template, nodes[0], nodes[-1] + 1))
