@@ -582,26 +582,34 @@ class GoodputBudget:
         if st is not None and drafter is not None and st.depth_trials >= MIN_RATE_TRIALS:
             self._drafter(drafter).seq_rates.append(st.depth_hits / st.depth_trials)
 
-    def _expected(self, st: _SeqState, dm: _DrafterModel, sizes: list[int], k: float) -> list[float]:
+    def _expected(self, st: _SeqState, dm: _DrafterModel, sizes: list[int], *ks: float) -> list[list[float]]:
         """Expected accepted tokens of a sequence, given a tree, for each budget size: the better of
         two estimates, its drafter's per-size curve times the sequence's multiplier, and a path as
         deep as its drafter's trees of that size accepting each depth at the sequence's own
         per-depth rate (which sees that a sequence whose drafts are accepted whole would gain from
-        larger ones). `k` of the sequence's own deviation from its drafter counts (the drafter's
-        `persistence`; 0: the drafter's expectation, 1: the sequence's own)."""
+        larger ones). One curve for each of `ks`: the share k of the sequence's own deviation from
+        its drafter that counts (the drafter's `persistence`; 0: the drafter's expectation, 1: the
+        sequence's own)."""
         estimates = dict(zip(self.sizes, dm.accepted(self.sizes)))
-        m = 1.0 + k * (st.multiplier(estimates) - 1.0)
-        rate = dm.depth_rate + k * (st.depth_rate(dm.depth_rate) - dm.depth_rate)
-        out, best = [], 0.0
-        for s, a, d in zip(sizes, [estimates[s] for s in sizes], dm.depths(sizes)):
-            best = max(best, min(float(s), max(m * a, chain_accepted(rate, d))))
-            out.append(best)
-        return out
+        curve = [estimates[s] for s in sizes]
+        depths = dm.depths(sizes)
+        own_m, own_rate = st.multiplier(estimates), st.depth_rate(dm.depth_rate)
+        curves = []
+        for k in ks:
+            m = 1.0 + k * (own_m - 1.0)
+            rate = dm.depth_rate + k * (own_rate - dm.depth_rate)
+            out, best = [], 0.0
+            for s, a, d in zip(sizes, curve, depths):
+                best = max(best, min(float(s), max(m * a, chain_accepted(rate, d))))
+                out.append(best)
+            curves.append(out)
+        return curves
 
     def _gains(self, st: _SeqState, dm: _DrafterModel, sizes: list[int]) -> list[float]:
         """Expected accepted tokens of a sequence for each budget size (`_expected` with its
         drafter's persistence) times its chance of getting a tree at all."""
-        return [st.tree_rate * g for g in self._expected(st, dm, sizes, dm.persistence)]
+        (expected,) = self._expected(st, dm, sizes, dm.persistence)
+        return [st.tree_rate * g for g in expected]
 
     # ---- the allocation ----
 
@@ -788,8 +796,8 @@ class GoodputBudget:
         depth = depth if depth is not None else nodes
         dm = self._drafter(seq.drafter)
         sizes = [s for s in self.sizes if s <= st.pending]
-        dm.observe_persistence(self._expected(st, dm, sizes, 1.0)[-1], self._expected(st, dm, sizes, 0.0)[-1],
-                               num_accepted)
+        own, drafter = self._expected(st, dm, sizes, 1.0, 0.0)
+        dm.observe_persistence(own[-1], drafter[-1], num_accepted)
         dm.observe(st.pending, num_accepted, nodes, depth)
         st.acc_sum = SEQ_DECAY * st.acc_sum + num_accepted
         for size in st.size_weights:
