@@ -430,10 +430,9 @@ class DraftModelDrafter(Drafter):
         """One draft forward over new tree nodes (`feed[b]`: consecutive node indices of sequence
         b), each attending to the prefix plus its own ancestors in the tree; node i sits at cache
         position draft_len - 1 + i and RoPE position draft_len - 1 + depth (`depths[b]`, of the
-        tree `propose` cut from the template). The tree part of the
-        mask is the top-left slice of the template's full-depth mask (rows `feed[b]`, columns up to
-        the last of them: the nodes in the cache after the prefix). (logits, final hidden states),
-        rows in order."""
+        tree `propose` cut from the template). The tree part of the mask is the top-left slice of
+        the template's full-depth mask (rows `feed[b]`, columns up to the last of them: the nodes in
+        the cache after the prefix). (logits, final hidden states), rows in order."""
         if not feed:
             return (torch.empty(0, self.vocab_size, device=self.device),
                     torch.empty(0, self.model.cfg.hidden_size, device=self.device))
