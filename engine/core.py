@@ -52,6 +52,9 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model = LlamaModel.from_state_dict(mc, loaded.state_dict, max_positions=self.max_model_len,
                                                 dtype=self.dtype, device=self.device)
+        if config.prepack_weights and self.device.type == "cpu":
+            packed = self.model.pack_weights()
+            logger.info("prepacked %d weight matrices for oneDNN", packed)
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         min_blocks = -(-self.max_model_len // config.block_size)
         if num_blocks < min_blocks:

@@ -50,10 +50,62 @@ _ONEDNN_LINEAR = _onednn_linear()
 _ONEDNN_DTYPES = onednn_linear_dtypes(_ONEDNN_LINEAR)
 
 
+# oneDNN's reorder of a linear weight into its blocked GEMM layout, for a given number of input rows
+_ONEDNN_REORDER = getattr(getattr(torch.ops, "mkldnn", None), "_reorder_linear_weight", None)
+PACK_ROWS_HINT = 16     # the rows the packed layout is chosen for (decode batches and draft trees)
+
+
+def onednn_pack_dtypes(op, reorder) -> frozenset[torch.dtype]:
+    """The dtypes (among those `onednn_linear_dtypes` found) for which oneDNN's linear on a
+    prepacked weight runs here and equals it on the plain weight."""
+    supported = set()
+    if reorder is None:
+        return frozenset()
+    for dtype in onednn_linear_dtypes(op):
+        g = torch.Generator().manual_seed(0)
+        x, w = (torch.randn(shape, generator=g).to(dtype) for shape in ((3, 8), (5, 8)))
+        try:
+            out = op(x, reorder(w, PACK_ROWS_HINT), None, "none", [], "")
+        except (RuntimeError, NotImplementedError):
+            continue
+        tol = 1e-5 if dtype == torch.float32 else 5e-2
+        if out.dtype == dtype and torch.allclose(out.float(), op(x, w, None, "none", [], "").float(), atol=tol, rtol=tol):
+            supported.add(dtype)
+    return frozenset(supported)
+
+
+_PACK_DTYPES = onednn_pack_dtypes(_ONEDNN_LINEAR, _ONEDNN_REORDER)
+
+
+def pack_linear_weight(weight: torch.Tensor, min_rows: int = 1) -> bool:
+    """Give `weight` ([out, in], on the CPU) a oneDNN-prepacked copy that `linear` uses for inputs
+    of at least `min_rows` rows. False (nothing done) where this torch or CPU cannot.
+
+    Why: unpacked, oneDNN reorders the weight into its GEMM layout on every call once an input
+    has 2 rows or more, so a 2-row GEMM streams the weight about twice and costs about twice
+    a 1-row one; a draft tree of a few nodes then costs the target forward half a plain step
+    more. Prepacked once, a forward of 2-9 rows costs little more than one of 1 row (measured:
+    `bench/results/cpu_linear_pack.md`). The copy doubles the weight's memory; it is dropped
+    with the weight, and ignored once the weight is changed in place (its version moves)."""
+    if (weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in _PACK_DTYPES
+            or weight.is_inference()):
+        return False
+    with torch.no_grad():
+        packed = _ONEDNN_REORDER(weight.detach(), PACK_ROWS_HINT)
+    weight._specserve_packed = (packed, weight._version, max(1, min_rows))
+    return True
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through oneDNN for 2-D inputs on the CPU in the dtypes it supports here (see
-    `_onednn_linear`, `onednn_linear_dtypes`)."""
-    if (x.dtype in _ONEDNN_DTYPES and x.device.type == "cpu" and x.dim() == 2 and weight.dtype == x.dtype):
+    `_onednn_linear`, `onednn_linear_dtypes`), on the weight's prepacked copy when it has one
+    (`pack_linear_weight`). oneDNN's op has no backward: where a gradient is wanted, F.linear."""
+    if (x.dtype in _ONEDNN_DTYPES and x.device.type == "cpu" and x.dim() == 2 and weight.dtype == x.dtype
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))):
+        packed = getattr(weight, "_specserve_packed", None)
+        if packed is not None and x.shape[0] >= packed[2] and packed[1] == weight._version:
+            return _ONEDNN_LINEAR(x, packed[0], bias, "none", [], "")
         return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -228,6 +280,15 @@ class LlamaModel(nn.Module):
         view.max_positions = self.max_positions
         view.rope_cos, view.rope_sin = self.rope_cos, self.rope_sin
         return view
+
+    def pack_weights(self, head_min_rows: int = 2) -> int:
+        """Prepack the decoder layers' projections for oneDNN (`pack_linear_weight`), and the LM
+        head for inputs of `head_min_rows` rows or more (a 1-row LM head is as fast unpacked).
+        Returns the weights packed (0 off the CPU, or where this torch cannot)."""
+        weights = [w for layer in self.layers for w in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight,
+                                                         layer.down.weight)]
+        packed = sum(pack_linear_weight(w) for w in weights)
+        return packed + pack_linear_weight(self.lm_head_weight, head_min_rows)
 
     @property
     def num_layers(self) -> int:

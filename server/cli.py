@@ -30,7 +30,8 @@ import time
 ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seqs=16, max_model_len=None,
                        max_num_batched_tokens=512, block_size=16, num_kv_blocks=None, kv_cache_memory_gib=4.0,
                        max_queue_len=256, seed=0, drafters=(), num_speculative_tokens=8,
-                       max_draft_tokens_per_step=64, draft_budget="goodput", adaptive_draft_length=None)
+                       max_draft_tokens_per_step=64, draft_budget="goodput", adaptive_draft_length=None,
+                       prepack_weights=True)
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config.DRAFT_BUDGETS (a unit test keeps them equal)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -46,6 +47,7 @@ ENV_VARS = {
     "max_num_batched_tokens": "SPECSERVE_MAX_NUM_BATCHED_TOKENS", "block_size": "SPECSERVE_BLOCK_SIZE",
     "num_kv_blocks": "SPECSERVE_NUM_KV_BLOCKS", "kv_cache_memory_gib": "SPECSERVE_KV_CACHE_MEMORY_GIB",
     "max_queue_len": "SPECSERVE_MAX_QUEUE_LEN", "seed": "SPECSERVE_SEED",
+    "prepack_weights": "SPECSERVE_PREPACK_WEIGHTS",
     "drafters": "SPECSERVE_DRAFTERS", "num_speculative_tokens": "SPECSERVE_NUM_SPECULATIVE_TOKENS",
     "max_draft_tokens_per_step": "SPECSERVE_MAX_DRAFT_TOKENS_PER_STEP",
     "draft_budget": "SPECSERVE_DRAFT_BUDGET",
@@ -85,6 +87,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="waiting requests beyond which new ones get HTTP 429 (default: %(default)s)")
     g.add_argument("--seed", type=int, default=d["seed"], help="seed for requests without their own "
                    "(default: %(default)s)")
+    g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=d["prepack_weights"],
+                   help="on the CPU, keep a oneDNN-prepacked copy of the target's projection weights: a step of a "
+                        "few rows (draft trees, small batches) then costs little more than a 1-row decode; "
+                        "doubles those weights' memory (default: on)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--drafter", dest="drafters", action=_AppendReplacingDefault, default=None, metavar="NAME",
                    help="load this drafter (repeatable); the first one is the default of requests that name none, "
@@ -335,6 +341,7 @@ async def _stream_to_terminal(engine, prompt_ids: list[int], params) -> int:
 BENCHMARKS = {   # name -> (module with main(argv), what it measures)
     "spec": ("specserve.bench.spec_decode", "speculative decoding: each drafter vs plain decoding and transformers"),
     "plain": ("specserve.bench.plain_decode", "plain decoding: our engine vs transformers generate"),
+    "forward": ("specserve.bench.forward_cost", "the target forward's cost by step size, prepacked weights or not"),
     "serve": ("specserve.bench.serve_throughput", "server throughput with concurrent streaming clients"),
     "parity": ("specserve.bench.parity", "the papers' orderings (claim, paper, ours, holds) on the shipped drafters"),
     "reliability": ("specserve.bench.reliability", "soak, disconnect storm and back-to-idle checks of a live server"),

@@ -181,3 +181,112 @@ def test_onednn_probe_drops_a_dtype_this_cpu_lacks():
     assert onednn_linear_dtypes(None) == frozenset()
     assert onednn_linear_dtypes(lambda x, w, b, *a: torch.nn.functional.linear(x, w, b)) == {torch.float32,
                                                                                          torch.bfloat16}
+
+
+# ---- prepacked weights (CPU) -------------------------------------------------------------------
+
+def _packable(dtype: torch.dtype) -> None:
+    from specserve.engine.model import _PACK_DTYPES
+
+    if dtype not in _PACK_DTYPES:
+        pytest.skip(f"oneDNN cannot prepack {dtype} weights with this torch on this CPU")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 33])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_equals_the_unpacked_one(dtype, rows, with_bias):
+    """A weight with a prepacked copy gives what it gives without one (the same GEMM on a reordered
+    weight: equal up to float rounding) and F.linear's result, at every row count."""
+    from specserve.engine.model import linear, pack_linear_weight
+
+    _packable(dtype)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=g).to(dtype)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if with_bias else None
+    unpacked = linear(x, w, b)
+    assert pack_linear_weight(w)
+    packed = linear(x, w, b)
+    tol = 1e-5 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(packed.float(), unpacked.float(), atol=tol, rtol=tol)
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(packed.float(), ref, atol=tol, rtol=tol)
+
+
+def test_packed_copy_is_ignored_once_the_weight_changes_in_place():
+    """A weight updated in place (a test perturbing the target, a trainer's step) is used as it is
+    now, not as it was packed."""
+    from specserve.engine.model import linear, pack_linear_weight
+
+    _packable(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 64, generator=g), torch.randn(96, 64, generator=g)
+    assert pack_linear_weight(w)
+    with torch.no_grad():
+        w.mul_(2.0)
+    torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_linear_keeps_gradients(packed):
+    """Where a gradient is wanted, neither oneDNN's op (it has no backward) nor the prepacked copy
+    (which autograd does not see) is used: weight and input get F.linear's gradients."""
+    from specserve.engine.model import linear, pack_linear_weight
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(96, 64, generator=g))
+    x = torch.randn(3, 64, generator=g, requires_grad=True)
+    if packed:
+        _packable(torch.float32)
+        assert pack_linear_weight(w)
+    linear(x, w).square().sum().backward()
+    wr, xr = w.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    torch.nn.functional.linear(xr, wr).square().sum().backward()
+    torch.testing.assert_close(w.grad, wr.grad)
+    torch.testing.assert_close(x.grad, xr.grad)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied_mha", "qwen2"])
+def test_prepacked_model_computes_the_same_logits(kind):
+    """`LlamaModel.pack_weights` packs every projection and the LM head, and the model then gives
+    the same logits: a prefill, decode steps and a tree step with a custom mask, against the same
+    model unpacked and against transformers."""
+    _packable(torch.float32)
+    hf = tiny_hf(kind)
+    plain, packed = Runner(hf), Runner(hf)
+    assert packed.model.pack_weights() == 4 * packed.cfg.num_layers + 1
+    prompt = list(range(3, 40))
+    steps = [{0: prompt}, {0: [41]}, {0: [42]}]
+    for chunk in steps:
+        a, b = plain.run(chunk)[0], packed.run(chunk)[0]
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b, hf_logits(hf, prompt + [41, 42])[-1:], atol=ATOL, rtol=1e-4)
+    outs = []
+    for r in (plain, packed):
+        start = r.lens[0]
+        r.blocks.grow(0, start + 3)
+        positions, meta = build_attn_metadata([r.blocks.block_tables[0]], 4, [start], [3],
+                                              [torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)],
+                                              torch.device("cpu"))
+        with torch.inference_mode():
+            outs.append(r.model.compute_logits(r.model(torch.tensor([50, 51, 52]), positions, r.cache, meta)))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_pack_probe_drops_a_dtype_this_cpu_cannot_pack():
+    """The load-time probe keeps a dtype unpacked where oneDNN's reorder fails (or disagrees)."""
+    from specserve.engine.model import _ONEDNN_LINEAR, _ONEDNN_REORDER, onednn_pack_dtypes
+
+    _packable(torch.float32)
+
+    def no_bf16(w, rows):
+        if w.dtype == torch.bfloat16:
+            raise RuntimeError("could not create a primitive descriptor for a reorder primitive")
+        return _ONEDNN_REORDER(w, rows)
+
+    assert torch.bfloat16 not in onednn_pack_dtypes(_ONEDNN_LINEAR, no_bf16)
+    assert torch.float32 in onednn_pack_dtypes(_ONEDNN_LINEAR, no_bf16)
+    assert onednn_pack_dtypes(_ONEDNN_LINEAR, lambda w, rows: w * 2) == frozenset()
+    assert onednn_pack_dtypes(_ONEDNN_LINEAR, None) == frozenset()
+    assert onednn_pack_dtypes(None, _ONEDNN_REORDER) == frozenset()

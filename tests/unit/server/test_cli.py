@@ -211,3 +211,12 @@ def test_help_names_the_variables(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for env in ("SPECSERVE_MODEL", "SPECSERVE_DRAFTERS", "SPECSERVE_PORT", "SPECSERVE_HOST", "SPECSERVE_DTYPE"):
         assert f"[env: {env}]" in out
+
+
+@pytest.mark.parametrize("argv, env, expected", [([], None, True), (["--no-prepack-weights"], None, False),
+                                                 ([], "0", False), (["--prepack-weights"], "off", True)])
+def test_prepack_weights_flag(monkeypatch, argv, env, expected):
+    if env is not None:
+        monkeypatch.setenv("SPECSERVE_PREPACK_WEIGHTS", env)
+    args = cli.build_parser().parse_args(["serve", *argv])
+    assert cli._engine_config(args).prepack_weights is expected

@@ -1,0 +1,135 @@
+"""The target forward's cost by step size: seconds of one forward plus the LM head on every row,
+for n new tokens (a decode row and the nodes of a draft tree) after a prefix, with the CPU's
+prepacked weights (`LlamaModel.pack_weights`) and without. This is the curve the goodput budget
+learns: what a draft tree of n - 1 nodes adds to a step.
+
+    python -m specserve.bench.forward_cost --prefix 256 --tokens 1 2 3 5 9 17 33
+
+Both variants run on the same model, interleaved (A B A B ...), and each figure is the median of
+`--repeats` timings, so a machine that slows down during the run slows both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+
+def _take_packed(model) -> dict:
+    """Remove the prepacked copies from `model`'s weights; returns them ({name: copy}) to put back."""
+    out = {}
+    for name, p in model.named_parameters():
+        if hasattr(p, "_specserve_packed"):
+            out[name] = p._specserve_packed
+            del p._specserve_packed
+    return out
+
+
+def _put_packed(model, copies: dict) -> None:
+    for name, p in model.named_parameters():
+        if name in copies:
+            p._specserve_packed = copies[name]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--prefix", type=int, default=256, help="tokens already in the KV cache (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 5, 9, 17, 33],
+                    help="new tokens per forward (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=15, help="timings per variant and size (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--out", default="bench/results/cpu_linear_pack",
+                    help="writes OUT.json and OUT.md (default: %(default)s)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if min(args.tokens) < 1 or args.prefix < 0 or args.repeats < 1:
+        raise SystemExit("forward_cost: --tokens and --repeats must be positive, --prefix not negative")
+
+    import transformers
+
+    from specserve.bench.common import machine_info
+    from specserve.engine.attention import build_attn_metadata
+    from specserve.engine.config import ModelConfig
+    from specserve.engine.kv_cache import KVCache
+    from specserve.engine.loader import load_model
+    from specserve.engine.model import LlamaModel
+
+    loaded = load_model(args.model)
+    cfg = ModelConfig.from_hf(loaded.hf_config)
+    longest = args.prefix + max(args.tokens)
+    model = LlamaModel.from_state_dict(cfg, loaded.state_dict, max_positions=longest, dtype=torch.float32,
+                                       device=torch.device("cpu"))
+    block_size = 16
+    blocks = -(-longest // block_size)
+    cache = KVCache(cfg.num_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+                    torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():   # the prefix, once: every timed forward attends over it
+        positions, meta = build_attn_metadata([list(range(blocks))], block_size, [0], [args.prefix], None, "cpu")
+        if args.prefix:
+            model(torch.randint(0, cfg.vocab_size, (args.prefix,), generator=g), positions, cache, meta)
+
+    @torch.inference_mode()
+    def forward(n: int) -> float:
+        ids = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+        t0 = time.perf_counter()
+        mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool).tril()
+        positions, meta = build_attn_metadata([list(range(blocks))], block_size, [args.prefix], [n], [mask], "cpu")
+        model.compute_logits(model(ids, positions, cache, meta))
+        return time.perf_counter() - t0
+
+    variants = ("unpacked", "prepacked")
+    times: dict[str, dict[int, list[float]]] = {v: {n: [] for n in args.tokens} for v in variants}
+    packed = model.pack_weights()
+    copies = _take_packed(model)   # kept alive throughout: both variants run with the same memory in use
+    for r in range(args.repeats + 1):           # the first round warms up and is discarded
+        for v in variants:
+            if v == "prepacked":
+                _put_packed(model, copies)
+            else:
+                _take_packed(model)
+            for n in args.tokens:
+                s = forward(n)
+                if r:
+                    times[v][n].append(s)
+    if not packed:
+        print("forward_cost: this torch/CPU cannot prepack weights; both columns are unpacked", file=sys.stderr)
+    ms = {v: {n: 1000 * statistics.median(times[v][n]) for n in args.tokens} for v in variants}
+    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    result = {"date": stamp, "machine": machine_info("cpu"), "torch": torch.__version__,
+              "transformers": transformers.__version__, "model": loaded.name, "dtype": "float32",
+              "prefix": args.prefix, "repeats": args.repeats, "weights_packed": packed,
+              "forward_ms": {v: {str(n): round(t, 2) for n, t in ms[v].items()} for v in variants}}
+    cmd = "python -m specserve.bench.forward_cost " + " ".join(sys.argv[1:] if argv is None else argv)
+    m = result["machine"]
+    lines = [f"## Target forward + LM head by new tokens: {loaded.name} (cpu, float32)", "",
+             f"{stamp}; {m['platform']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch threads; torch "
+             f"{torch.__version__}; prefix {args.prefix} tokens; median of {args.repeats}, variants interleaved.", "",
+             f"`{cmd.strip()}`", "",
+             "| new tokens | unpacked ms | prepacked ms | prepacked / unpacked | unpacked vs 1 token | "
+             "prepacked vs 1 token |", "|---|---|---|---|---|---|"]
+    base = {v: ms[v][min(args.tokens)] for v in variants}
+    for n in args.tokens:
+        u, p = ms["unpacked"][n], ms["prepacked"][n]
+        lines.append(f"| {n} | {u:.1f} | {p:.1f} | {p / u:.2f} | {u / base['unpacked']:.2f} | "
+                     f"{p / base['prepacked']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
