@@ -17,7 +17,7 @@ from specserve.engine.errors import InvalidRequestError, is_unrecoverable
 from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine.loader import LoadedModel, load_model
-from specserve.engine.model import LlamaModel
+from specserve.engine.model import LlamaModel, pack_decoder_layers
 from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
 from specserve.engine.sampling_params import SamplingParams
@@ -52,9 +52,6 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model = LlamaModel.from_state_dict(mc, loaded.state_dict, max_positions=self.max_model_len,
                                                 dtype=self.dtype, device=self.device)
-        if config.prepack_weights and self.device.type == "cpu":
-            packed = self.model.pack_weights()
-            logger.info("prepacked %d weight matrices for oneDNN", packed)
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         min_blocks = -(-self.max_model_len // config.block_size)
         if num_blocks < min_blocks:
@@ -69,6 +66,9 @@ class LLMEngine:
         # the target's features of every KV position, for the sequences whose drafter reads them
         self.features = FeatureStore(mc.hidden_size, self.dtype, self.device)
         self.drafters = self._load_drafters(config.drafters)
+        if config.prepack_weights and self.device.type == "cpu":
+            packed = self.model.pack_weights() + pack_decoder_layers(*self.drafters.values())
+            logger.info("prepacked %d weight matrices for oneDNN", packed)
         self.default_drafter = config.drafters[0] if config.drafters and config.drafters[0] != NO_DRAFTER else None
         self.drafter_stats: dict[str, DrafterStats] = {name: DrafterStats() for name in self.drafters}
         for name, drafter in self.drafters.items():

@@ -90,6 +90,10 @@ def pack_linear_weight(weight: torch.Tensor, min_rows: int = 1) -> bool:
     if (weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in _PACK_DTYPES
             or weight.is_inference()):
         return False
+    old = getattr(weight, "_specserve_packed", None)
+    if old is not None and old[1] == weight._version:   # shared by two models (a truncated draft model)
+        weight._specserve_packed = (old[0], old[1], min(old[2], max(1, min_rows)))
+        return True
     with torch.no_grad():
         packed = _ONEDNN_REORDER(weight.detach(), PACK_ROWS_HINT)
     weight._specserve_packed = (packed, weight._version, max(1, min_rows))
@@ -108,6 +112,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return _ONEDNN_LINEAR(x, packed[0], bias, "none", [], "")
         return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def pack_decoder_layers(*objects) -> int:
+    """Prepack (`DecoderLayer.pack_weights`) every decoder layer inside `objects` (modules, or
+    objects such as drafters whose attributes hold modules): a drafter's own layers (EAGLE's,
+    a student's) run on a few rows per call, where packing pays as it does for the target.
+    Returns the weights packed."""
+    seen: set[int] = set()
+    packed = 0
+    for obj in objects:
+        modules = [obj] if isinstance(obj, nn.Module) else [v for v in vars(obj).values() if isinstance(v, nn.Module)]
+        for module in modules:
+            for sub in module.modules():
+                if isinstance(sub, DecoderLayer) and id(sub) not in seen:
+                    seen.add(id(sub))
+                    packed += sub.pack_weights()
+    return packed
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -175,6 +196,12 @@ class DecoderLayer(nn.Module):
         h = h + linear(paged_attention(q, k_cache, v_cache, meta, self.scale), self.o.weight)
         gate, up = linear(rms_norm(h, self.post_attn_norm, self.eps), self.gate_up.weight).chunk(2, dim=-1)
         return h + linear(F.silu(gate) * up, self.down.weight)
+
+    def pack_weights(self) -> int:
+        """Prepack the four projections for oneDNN's CPU linear (`pack_linear_weight`); returns how
+        many were packed (0 off the CPU, or where this torch cannot)."""
+        return sum(pack_linear_weight(w) for w in (self.qkv.weight, self.o.weight, self.gate_up.weight,
+                                                    self.down.weight))
 
     # -- the same maths, differentiable, for drafters trained over dense batches (each brings its
     #    own attention: causal, a custom mask, a group-wise layout) --
@@ -285,9 +312,7 @@ class LlamaModel(nn.Module):
         """Prepack the decoder layers' projections for oneDNN (`pack_linear_weight`), and the LM
         head for inputs of `head_min_rows` rows or more (a 1-row LM head is as fast unpacked).
         Returns the weights packed (0 off the CPU, or where this torch cannot)."""
-        weights = [w for layer in self.layers for w in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight,
-                                                         layer.down.weight)]
-        packed = sum(pack_linear_weight(w) for w in weights)
+        packed = sum(layer.pack_weights() for layer in self.layers)
         return packed + pack_linear_weight(self.lm_head_weight, head_min_rows)
 
     @property

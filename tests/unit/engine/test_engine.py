@@ -175,3 +175,29 @@ def test_async_engine_streams_and_aborts(tiny_llama_dir):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("prepack", [True, False])
+def test_engine_prepacks_cpu_weights_unless_told_not_to(tiny_llama_dir, prepack):
+    """On the CPU the engine prepacks the target's projections and LM head and the drafters' own
+    decoder layers (here a 1-layer draft model loaded from a folder), and leaves them as they are
+    with `prepack_weights=False`; greedy outputs are the same either way."""
+    from specserve.engine.model import _PACK_DTYPES
+
+    if torch.float32 not in _PACK_DTYPES:
+        pytest.skip("oneDNN cannot prepack fp32 weights with this torch on this CPU")
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", max_num_seqs=2,
+                                    block_size=4, num_kv_blocks=48, max_model_len=96, drafters=("draft_model",),
+                                    drafter_options={"draft_model": {"draft_model": str(tiny_llama_dir)}},
+                                    prepack_weights=prepack))
+    target, draft = engine.model, engine.drafters["draft_model"].model
+    assert draft is not target and draft.layers[0] is not target.layers[0]
+    weights = [w for m in (target, draft) for layer in m.layers
+               for w in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight)]
+    assert all(hasattr(w, "_specserve_packed") == prepack for w in weights + [target.lm_head_weight])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine.add_request("spec", [5, 6, 7, 8, 5, 6, 7], params, drafter="draft_model")
+    engine.add_request("plain", [5, 6, 7, 8, 5, 6, 7], params, drafter="none")
+    out = drain(engine)
+    assert out["spec"] == out["plain"] and len(out["spec"][0]) == 16
+    assert engine.drafter_stats["draft_model"].num_draft_tokens > 0

@@ -290,3 +290,23 @@ def test_pack_probe_drops_a_dtype_this_cpu_cannot_pack():
     assert onednn_pack_dtypes(_ONEDNN_LINEAR, lambda w, rows: w * 2) == frozenset()
     assert onednn_pack_dtypes(_ONEDNN_LINEAR, None) == frozenset()
     assert onednn_pack_dtypes(None, _ONEDNN_REORDER) == frozenset()
+
+
+def test_pack_decoder_layers_finds_layers_in_drafters_and_packs_shared_ones_once():
+    """A drafter's own layers are found through its attributes; layers it shares with the target
+    (a truncated draft model) keep the one copy the target's packing made."""
+    from types import SimpleNamespace
+
+    from specserve.engine.model import pack_decoder_layers
+
+    _packable(torch.float32)
+    runner = Runner(tiny_hf("llama"))
+    model = runner.model
+    first = model.layers[0].qkv.weight
+    assert model.pack_weights() == 4 * runner.cfg.num_layers + 1
+    copy = first._specserve_packed[0]
+    own = Runner(tiny_hf("qwen2")).model.layers[0]
+    drafter = SimpleNamespace(model=model.truncated(2), head=own, name="x")
+    assert pack_decoder_layers(drafter) == 4 * 2 + 4
+    assert first._specserve_packed[0] is copy
+    assert hasattr(own.gate_up.weight, "_specserve_packed")
