@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from specserve.engine.model import linear
+from specserve.engine.model import linear, pack_linear_weight
 
 DEFAULT_SIZE = 8192
 
@@ -63,6 +63,12 @@ class DraftVocab:
             rank = check_rank(rank, vocab).to(lm_head_weight.device)
             self.ids = rank[:size].contiguous()
             self.weight = lm_head_weight.detach().index_select(0, self.ids).contiguous()
+
+    def pack_weights(self) -> int:
+        """Prepack the derived N x H head for oneDNN's CPU linear, for inputs of 2 rows or more
+        (`engine.model.pack_linear_weight`; the whole-vocabulary case reads the target's head,
+        which the target packs). Returns the weights packed."""
+        return 0 if self.weight is None else int(pack_linear_weight(self.weight, min_rows=2))
 
     @property
     def size(self) -> int | None:

@@ -17,7 +17,7 @@ from specserve.engine.errors import InvalidRequestError, is_unrecoverable
 from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine.loader import LoadedModel, load_model
-from specserve.engine.model import LlamaModel, pack_decoder_layers
+from specserve.engine.model import LlamaModel, pack_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
 from specserve.engine.sampling_params import SamplingParams
@@ -67,7 +67,7 @@ class LLMEngine:
         self.features = FeatureStore(mc.hidden_size, self.dtype, self.device)
         self.drafters = self._load_drafters(config.drafters)
         if config.prepack_weights and self.device.type == "cpu":
-            packed = self.model.pack_weights() + pack_decoder_layers(*self.drafters.values())
+            packed = self.model.pack_weights() + pack_weights_in(*self.drafters.values())
             logger.info("prepacked %d weight matrices for oneDNN", packed)
         self.default_drafter = config.drafters[0] if config.drafters and config.drafters[0] != NO_DRAFTER else None
         self.drafter_stats: dict[str, DrafterStats] = {name: DrafterStats() for name in self.drafters}

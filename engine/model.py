@@ -114,20 +114,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def pack_decoder_layers(*objects) -> int:
-    """Prepack (`DecoderLayer.pack_weights`) every decoder layer inside `objects` (modules, or
-    objects such as drafters whose attributes hold modules): a drafter's own layers (EAGLE's,
-    a student's) run on a few rows per call, where packing pays as it does for the target.
-    Returns the weights packed."""
+def pack_weights_in(*objects) -> int:
+    """Prepack every decoder layer inside `objects` (modules, or objects such as drafters whose
+    attributes hold modules) with `DecoderLayer.pack_weights`, and call `pack_weights()` of the
+    attributes that have one (a drafter's draft vocabulary head), and `LlamaModel.pack_weights` of
+    a draft model: a drafter's own layers (EAGLE's, a student's) run on a few rows per call, where
+    packing pays as it does for the target. Weights already packed (shared with the target) keep
+    their one copy and count as packed. Returns the weights packed."""
     seen: set[int] = set()
     packed = 0
     for obj in objects:
-        modules = [obj] if isinstance(obj, nn.Module) else [v for v in vars(obj).values() if isinstance(v, nn.Module)]
-        for module in modules:
-            for sub in module.modules():
-                if isinstance(sub, DecoderLayer) and id(sub) not in seen:
-                    seen.add(id(sub))
+        values = [obj] if isinstance(obj, nn.Module) else list(vars(obj).values())
+        for value in values:
+            if not isinstance(value, nn.Module):
+                pack = getattr(value, "pack_weights", None)
+                if callable(pack) and id(value) not in seen:
+                    seen.add(id(value))
+                    packed += pack()
+                continue
+            for sub in value.modules():
+                if id(sub) in seen:
+                    continue
+                if isinstance(sub, LlamaModel):     # a draft model: its layers and its LM head
+                    seen.update(id(layer) for layer in sub.layers)
                     packed += sub.pack_weights()
+                elif isinstance(sub, DecoderLayer):
+                    packed += sub.pack_weights()
+                seen.add(id(sub))
     return packed
 
 

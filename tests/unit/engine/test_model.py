@@ -292,12 +292,12 @@ def test_pack_probe_drops_a_dtype_this_cpu_cannot_pack():
     assert onednn_pack_dtypes(None, _ONEDNN_REORDER) == frozenset()
 
 
-def test_pack_decoder_layers_finds_layers_in_drafters_and_packs_shared_ones_once():
+def test_pack_weights_in_finds_layers_in_drafters_and_packs_shared_ones_once():
     """A drafter's own layers are found through its attributes; layers it shares with the target
     (a truncated draft model) keep the one copy the target's packing made."""
     from types import SimpleNamespace
 
-    from specserve.engine.model import pack_decoder_layers
+    from specserve.engine.model import pack_weights_in
 
     _packable(torch.float32)
     runner = Runner(tiny_hf("llama"))
@@ -306,7 +306,12 @@ def test_pack_decoder_layers_finds_layers_in_drafters_and_packs_shared_ones_once
     assert model.pack_weights() == 4 * runner.cfg.num_layers + 1
     copy = first._specserve_packed[0]
     own = Runner(tiny_hf("qwen2")).model.layers[0]
-    drafter = SimpleNamespace(model=model.truncated(2), head=own, name="x")
-    assert pack_decoder_layers(drafter) == 4 * 2 + 4
+    from specserve.drafters.draft_vocab import DraftVocab
+
+    vocab = DraftVocab(model.lm_head_weight, torch.randperm(300, generator=torch.Generator().manual_seed(0)), 64)
+    drafter = SimpleNamespace(model=model.truncated(2), head=own, vocab=vocab, name="x")
+    assert pack_weights_in(drafter) == (4 * 2 + 1) + 4 + 1   # the view's layers and head, own layer, vocab
     assert first._specserve_packed[0] is copy
-    assert hasattr(own.gate_up.weight, "_specserve_packed")
+    assert hasattr(own.gate_up.weight, "_specserve_packed") and hasattr(vocab.weight, "_specserve_packed")
+    hidden = torch.randn(5, model.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(vocab.logits(hidden), hidden @ vocab.weight.T, atol=1e-5, rtol=1e-5)
