@@ -98,7 +98,9 @@ MIN_RATE_TRIALS = 1.0       # a finished sequence's rate is remembered once it h
 # acceptance
 PRIOR_ACCEPT_RATE = 0.7     # optimistic prior: a chain accepting each next token with this probability
 PRIOR_WEIGHT = 0.25         # the prior counts as this many observations
-MAX_EVIDENCE = 20.0         # a size's mean moves as an EMA of rate 1/MAX_EVIDENCE once it has that many
+MAX_EVIDENCE = 8.0          # a size's mean moves as an EMA of rate 1/MAX_EVIDENCE once it has that many
+                            # (it must follow a change of the requests' text -- learnt on chat, then code --
+                            # within the few trees a drafter gets to draft once its means say it does not pay)
 SEQ_DECAY = 0.7             # per-sequence sums decay by this per observation (about the last 3 steps)
 SEQ_PRIOR = 1.0             # pseudo accepted tokens shrinking the per-sequence multiplier towards 1
 MAX_MULTIPLIER = 4.0
