@@ -41,8 +41,9 @@ class EngineConfig:
     # the older switch, kept working: True = "adaptive", False = "fixed", None = as draft_budget says
     adaptive_draft_length: bool | None = None
     step_cost_calibration: bool = True  # goodput: time a few forwards at start-up (off: learn from steps only)
-    # CPU: keep a oneDNN-prepacked copy of the target's projection weights, so that a step of a few
-    # rows (draft trees, small batches) costs little more than a 1-row decode; doubles their memory
+    # CPU: keep a oneDNN-prepacked copy of the target's projection weights and LM head (and of the
+    # drafters' own layers), so that a step of a few rows (draft trees, small batches) costs little
+    # more than a 1-row decode; doubles those weights' memory
     prepack_weights: bool = True
 
     def __post_init__(self) -> None:

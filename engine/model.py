@@ -57,10 +57,10 @@ PACK_ROWS_HINT = 16     # the rows the packed layout is chosen for (decode batch
 
 def onednn_pack_dtypes(op, reorder) -> frozenset[torch.dtype]:
     """The dtypes (among those `onednn_linear_dtypes` found) for which oneDNN's linear on a
-    prepacked weight runs here and equals it on the plain weight."""
-    supported = set()
+    prepacked weight runs here and agrees with it on the plain weight."""
     if reorder is None:
         return frozenset()
+    supported = set()
     for dtype in onednn_linear_dtypes(op):
         g = torch.Generator().manual_seed(0)
         x, w = (torch.randn(shape, generator=g).to(dtype) for shape in ((3, 8), (5, 8)))

@@ -88,7 +88,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d["seed"], help="seed for requests without their own "
                    "(default: %(default)s)")
     g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=d["prepack_weights"],
-                   help="on the CPU, keep a oneDNN-prepacked copy of the target's projection weights: a step of a "
+                   help="on the CPU, keep a oneDNN-prepacked copy of the target's projection weights and LM head "
+                        "(and of the drafters' own layers): a step of a "
                         "few rows (draft trees, small batches) then costs little more than a 1-row decode; "
                         "doubles those weights' memory (default: on)")
     s = p.add_argument_group("speculative decoding")
