@@ -7,8 +7,9 @@ transformers `generate` (plain and prompt lookup), per dataset and temperature.
 
 One model load, one engine with every drafter loaded; each request names its drafter ("none" = plain
 decoding). For each dataset x temperature the prompts run in batches of --batch-size requests, and
-each batch runs once per method before the next batch starts (interleaved, so slow drift of the
-machine hits every method alike). Every method generates exactly --max-tokens tokens per prompt (EOS
+each batch runs once per method before the next batch starts, in an order that reverses from one
+batch to the next (plain first, then last, ...: `method_order`), so a slow drift of the machine's
+speed hits every method alike instead of favouring the methods run nearest to plain. Every method generates exactly --max-tokens tokens per prompt (EOS
 ignored; transformers gets `min_new_tokens`); sampling is seeded per prompt. Time is wall-clock from
 adding a batch to its last token, prefill included. With `--admission continuous` a dataset's prompts
 are one batch: all submitted at once, the engine keeping --batch-size of them in flight (a finished
@@ -133,6 +134,14 @@ class Tally:
     @property
     def tok_s(self) -> float | None:
         return self.num_tokens / self.seconds if self.seconds > 0 and self.error is None else None
+
+
+def method_order(methods: list[str], batch_no: int) -> list[str]:
+    """The order in which the `batch_no`-th batch (counted over the whole run) runs the methods:
+    as given for even batches, reversed for odd ones. Over two batches every method's mean position
+    is the middle, so a speed drift that is linear over them cancels in each ratio to plain (run
+    first, its anchors would meet it before every drafter)."""
+    return list(methods) if batch_no % 2 == 0 else list(reversed(methods))
 
 
 def run_engine_batch(engine, prompts: list[list[int]], params: list, drafter: str, tag: str):
@@ -334,6 +343,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     rows, mismatches = [], []
     exact = args.dtype == "float32"
+    batch_no = 0
     for ds, ps in prompts.items():
         for t in args.temperature:
             greedy = t == 0
@@ -345,10 +355,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             for start in range(0, len(ps), group):
                 chunk = ps[start:start + group]
                 seeds = [args.seed + start + i for i in range(len(chunk))]
-                for m in methods:
+                for m in method_order(methods, batch_no):
                     n, secs, outs, specs = run_engine_batch(engine, chunk, params_for(t, seeds, args.max_tokens), m,
                                                             f"{ds}-{t}-{m}-{start}")
                     tallies[m].add(n, secs, outs, specs)
+                batch_no += 1
                 if hf is not None:
                     hf_tallies["hf_generate"].add(*run_hf(hf, chunk, args.max_tokens, temperature=t, seeds=seeds,
                                                           pad_token_id=pad_id))
@@ -412,7 +423,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             "datasets": list(prompts), "num_prompts": {ds: len(ps) for ds, ps in prompts.items()},
             "mean_prompt_tokens": {ds: sum(map(len, ps)) / len(ps) for ds, ps in prompts.items()},
             "max_tokens": args.max_tokens, "temperatures": args.temperature, "batch_size": args.batch_size,
-            "admission": args.admission,
+            "admission": args.admission, "method_order": "reversed every other batch",
             "hf_batch_size": 1 if hf is not None else None, "seed": args.seed, "drafters": drafters,
             "skipped_drafters": skipped, "drafter_options": options,
             "num_speculative_tokens": args.num_speculative_tokens,

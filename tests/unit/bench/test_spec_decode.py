@@ -25,8 +25,17 @@ def tiny_dataset(tmp_path):
     return path
 
 
-def test_harness_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, capsys):
+def test_harness_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, capsys, monkeypatch):
     out = tmp_path / "results" / "spec"
+    order = []   # the methods in the order the measured batches ran them (the real runs, recorded)
+    real_run = spec_decode.run_engine_batch
+
+    def recording_run(engine, prompts, params, drafter, tag):
+        if not tag.startswith("warm-"):
+            order.append(drafter)
+        return real_run(engine, prompts, params, drafter, tag)
+
+    monkeypatch.setattr(spec_decode, "run_engine_batch", recording_run)
     rc = spec_decode.main(["--model", str(tiny_llama_dir), "--datasets", str(tiny_dataset), "--num-prompts", "2",
                            "--max-tokens", "8", "--drafters", "ngram", "draft_model",
                            "--drafter-option", "draft_model.draft_layers=1", "--temperature", "0", "0.7",
@@ -38,6 +47,10 @@ def test_harness_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, capsys):
     assert meta["drafters"] == ["ngram", "draft_model"]
     assert meta["drafter_options"] == {"draft_model": {"draft_layers": 1}}
     assert meta["machine"]["torch_threads"] >= 1 and meta["num_prompts"] == {"tiny_prompts": 2}
+    # 2 prompts at batch 1 x 2 temperatures = 4 batches, the order reversing from one to the next
+    forward = ["none", "ngram", "draft_model"]
+    assert order == (forward + forward[::-1]) * 2
+    assert meta["method_order"] == "reversed every other batch"
 
     rows = result["results"]
     assert all(set(r) == set(spec_decode.ROW_FIELDS) for r in rows)
@@ -106,6 +119,17 @@ def test_composite_drafters_report_their_parts(tiny_llama_dir, tiny_dataset, tmp
     assert sum(p["accepted_tokens"] for p in row["parts"].values()) == row["num_accepted_tokens"]
     plain = next(r for r in result["results"] if r["method"] == "none")
     assert plain["parts"] is None
+
+
+def test_method_order_balances_a_linear_drift():
+    methods = ["none", "a", "b", "c"]
+    assert spec_decode.method_order(methods, 0) == methods
+    assert spec_decode.method_order(methods, 1) == ["c", "b", "a", "none"]
+    assert spec_decode.method_order(methods, 2) == methods
+    # over two batches each method's mean position is the same, so a drift linear in time weighs
+    # on every method, plain included, alike
+    positions = {m: sum(spec_decode.method_order(methods, k).index(m) for k in (0, 1)) for m in methods}
+    assert set(positions.values()) == {len(methods) - 1}
 
 
 def test_drafter_selection():
