@@ -29,7 +29,11 @@ step and shared by every layer: one call for them all, unless their lengths are 
 padding costs more than a second call (`AttnMetadata.other_groups`; on this CPU one call for 16
 trees of 8-32 nodes over contexts of 100-400 keys was 2x slower than a few calls). Grouped-query
 heads are folded into the query rows (head h uses kv head h // G), so keys and values are never
-repeated.
+repeated. A step of one sequence whose blocks are consecutive in the pool (the usual case when one
+stream is served: the pool hands out low block ids first and takes freed ones back on top) reads
+its keys in place, as a view of the cache, instead of gathering them (`contiguous_starts`): the
+gather and the index shuffles around the call were two thirds of a decode row's attention time at
+a 300-token context on the development CPU.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ class AttnMetadata:
     block_tables: torch.Tensor        # [B, max_blocks] int32 (for paged kernels)
     masks: list[torch.Tensor | None]  # per sequence: [q, m >= q] bool over the last m keys, True = visible; None = causal
     block_size: int = 0               # slots per cache block (0: unknown, keys are gathered slot by slot)
+    # per sequence: the slot of its position 0 when its context lies in consecutive blocks (its keys
+    # are then cache[start : start + context_len]), else None; None altogether when not known
+    contiguous_starts: list[int | None] | None = None
     # the same, packed for kernels (device tensors; built by build_attn_metadata, else on first use)
     cu_query_lens_t: torch.Tensor | None = None   # [B+1] int32
     context_lens_t: torch.Tensor | None = None    # [B] int32
@@ -79,7 +86,7 @@ class AttnMetadata:
         self.max_query_len = max(self.query_lens)
         self.max_context_len = max(self.context_lens)
         self._decode_cache: tuple | None = None
-        self._other_cache: dict[int, list[tuple]] = {}
+        self._other_cache: dict[tuple, list[tuple]] = {}
 
     def decode_batch(self, device: torch.device):
         """Index tensors for the batched decode rows, built once per step and shared by all layers."""
@@ -116,15 +123,23 @@ class AttnMetadata:
             q_max, ctx_max = q, ctx
         return groups
 
-    def other_batch(self, group: int, device: torch.device) -> list[tuple]:
-        """Per batch of `other_groups`, built once per step (and group size) and shared by all
-        layers: (query rows [B', q_max], key slots, visibility [B', 1, group * q_max, ctx_max] with
-        rows ordered (head in group, token), output rows [n_real] of the real padded rows `real`
-        [n_real]). Rows and dest are None when one batch is the whole step in order with equal
-        lengths (q is then [B', q_max] as it is); real is None when nothing is padded."""
-        if group not in self._other_cache:
-            self._other_cache[group] = [self._padded_batch(idx, group, device) for idx in self.other_groups()]
-        return self._other_cache[group]
+    def other_batch(self, group: int, device: torch.device, dtype: torch.dtype) -> list[tuple]:
+        """Per batch of `other_groups`, built once per step (and group size and dtype) and shared
+        by all layers: (query rows [B', q_max], key slots, visibility [B', 1, group * q_max, ctx_max]
+        with rows ordered (head in group, token) as an additive mask of `dtype` (0 visible, -inf
+        hidden: SDPA takes it as it is, where a bool mask is converted on every call, 3-18 % of a
+        tree row's call on the development CPU), output rows [n_real] of the real padded rows
+        `real` [n_real]). Rows and dest are None when one batch is the whole step in order with
+        equal lengths (q is then [B', q_max] as it is); real is None when nothing is padded."""
+        key = (group, dtype)
+        if key not in self._other_cache:
+            batches = []
+            for idx in self.other_groups():
+                rows, slots, vis, dest, real = self._padded_batch(idx, group, device)
+                additive = torch.zeros(vis.shape, dtype=dtype, device=device).masked_fill_(~vis, float("-inf"))
+                batches.append((rows, slots, additive, dest, real))
+            self._other_cache[key] = batches
+        return self._other_cache[key]
 
     def _padded_batch(self, idx: list[int], group: int, device: torch.device) -> tuple:
         """One entry of `other_batch`: sequences `idx` padded to their longest query and context."""
@@ -226,6 +241,11 @@ def build_attn_metadata(
     for q in query_lens:
         cu.append(cu[-1] + q)
     context_lens = [s + q for s, q in zip(starts, query_lens)]
+    contiguous = []
+    for t, ctx in zip(block_tables, context_lens):
+        n = -(-ctx // block_size)
+        contiguous.append(t[0] * block_size if n and t[n - 1] - t[0] == n - 1 and t[:n] == list(range(t[0], t[0] + n))
+                          else None)
     widths = [0 if m is None else m.shape[1] for m in masks]
     offsets = [0]
     for q, w in zip(query_lens, widths):
@@ -272,7 +292,7 @@ def build_attn_metadata(
     meta = AttnMetadata(query_lens=list(query_lens), context_lens=context_lens, cu_query_lens=cu,
                         slot_mapping=slot_mapping, context_slots=context_slots[:, :max(context_lens)],
                         block_tables=small[:num_seqs * width].view(num_seqs, width), masks=masks,
-                        block_size=block_size, cu_query_lens_t=cu_t, context_lens_t=ctx_t, mask_offsets=moff_t,
+                        block_size=block_size, contiguous_starts=contiguous, cu_query_lens_t=cu_t, context_lens_t=ctx_t, mask_offsets=moff_t,
                         mask_widths=mw_t, mask_data=mask_data)
     return positions, meta
 
@@ -300,7 +320,9 @@ def paged_attention_reference(
     num_tokens, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
-    batches = meta.other_batch(group, q.device) if meta.other_idx else []
+    if meta.num_seqs == 1 and meta.contiguous_starts and meta.contiguous_starts[0] is not None:
+        return _attend_in_place(q, k_cache, v_cache, meta, scale)
+    batches = meta.other_batch(group, q.device, q.dtype) if meta.other_idx else []
     if len(batches) == 1 and batches[0][3] is None:   # the whole step, in order, nothing padded
         return _attend_padded(q, k_cache, v_cache, meta, scale, batches[0]).reshape(num_tokens, num_heads * head_dim)
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -318,6 +340,23 @@ def paged_attention_reference(
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=pad_mask, scale=scale)
         out.index_copy_(0, rows, od.reshape(bd, num_heads, head_dim))
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _attend_in_place(q, k_cache, v_cache, meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """One sequence whose context is the cache rows start .. start + ctx - 1: SDPA over views of
+    the cache (no gather), its visibility the padded batches' (`other_batch`) when it has new
+    tokens past a decode row's one."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv = k_cache.shape[1]
+    group = num_heads // num_kv
+    start, ctx = meta.contiguous_starts[0], meta.context_lens[0]
+    k = k_cache[start:start + ctx].unsqueeze(0).transpose(1, 2)                  # [1, Hkv, ctx, D]
+    v = v_cache[start:start + ctx].unsqueeze(0).transpose(1, 2)
+    vis = meta.other_batch(group, q.device, q.dtype)[0][2] if meta.other_idx else None   # [1, 1, G*T, ctx]
+    qo = q.view(num_tokens, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv, group * num_tokens,
+                                                                                  head_dim)
+    o = F.scaled_dot_product_attention(qo, k, v, attn_mask=vis, scale=scale)    # [1, Hkv, G*T, D]
+    return o.view(num_kv, group, num_tokens, head_dim).permute(2, 0, 1, 3).reshape(num_tokens, num_heads * head_dim)
 
 
 def _attend_padded(q, k_cache, v_cache, meta: AttnMetadata, scale: float, batch: tuple) -> torch.Tensor:

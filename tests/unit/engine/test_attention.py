@@ -116,6 +116,54 @@ def test_batched_reference_equals_per_sequence_loop(block, kv_heads, group, dtyp
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+def test_contiguous_starts_follow_the_block_tables():
+    """A sequence's context is read in place only when the blocks covering it are consecutive."""
+    _, meta = build_attn_metadata([[3, 4, 5], [3, 5], [3, 4, 9], [7], [2, 1]], 4, [9, 3, 6, 0, 5], [1, 2, 2, 3, 1],
+                                  None, torch.device("cpu"))
+    # [3, 4, 9] over 8 keys: only blocks 3 and 4 hold its context; [2, 1] is descending
+    assert meta.contiguous_starts == [12, None, 12, 28, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "chain", "tree", "forest", "wide", "wide1"])
+def test_one_sequence_in_place_equals_gathered_and_loop(kind, dtype):
+    """A step of one sequence in consecutive blocks attends over views of the cache; the same step
+    with its blocks scattered (or the start unknown) gathers them: all equal the per-sequence loop."""
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for seed in range(4):
+        rng = random.Random(seed)
+        g = torch.Generator().manual_seed(seed)
+        block, kv_heads, group, dim = rng.choice([1, 4, 16]), 3, 3, 8
+        if kind in ("decode", "prefill"):
+            q_len, mask = (1 if kind == "decode" else rng.randint(2, 12)), None
+            start = rng.randint(0 if kind == "prefill" else 1, 40)
+        else:
+            n = rng.randint(2, 9)
+            parents = [i - 1 for i in range(n)] if kind == "chain" else \
+                [-1] + [rng.randrange(-1 if kind == "forest" else 0, i) for i in range(1, n)]
+            q_len = {"wide": rng.randint(1, n - 1), "wide1": 1}.get(kind, n)
+            mask = ancestor_mask(parents)[n - q_len:]
+            start = rng.randint(n - q_len, 40)
+        num = -(-(start + q_len) // block)
+        num_blocks = num + 8
+        k_cache = torch.randn(num_blocks * block, kv_heads, dim, generator=g).to(dtype)
+        v_cache = torch.randn(num_blocks * block, kv_heads, dim, generator=g).to(dtype)
+        q = torch.randn(q_len, kv_heads * group, dim, generator=g).to(dtype)
+        first = rng.randint(0, 8)
+        _, in_place = build_attn_metadata([list(range(first, first + num))], block, [start], [q_len], [mask],
+                                          torch.device("cpu"))
+        assert in_place.contiguous_starts == [first * block]
+        scattered_table = list(range(first, first + num))[::-1]
+        _, scattered = build_attn_metadata([scattered_table], block, [start], [q_len], [mask], torch.device("cpu"))
+        assert num == 1 or scattered.contiguous_starts == [None]
+        got = paged_attention_reference(q, k_cache, v_cache, in_place, 0.4)
+        torch.testing.assert_close(got, _paged_attention_loop(q, k_cache, v_cache, in_place, 0.4), rtol=tol, atol=tol)
+        gathered = paged_attention_reference(q, k_cache, v_cache, replace(in_place, contiguous_starts=None), 0.4)
+        torch.testing.assert_close(got, gathered, rtol=tol, atol=tol)
+        torch.testing.assert_close(paged_attention_reference(q, k_cache, v_cache, scattered, 0.4),
+                                   _paged_attention_loop(q, k_cache, v_cache, scattered, 0.4), rtol=tol, atol=tol)
+
+
 def test_batched_reference_shapes_of_batch():
     """The special layouts: one sequence, equal-length sequences (no padding), decode rows only,
     and a one-token row with a mask (batched with the trees: its mask is honoured)."""
