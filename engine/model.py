@@ -7,6 +7,8 @@ projects only the rows a caller needs. q/k/v and gate/up projections are fused a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -145,7 +147,11 @@ def pack_weights_in(*objects) -> int:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back, as the reference implementation does."""
+    """RMSNorm computed in fp32 and cast back, as the reference implementation does. In fp32,
+    torch's fused `F.rms_norm` (the same maths in one kernel instead of six ops; a third faster on a
+    one-row input on the development CPU)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -183,6 +189,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
+class RopeRows(NamedTuple):
+    """The rotation of one forward's rows in the form `DecoderLayer.forward` applies per layer
+    (`rope_rows`): cos [T, 1, D], and sin [T, 1, D] with its first half negated."""
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+
+
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor) -> RopeRows:
+    """cos/sin [T, D] of a forward's rows -> `RopeRows`, made once per forward. With them the
+    rotate-half of `apply_rope` is a roll: rotate_half(x) * sin = roll(x, D/2) * sin_signed, where
+    the sign moves from x's second half onto sin (exact: the products are the same floats), so a
+    layer rotates q and k in three ops instead of nine (`apply_rope_rows`)."""
+    half = sin.shape[-1] // 2
+    return RopeRows(cos.unsqueeze(-2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(-2))
+
+
+def apply_rope_rows(x: torch.Tensor, rope: RopeRows) -> torch.Tensor:
+    """x [T, heads, D] -> `apply_rope(x, cos, sin)` for rope = rope_rows(cos, sin), bit for bit."""
+    return x * rope.cos + torch.roll(x, x.shape[-1] // 2, -1) * rope.sin_signed
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -198,14 +225,17 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, h, cos, sin, k_cache, v_cache, meta: AttnMetadata):
+    def forward(self, h, rope: RopeRows, k_cache, v_cache, meta: AttnMetadata):
+        """h [T, hidden] -> [T, hidden]; the new keys and values go to the cache slots `meta`
+        names before attention. `rope`: `rope_rows` of the rows' positions."""
         x = rms_norm(h, self.input_norm, self.eps)
-        q, k, v = linear(x, self.qkv.weight, self.qkv.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = linear(x, self.qkv.weight, self.qkv.bias)
         n = h.shape[0]
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        heads = self.num_heads + self.num_kv_heads   # q and k rotated together, in one call
+        qk = apply_rope_rows(qkv[:, :self.q_size + self.kv_size].view(n, heads, self.head_dim), rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache[meta.slot_mapping] = k
-        v_cache[meta.slot_mapping] = v.view(n, self.num_kv_heads, self.head_dim)
+        v_cache[meta.slot_mapping] = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         h = h + linear(paged_attention(q, k_cache, v_cache, meta, self.scale), self.o.weight)
         gate, up = linear(rms_norm(h, self.post_attn_norm, self.eps), self.gate_up.weight).chunk(2, dim=-1)
         return h + linear(F.silu(gate) * up, self.down.weight)
@@ -273,11 +303,11 @@ class LlamaModel(nn.Module):
         features (2, L//2, L-3) are these indices: its code records the input of those decoder
         layers. An empty `capture_layers` costs nothing."""
         h = self.embed(input_ids)
-        cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
+        rope = rope_rows(self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype))
         if not capture_layers:
             for i, layer in enumerate(self.layers):
                 k_cache, v_cache = kv_cache.layer(i)
-                h = layer(h, cos, sin, k_cache, v_cache, attn_metadata)
+                h = layer(h, rope, k_cache, v_cache, attn_metadata)
             return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         self.check_capture_layers(capture_layers)
         slots = {k: j for j, k in enumerate(capture_layers)}
@@ -286,7 +316,7 @@ class LlamaModel(nn.Module):
             captured[:, slots[0]] = h
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            h = layer(h, cos, sin, k_cache, v_cache, attn_metadata)
+            h = layer(h, rope, k_cache, v_cache, attn_metadata)
             if i + 1 in slots:
                 captured[:, slots[i + 1]] = h
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps), captured

@@ -315,3 +315,42 @@ def test_pack_weights_in_finds_layers_in_drafters_and_packs_shared_ones_once():
     assert hasattr(own.gate_up.weight, "_specserve_packed") and hasattr(vocab.weight, "_specserve_packed")
     hidden = torch.randn(5, model.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(vocab.logits(hidden), hidden @ vocab.weight.T, atol=1e-5, rtol=1e-5)
+
+
+# ---- the per-layer small ops: RoPE in roll form, fused RMSNorm ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope"])
+def test_rope_rows_rotate_as_apply_rope_bit_for_bit(kind, dtype):
+    """The layer's roll form of RoPE (`rope_rows` + `apply_rope_rows`) gives the same floats as the
+    rotate-half reference, on the real tables of a config, q and k heads rotated together."""
+    from specserve.engine.model import apply_rope, apply_rope_rows, rope_rows, rope_tables
+
+    cfg = ModelConfig.from_hf(tiny_hf(kind).config)
+    cos_t, sin_t = rope_tables(cfg, 256, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 256, (7,), generator=g)
+    cos, sin = cos_t[positions].to(dtype), sin_t[positions].to(dtype)
+    x = (torch.randn(7, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, generator=g) * 3).to(dtype)
+    got = apply_rope_rows(x, rope_rows(cos, sin))
+    assert torch.equal(got, apply_rope(x, cos, sin))
+    # on a strided view (the q and k columns of a fused qkv output), as the layer calls it
+    qkv = torch.randn(7, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, generator=g).to(dtype)
+    view = qkv[:, :(cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim].view(7, -1, cfg.head_dim)
+    assert torch.equal(apply_rope_rows(view, rope_rows(cos, sin)), apply_rope(view.contiguous(), cos, sin))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_fp32_formula_and_keeps_gradients(dtype):
+    from specserve.engine.model import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 64, generator=g) * 4).to(dtype).requires_grad_()
+    w = (torch.rand(64, generator=g) + 0.5).to(dtype).requires_grad_()
+    xf = x.detach().float()
+    want = w.detach() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    got = rms_norm(x, w, 1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 0
+    torch.testing.assert_close(got.detach(), want, rtol=tol, atol=tol)
+    got.sum().backward()
+    assert x.grad is not None and w.grad is not None and w.grad.abs().sum() > 0

@@ -17,7 +17,7 @@ from specserve.drafters.train.loop import TrainConfig
 from specserve.drafters.train.target import target_features
 from specserve.engine.attention import build_attn_metadata
 from specserve.engine.kv_cache import BlockManager, KVCache
-from specserve.engine.model import rope_tables
+from specserve.engine.model import rope_rows, rope_tables
 
 
 def perturbed_head(target, seed: int = 0, scale: float = 0.05) -> EagleHead:
@@ -59,7 +59,7 @@ def test_dense_training_forward_is_the_serving_layer(tiny_target):
                                         torch.device("cpu"))
         h = head.fuse(torch.cat([x[lo:hi] for x in feats]), model.embed(torch.tensor([i for t in ids for i in t[lo:hi]])))
         with torch.no_grad():
-            out = head.out(head.layer(h, cos[pos], sin[pos], *cache.layer(0), meta))
+            out = head.out(head.layer(h, rope_rows(cos[pos], sin[pos]), *cache.layer(0), meta))
         for b, (a, z) in enumerate(zip(meta.cu_query_lens, meta.cu_query_lens[1:])):
             paged[b].append(out[a:z])
     for b, n in enumerate(lengths):
