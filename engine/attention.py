@@ -86,6 +86,7 @@ class AttnMetadata:
         self.max_query_len = max(self.query_lens)
         self.max_context_len = max(self.context_lens)
         self._decode_cache: tuple | None = None
+        self._backend: str | None = None   # `attention_backend`, looked up once per step, not per layer
         self._other_cache: dict[tuple, list[tuple]] = {}
 
     def decode_batch(self, device: torch.device):
@@ -445,6 +446,8 @@ def paged_attention(
 ) -> torch.Tensor:          # [num_tokens, num_heads * head_dim]
     """Attention of one step's ragged batch over the paged KV: the Triton kernel (one launch) or
     the torch reference, as `attention_backend` picks."""
-    if attention_backend(q.device) == "triton":
+    if meta._backend is None:
+        meta._backend = attention_backend(q.device)
+    if meta._backend == "triton":
         return _triton_attention(q, k_cache, v_cache, meta.packed(), scale)
     return paged_attention_reference(q, k_cache, v_cache, meta, scale)

@@ -328,6 +328,67 @@ def test_rejected_trees_do_not_shrink_a_sequence_where_luck_does_not_last(cost):
     assert budgets[streaks][1] < budgets[streaks][0]
 
 
+def passages(stay: float, inside: float = 0.95, outside: float = 0.25):
+    """A sequence whose text goes in and out of passages an n-gram drafter knows (code, a quoted
+    document): each step it stays where it is with probability `stay`; per-depth acceptance is
+    `inside` within a passage and `outside` elsewhere."""
+    def rates(rng: random.Random, steps: int) -> list[float]:
+        out, within = [], False
+        for _ in range(steps):
+            within = within if rng.random() < stay else not within
+            out.append(inside if within else outside)
+        return out
+    return rates
+
+
+def simulate_goodput(cost, rates_of, seeds=(5, 6, 7), n: int = 24, steps: int = 40) -> tuple[float, object]:
+    """`n` sequences one after another at batch 1, `steps` steps each, per-depth acceptance of each
+    step from `rates_of`; the same uniform draws whatever the budgets. Committed tokens per
+    simulated second (`cost` of each step's tokens), and the drafter's model at the end."""
+    tokens = seconds = 0.0
+    for seed in seeds:
+        b, rng = make_budget(cost), random.Random(seed)
+        for s in seqs_of(n):
+            rates = rates_of(rng, steps)
+            draws = [[rng.random() for _ in range(8)] for _ in range(steps)]
+            for rate, u in zip(rates, draws):
+                got = [0]
+
+                def accept(_s, bud, rate=rate, u=u, got=got):
+                    while got[0] < bud and u[got[0]] < rate:
+                        got[0] += 1
+                    return got[0]
+
+                nodes = run_step(b, [s], accept=accept).budgets[s.seq_id]
+                tokens += 1 + got[0]
+                seconds += cost(1 + nodes)
+            b.forget(s)
+    return tokens / seconds, b.drafters["d"]
+
+
+def test_trees_after_a_whole_one_are_sized_by_the_streak_rate(monkeypatch):
+    """Sequences going in and out of passages where the drafter is accepted 0.95 per depth (0.25
+    elsewhere) on a steep cost curve: the drafter learns that its trees after a tree accepted whole
+    accept far more than its average, and sizing them so commits more tokens per second than
+    without the streak term (the control, its streak rate replaced by the overall one). Where
+    acceptance is alike on every step (luck), the streak rate is the overall one and changes
+    nothing."""
+    from specserve.engine.budget import _DrafterModel
+    with_streaks = {}
+    for name, rates_of in (("passages", passages(0.8)), ("luck", lambda rng, steps: [0.6] * steps)):
+        with_streaks[name], dm = simulate_goodput(cpu_cost, rates_of)
+        if name == "passages":
+            assert dm.streak_rate > dm.depth_rate + 0.05
+        else:
+            assert abs(dm.streak_rate - dm.depth_rate) < 0.08
+    with monkeypatch.context() as m:
+        m.setattr(_DrafterModel, "streak_rate", property(lambda self: self.depth_rate))
+        without = {"passages": simulate_goodput(cpu_cost, passages(0.8))[0],
+                   "luck": simulate_goodput(cpu_cost, lambda rng, steps: [0.6] * steps)[0]}
+    assert with_streaks["passages"] > 1.05 * without["passages"]
+    assert with_streaks["luck"] > 0.98 * without["luck"]
+
+
 def test_untried_sizes_get_an_optimistic_prior():
     b = make_budget(gpu_cost)
     dm = b._drafter("d")
