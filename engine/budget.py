@@ -59,7 +59,10 @@ The models, all learnt online from what the engine observes:
   expects at least a path accepting at that rate: an n-gram drafter inside a repeated passage has
   its next tree accepted whole most of the time, where neither its average tree nor a sequence's
   recent record (rejections just before the passage began) says so. A sequence that stops drafting
-  for a step, or gets no tree, leaves its streak.
+  for a step, or gets no tree, leaves its streak. Only a tree at least STREAK_MIN_DEPTH deep starts
+  one: a learnt drafter's one-node trees are accepted whole half the time or more, which says
+  little of the next tree, and counted as streaks they drew its sequences into larger trees that
+  did not pay (eagle on the batch-1 grid, 3-7 % slower on each dataset).
 * Exploration: sizes never tried get the optimistic prior; a sequence left at 0 is given a probe
   on its first decoding step, then after 16, 32, ... MAX_PROBE_PAUSE steps at 0 (the pause
   doubles with every probe; once the allocator picks the sequence by itself it starts over at
@@ -115,6 +118,7 @@ DEPTH_DECAY_SEQ = 0.8       # a sequence's per-depth acceptance counts decay by 
 DEPTH_DECAY_DRAFTER = 0.99  # its drafter's (the prior of the sequence's rate)
 DEPTH_PRIOR_WEIGHT = 2.0    # trials the drafter's rate counts for in a sequence's
 STREAK_PRIOR_WEIGHT = 2.0   # depths tested that the drafter's overall rate counts for in its rate after a whole tree
+STREAK_MIN_DEPTH = 2        # a tree accepted whole starts a streak when it was at least this deep
 TREE_RATE_DRAFTER = 0.05    # EMA rate of a drafter's chance of returning a tree (its new sequences' prior)
 PERSISTENCE_PRIOR = 1.0     # how much of a sequence's own deviation from its drafter carries to its next tree
 PERSISTENCE_WEIGHT = 2.0    # ... before evidence (all of it), worth this many squared tokens of deviation,
@@ -528,7 +532,7 @@ class _SeqState:
     pending_nodes: int = 0
     depth_hits: float = 0.0    # its accepted depths (decayed)
     depth_trials: float = 0.0  # its depths tested (decayed)
-    streak: bool = False       # its tree of the step just before was accepted whole
+    streak: bool = False       # its tree of the step just before was accepted whole (and deep enough)
 
     def multiplier(self, estimates: dict[int, float]) -> float:
         """Its recent accepted tokens over what its drafter's current per-size `estimates` predict
@@ -838,7 +842,7 @@ class GoodputBudget:
         dm.observe(st.pending, num_accepted, nodes, depth)
         if st.streak:
             dm.observe_streak(num_accepted, depth)
-        st.streak = num_accepted >= depth
+        st.streak = depth >= STREAK_MIN_DEPTH and num_accepted >= depth
         st.acc_sum = SEQ_DECAY * st.acc_sum + num_accepted
         for size in st.size_weights:
             st.size_weights[size] *= SEQ_DECAY

@@ -389,6 +389,33 @@ def test_trees_after_a_whole_one_are_sized_by_the_streak_rate(monkeypatch):
     assert with_streaks["luck"] > 0.98 * without["luck"]
 
 
+def test_only_a_deep_tree_accepted_whole_starts_a_streak():
+    """A one-node tree accepted is no streak (a learnt drafter's first token is accepted half the
+    time or more); a deeper tree accepted whole is, the tree after it is what the drafter's streak
+    rate learns from, and a tree accepted in part, or a step without a tree, ends it."""
+    b = make_budget(cpu_cost)
+    s = seqs_of(1)[0]
+    dm = b._drafter("d")
+
+    def tree(nodes: int, accepted: int) -> None:
+        b.record(s, nodes)
+        b.observe_draft("d", [s], [nodes], [nodes], 0.0001)
+        b.observe_acceptance(s, accepted, nodes)   # a chain: as deep as its nodes
+
+    tree(1, 1)
+    tree(1, 1)
+    assert not b._seq(s).streak and dm.streak_trials == 0
+    tree(4, 4)
+    assert b._seq(s).streak and dm.streak_trials == 0
+    tree(4, 4)
+    assert b._seq(s).streak and dm.streak_hits == 4
+    tree(4, 1)
+    assert not b._seq(s).streak and dm.streak_hits > 4
+    tree(2, 2)
+    b.record(s, 0)
+    assert not b._seq(s).streak
+
+
 def test_untried_sizes_get_an_optimistic_prior():
     b = make_budget(gpu_cost)
     dm = b._drafter("d")
