@@ -120,11 +120,13 @@ class Tally:
         self.outputs: list[list[int]] = []
         self.num_target_forwards = 0
         self.num_spec_tokens = 0     # generated tokens of requests that report speculation figures
+        self.batches: list[tuple[int, float]] = []   # (tokens, seconds) of each batch, in the order run
         self.error: str | None = None
 
     def add(self, num_tokens: int, seconds: float, outputs: list[list[int]], specs=()) -> None:
         self.num_tokens += num_tokens
         self.seconds += seconds
+        self.batches.append((num_tokens, seconds))
         self.outputs.extend(outputs)
         for spec in specs:
             if spec is not None:
@@ -134,6 +136,16 @@ class Tally:
     @property
     def tok_s(self) -> float | None:
         return self.num_tokens / self.seconds if self.seconds > 0 and self.error is None else None
+
+
+def batch_speedups(tally: Tally, plain: Tally) -> list[float] | None:
+    """The method's tokens/s over plain decoding's, batch by batch (the same prompts, run within a
+    few seconds of each other): their spread says how much of a cell's speedup the machine's drift
+    can account for. The cell's speedup is their average weighted by the method's time per batch
+    (every method generates the same tokens per batch), so it lies between their extremes."""
+    if tally.error is not None or plain.error is not None or len(tally.batches) != len(plain.batches):
+        return None
+    return [(n / s) / (pn / ps) for (n, s), (pn, ps) in zip(tally.batches, plain.batches) if s > 0 and ps > 0 and pn]
 
 
 def method_order(methods: list[str], batch_no: int) -> list[str]:
@@ -256,11 +268,11 @@ def drafter_row(tally: Tally, delta: dict) -> dict:
 
 
 ROW_FIELDS = ("dataset", "temperature", "method", "kind", "num_prompts", "num_tokens", "seconds", "tok_s",
-              "speedup", "speedup_vs_hf", "tau", "swi", "model_runs", "num_target_forwards", "num_draft_steps",
-              "num_draft_tokens", "num_accepted_tokens", "accepted_per_step", "emitted_per_draft_step", "alpha",
-              "accepted_by_depth",
-              "accepted_length_counts", "num_fallbacks", "draft_time_s", "verify_time_s", "budget_counts",
-              "parts", "greedy_mismatches", "identical_to_plain", "error")
+              "speedup", "speedup_by_batch", "speedup_vs_hf", "tau", "swi", "model_runs", "num_target_forwards",
+              "num_draft_steps", "num_draft_tokens", "num_accepted_tokens", "accepted_per_step",
+              "emitted_per_draft_step", "alpha", "accepted_by_depth", "accepted_length_counts", "num_fallbacks",
+              "draft_time_s", "verify_time_s", "budget_counts", "parts", "greedy_mismatches", "identical_to_plain",
+              "error")
 
 
 def make_row(**values) -> dict:
@@ -383,6 +395,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 tally = tallies[d]
                 row = make_row(**base, method=d, kind="drafter", num_tokens=tally.num_tokens, seconds=tally.seconds,
                                tok_s=tally.tok_s, speedup=ratio(tally.tok_s, plain.tok_s),
+                               speedup_by_batch=batch_speedups(tally, plain),
                                speedup_vs_hf=ratio(tally.tok_s, hf_tok_s),
                                **drafter_row(tally, stats_delta(before[d], stats_snapshot(engine, d))))
                 row["model_runs"] = runs_delta(runs_before[d], runs_snapshot(engine, d))
@@ -458,6 +471,14 @@ def fmt(value, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def spread(values: list[float] | None) -> str:
+    """'0.91–1.07' for per-batch speedups (one value alone as it is; '–' without any)."""
+    if not values:
+        return "–"
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}" if len(values) == 1 else f"{lo:.2f}–{hi:.2f}"
+
+
 def markdown(result: dict) -> str:
     meta = result["meta"]
     m = meta["machine"]
@@ -471,9 +492,9 @@ def markdown(result: dict) -> str:
         "",
         f"`{meta['invocation']}`",
         "",
-        "| method | dataset | T | prompts | tok/s | speedup | vs HF generate | τ | SWI | α | accepted/step "
-        "| fallbacks | greedy mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | dataset | T | prompts | tok/s | speedup | per batch | vs HF generate | τ | SWI | α "
+        "| accepted/step | fallbacks | greedy mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["results"]:
         method = r["method"] if r["kind"] != "ours_plain" else "plain (none)"
@@ -483,10 +504,12 @@ def markdown(result: dict) -> str:
         mism = "–" if mism is None else (f"**{mism} ✗**" if mism else "0")
         lines.append(f"| {method} | {r['dataset']} | {r['temperature']:g} | {r['num_prompts']} "
                      f"| {fmt(r['tok_s'], '.1f')} "
-                     f"| {fmt(r['speedup'], '.2f')} | {fmt(r['speedup_vs_hf'], '.2f')} | {fmt(r['tau'], '.2f')} "
+                     f"| {fmt(r['speedup'], '.2f')} | {spread(r.get('speedup_by_batch'))} "
+                     f"| {fmt(r['speedup_vs_hf'], '.2f')} | {fmt(r['tau'], '.2f')} "
                      f"| {fmt(r.get('swi'), '.2f')} | {fmt(r['alpha'], '.2f')} | {fmt(r['accepted_per_step'], '.2f')} "
                      f"| {fmt(r['num_fallbacks'], 'd')} | {mism} |")
-    lines += ["", "speedup: tok/s over our plain decoding in the same run; τ: tokens per target forward (bonus "
+    lines += ["", "speedup: tok/s over our plain decoding in the same run; per batch: the lowest and highest "
+              "speedup of one batch of prompts (each batch runs every method back to back); τ: tokens per target forward (bonus "
               "included); SWI: standardized walltime improvement, tokens / (target forwards + Σ drafter network "
               "runs × its parameters / the target's); α: accepted / drafted tokens; accepted/step: accepted drafts "
               "per draft step."]

@@ -62,6 +62,11 @@ def test_harness_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, capsys, monk
         assert r["num_tokens"] == 2 * 8, (t, m)          # every method generates exactly max_tokens per prompt
         assert r["tok_s"] > 0 and r["speedup"] > 0 and r["error"] is None
     assert cells[(0.0, "none")]["speedup"] == 1.0 and cells[(0.0, "none")]["tau"] == 1.0
+    for t in (0.0, 0.7):   # one speedup per batch (2 prompts at batch 1), the cell's between them
+        for d in ("ngram", "draft_model"):
+            r = cells[(t, d)]
+            assert len(r["speedup_by_batch"]) == 2
+            assert min(r["speedup_by_batch"]) - 1e-9 <= r["speedup"] <= max(r["speedup_by_batch"]) + 1e-9
     for t in (0.0, 0.7):
         for d in ("ngram", "draft_model"):
             r = cells[(t, d)]
@@ -96,7 +101,7 @@ def test_harness_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, capsys, monk
     assert cells[(0.0, "hf_generate")]["identical_to_plain"] is not None
 
     table = out.with_suffix(".md").read_text()
-    assert "| τ | SWI | α |" in table
+    assert "| speedup | per batch | vs HF generate | τ | SWI | α |" in table
     assert "| ngram | tiny_prompts | 0 |" in table and "| draft_model | tiny_prompts | 0.7 |" in table
     assert table in capsys.readouterr().out
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -119,6 +124,24 @@ def test_composite_drafters_report_their_parts(tiny_llama_dir, tiny_dataset, tmp
     assert sum(p["accepted_tokens"] for p in row["parts"].values()) == row["num_accepted_tokens"]
     plain = next(r for r in result["results"] if r["method"] == "none")
     assert plain["parts"] is None
+
+
+def test_batch_speedups():
+    """Per batch, the method's tokens/s over plain's; the cell's speedup (total tokens over total
+    time, the same tokens per batch) lies between them; none when a tally failed or batches differ."""
+    plain, fast = spec_decode.Tally(), spec_decode.Tally()
+    for secs_plain, secs_fast in ((2.0, 1.0), (2.0, 4.0), (1.0, 1.0)):
+        plain.add(10, secs_plain, [])
+        fast.add(10, secs_fast, [])
+    per_batch = spec_decode.batch_speedups(fast, plain)
+    assert per_batch == pytest.approx([2.0, 0.5, 1.0])
+    assert min(per_batch) <= fast.tok_s / plain.tok_s <= max(per_batch)
+    assert spec_decode.spread(per_batch) == "0.50–2.00" and spec_decode.spread([1.234]) == "1.23"
+    assert spec_decode.spread(None) == "–"
+    fast.add(10, 1.0, [])
+    assert spec_decode.batch_speedups(fast, plain) is None
+    plain.error = "failed"
+    assert spec_decode.batch_speedups(plain, plain) is None
 
 
 def test_method_order_balances_a_linear_drift():
