@@ -9,12 +9,13 @@ One model load, one engine with every drafter loaded; each request names its dra
 decoding). For each dataset x temperature the prompts run in batches of --batch-size requests, and
 each batch runs once per method before the next batch starts, in an order that reverses from one
 batch to the next (plain first, then last, ...: `method_order`), so a slow drift of the machine's
-speed hits every method alike instead of favouring the methods run nearest to plain. Every method generates exactly --max-tokens tokens per prompt (EOS
-ignored; transformers gets `min_new_tokens`); sampling is seeded per prompt. Time is wall-clock from
-adding a batch to its last token, prefill included. With `--admission continuous` a dataset's prompts
-are one batch: all submitted at once, the engine keeping --batch-size of them in flight (a finished
-request's slot goes to the next prompt, as in a server under load), and methods alternate per dataset. The transformers baselines run one prompt at a
-time (its assisted generation supports batch 1 only).
+speed hits every method alike instead of favouring the methods run nearest to plain. Every method
+generates exactly --max-tokens tokens per prompt (EOS ignored; transformers gets `min_new_tokens`);
+sampling is seeded per prompt. Time is wall-clock from adding a batch to its last token, prefill
+included. With `--admission continuous` a dataset's prompts are one batch: all submitted at once, the
+engine keeping --batch-size of them in flight (a finished request's slot goes to the next prompt, as
+in a server under load), and methods alternate per dataset. The transformers baselines run one prompt
+at a time (its assisted generation supports batch 1 only).
 
 Measures (DESIGN.md §8), per drafter x dataset x temperature:
   tok/s, speedup = tok/s / our plain tok/s (same run, same prompts), and against HF `generate`;
@@ -509,10 +510,10 @@ def markdown(result: dict) -> str:
                      f"| {fmt(r.get('swi'), '.2f')} | {fmt(r['alpha'], '.2f')} | {fmt(r['accepted_per_step'], '.2f')} "
                      f"| {fmt(r['num_fallbacks'], 'd')} | {mism} |")
     lines += ["", "speedup: tok/s over our plain decoding in the same run; per batch: the lowest and highest "
-              "speedup of one batch of prompts (each batch runs every method back to back); τ: tokens per target forward (bonus "
-              "included); SWI: standardized walltime improvement, tokens / (target forwards + Σ drafter network "
-              "runs × its parameters / the target's); α: accepted / drafted tokens; accepted/step: accepted drafts "
-              "per draft step."]
+              "speedup of one batch of prompts (each batch runs every method back to back); τ: tokens per "
+              "target forward (bonus included); SWI: standardized walltime improvement, tokens / (target "
+              "forwards + Σ drafter network runs × its parameters / the target's); α: accepted / drafted tokens; "
+              "accepted/step: accepted drafts per draft step."]
     lines += [f"Note: {n}." for n in meta["notes"]]
     if result["num_greedy_mismatches"]:
         lines.append(f"**{result['num_greedy_mismatches']} greedy output(s) differ from plain decoding** "

@@ -58,7 +58,7 @@ from specserve.drafters.nets.eagle import EagleHead, load_head, shipped_checkpoi
 from specserve.engine.config import ModelConfig
 from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import PagedDraftKV
-from specserve.engine.model import LlamaModel, rope_rows, rope_tables
+from specserve.engine.model import LlamaModel, rope_at, rope_tables
 from specserve.engine.tree import NO_PARENT, TokenTree, ancestor_mask
 
 logger = logging.getLogger("specserve")
@@ -189,7 +189,7 @@ class EagleDrafter(Drafter):
     def _rows(self, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """Rows (feature, token) at `positions` through the head, KV written per `meta` -> f̂."""
         h = self.head.fuse(feats, self.target.embed(ids))
-        rope = rope_rows(self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype))
+        rope = rope_at(self.rope_cos, self.rope_sin, positions, h.dtype)
         k_cache, v_cache = self.cache.layer(0)
         return self.head.out(self.head.layer(h, rope, k_cache, v_cache, meta))
 

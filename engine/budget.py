@@ -794,14 +794,13 @@ class GoodputBudget:
         """The budget `seq` finally got this step (0 when the pool could not hold its draft)."""
         st = self._seq(seq)
         st.pending, st.pending_nodes = 0, 0
-        if granted <= 0:
-            st.streak = False   # the next tree, if any, will not follow the whole one directly
         if granted > 0:
             st.pending = granted
             st.idle = 0
             st.pause = min(MAX_PROBE_PAUSE, 2 * st.pause) if st.probing else FIRST_PROBE_PAUSE
         else:
             st.idle += 1
+            st.streak = False   # the next tree, if any, will not follow the whole one directly
         st.probing = False
 
     # ---- observations ----

@@ -205,6 +205,11 @@ def rope_rows(cos: torch.Tensor, sin: torch.Tensor) -> RopeRows:
     return RopeRows(cos.unsqueeze(-2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(-2))
 
 
+def rope_at(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> RopeRows:
+    """`rope_rows` of the rows at `positions`, from a model's cos/sin tables, in `dtype`."""
+    return rope_rows(cos_table[positions].to(dtype), sin_table[positions].to(dtype))
+
+
 def apply_rope_rows(x: torch.Tensor, rope: RopeRows) -> torch.Tensor:
     """x [T, heads, D] -> `apply_rope(x, cos, sin)` for rope = rope_rows(cos, sin), bit for bit."""
     return x * rope.cos + torch.roll(x, x.shape[-1] // 2, -1) * rope.sin_signed
@@ -303,7 +308,7 @@ class LlamaModel(nn.Module):
         features (2, L//2, L-3) are these indices: its code records the input of those decoder
         layers. An empty `capture_layers` costs nothing."""
         h = self.embed(input_ids)
-        rope = rope_rows(self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype))
+        rope = rope_at(self.rope_cos, self.rope_sin, positions, h.dtype)
         if not capture_layers:
             for i, layer in enumerate(self.layers):
                 k_cache, v_cache = kv_cache.layer(i)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.engine.config import ModelConfig
-from specserve.engine.model import DecoderLayer, rms_norm, rope_rows, rope_tables
+from specserve.engine.model import DecoderLayer, rms_norm, rope_at, rope_tables
 
 KIND = "parallelspec"
 
@@ -36,7 +36,7 @@ def last_layer_input_rms(target, num_tokens: int = 64) -> float:
     cache = KVCache(len(target.layers), nb, block, cfg.num_kv_heads, cfg.head_dim, target.embed.weight.dtype, dev)
     positions, meta = build_attn_metadata([list(range(nb))], block, [0], [num_tokens], None, dev)
     h = target.embed(ids.to(dev))
-    rope = rope_rows(target.rope_cos[positions].to(h.dtype), target.rope_sin[positions].to(h.dtype))
+    rope = rope_at(target.rope_cos, target.rope_sin, positions, h.dtype)
     for i, layer in enumerate(target.layers[:-1]):
         h = layer(h, rope, *cache.layer(i), meta)
     return float(h.float().pow(2).mean(-1).sqrt()[1:].median())
@@ -140,7 +140,7 @@ class ParallelSpecModule(nn.Module):
     # -- serving: paged KV (engine DecoderLayer) --
 
     def forward_paged(self, h: torch.Tensor, positions: torch.Tensor, k_cache, v_cache, meta) -> torch.Tensor:
-        rope = rope_rows(self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype))
+        rope = rope_at(self.rope_cos, self.rope_sin, positions, h.dtype)
         return self.out_hidden(self.layer(h, rope, k_cache, v_cache, meta))
 
     # -- training: a dense custom mask --
