@@ -32,8 +32,15 @@ The models, all learnt online from what the engine observes:
   weighted ridge fit of (tokens, seconds) of real steps: an offset per knot with a smoothness prior
   (neighbouring offsets alike), so the overhead real steps have and the calibration forward has not
   carries over to token counts not seen yet, while regions that are observed keep their own shape.
-* Draft cost (`_DrafterModel.cost`): per drafter, seconds ~ a + b * sequences + c * node budget,
-  the same kind of weighted ridge fit over its `propose` calls (0 before the first: optimistic).
+* Draft cost (`_DrafterModel.cost`): per drafter, seconds ~ a + b * sequences + c * node budget
+  + e[the call's largest budget size], the same kind of weighted ridge fit over its `propose` calls
+  (0 before the first: optimistic). A drafter that drafts level by level (EAGLE, a draft model's
+  chain) runs one pass of its network per depth for all its sequences at once, so its cost follows
+  the deepest tree it is asked for, and a tree of 8 nodes 4 deep costs it far less than 8 times a
+  1-node tree; e has one offset per budget size, neighbouring offsets held alike, so a size not
+  measured yet costs what the nearest measured one does (optimistic, as the acceptance prior is:
+  measured once it is tried), and c is held near 0 unless calls with the same largest size but
+  different node totals (a batch) show it.
 * Acceptance, per drafter: for each budget size, the mean accepted draft tokens, nodes and depth of
   the trees it returned at that size (blended with an optimistic prior worth PRIOR_WEIGHT
   observations: a geometric chain accepting each token with PRIOR_ACCEPT_RATE while no smaller
@@ -126,6 +133,7 @@ PERSISTENCE_DECAY = 0.995   # ... learnt per drafter from its trees (about the l
 # costs
 STEP_FORGET = 0.98          # step cost fit: weight of an observation decays by this per step
 DRAFT_FORGET = 0.95         # draft cost fit: the same per `propose` call
+DRAFT_NODE_PRECISION = 100.0 # ... its cost per node budget held near 0 this firmly (see `_draft_cost_prior`)
 MAX_STEP_RATIO = 4.0        # a step slower than this times the estimate counts as this much (GC, noise)
 CALIBRATION_SECONDS = 1.5   # start-up timing stops once it spent this long
 UNCALIBRATED_FLAT = 32      # without calibration: T(n) ~ UNCALIBRATED_FLAT + n, scaled by the first step
@@ -396,11 +404,32 @@ def chain_accepted(rate: float, depth: float) -> float:
     return rate * (1 - rate ** depth) / (1 - rate) if depth > 0 else 0.0
 
 
+def _draft_cost_prior(num_sizes: int) -> list[list[float]]:
+    """Prior precision of the draft cost fit's parameters (a, b, c, e_1 .. e_num_sizes): a, b
+    nearly free; c held near 0 (DRAFT_NODE_PRECISION) so that where node totals and the largest
+    size move together (one sequence) the per-size offsets explain the cost; the offsets near each
+    other (precision 1 on each neighbouring difference, as one observation) and weakly near 0."""
+    k = 3 + num_sizes
+    prior = [[0.0] * k for _ in range(k)]
+    prior[0][0] = prior[1][1] = 1e-3
+    prior[2][2] = DRAFT_NODE_PRECISION
+    for i in range(3, k):
+        prior[i][i] += 0.05
+        if i + 1 < k:
+            prior[i][i] += 1.0
+            prior[i + 1][i + 1] += 1.0
+            prior[i][i + 1] -= 1.0
+            prior[i + 1][i] -= 1.0
+    return prior
+
+
 class _DrafterModel:
-    def __init__(self):
+    def __init__(self, budget_sizes: Iterable[int] = BUDGET_SIZES):
         self.sizes: dict[int, _SizeStats] = {}
         self.tree_rate = 1.0                                  # P(a tree comes back), the prior of new sequences
-        self.cost = _Ridge([1e-3, 1e-3, 1e-3], DRAFT_FORGET)  # seconds ~ a + b * seqs + c * nodes
+        self.cost_sizes = sorted({s for s in budget_sizes if s > 0}) or [1]
+        # seconds ~ a + b * seqs + c * nodes + e[the call's largest budget size]
+        self.cost = _Ridge(_draft_cost_prior(len(self.cost_sizes)), DRAFT_FORGET)
         self.depth_hits = 0.0                                 # accepted depths (decayed)
         self.depth_trials = 0.0                               # depths tested (decayed)
         self.seq_rates: deque[float] = deque(maxlen=PROBE_POPULATION)   # finished sequences' own rates
@@ -513,11 +542,21 @@ class _DrafterModel:
             out.append(float(s) if st is None else (PRIOR_WEIGHT * s + st.weight * st.nodes) / (PRIOR_WEIGHT + st.weight))
         return out
 
-    def draft_seconds(self, num_seqs: int, num_nodes: int) -> float:
+    def _cost_phi(self, num_seqs: int, num_nodes: int, largest: int) -> dict[int, float]:
+        # the offset of the smallest budget size holding `largest` (the last one beyond them all)
+        j = next((i for i, s in enumerate(self.cost_sizes) if s >= largest), len(self.cost_sizes) - 1)
+        return {0: 1.0, 1: float(num_seqs), 2: float(num_nodes), 3 + j: 1.0}
+
+    def draft_seconds(self, num_seqs: int, num_nodes: int, largest: int) -> float:
+        """Seconds of one `propose` call for `num_seqs` sequences with `num_nodes` node budget in
+        all, the largest of them `largest`."""
         if num_seqs <= 0:
             return 0.0
-        a, b, c = self.cost.theta
-        return max(0.0, a + b * num_seqs + c * num_nodes)
+        theta = self.cost.theta
+        return max(0.0, sum(theta[i] * x for i, x in self._cost_phi(num_seqs, num_nodes, largest).items()))
+
+    def observe_cost(self, num_seqs: int, num_nodes: int, largest: int, seconds: float) -> None:
+        self.cost.update(self._cost_phi(num_seqs, num_nodes, largest), seconds)
 
 
 @dataclass
@@ -597,7 +636,7 @@ class GoodputBudget:
     def _drafter(self, name: str) -> _DrafterModel:
         model = self.drafters.get(name)
         if model is None:
-            model = self.drafters[name] = _DrafterModel()
+            model = self.drafters[name] = _DrafterModel(self.sizes)
         return model
 
     def _seq(self, seq) -> _SeqState:
@@ -670,13 +709,13 @@ class GoodputBudget:
                 t = t_cache[tokens] = predict(tokens)
             return t
 
-        d_cache: dict[tuple[str, int, int], float] = {}
+        d_cache: dict[tuple[str, int, int, int], float] = {}
 
-        def draft_seconds(name: str, num_seqs: int, num_nodes: int) -> float:
-            key = (name, num_seqs, num_nodes)
+        def draft_seconds(name: str, num_seqs: int, num_nodes: int, largest: int) -> float:
+            key = (name, num_seqs, num_nodes, largest)
             d = d_cache.get(key)
             if d is None:
-                d = d_cache[key] = self.drafters[name].draft_seconds(num_seqs, num_nodes)
+                d = d_cache[key] = self.drafters[name].draft_seconds(num_seqs, num_nodes, largest)
             return d
 
         any_tree, per_tree = self.cost.tree_terms
@@ -704,7 +743,7 @@ class GoodputBudget:
             return no_tree * t0 + some * (step_seconds(n0 + extra / some) + any_tree) + per_tree * trees
 
         commits, total = float(base_commits), 0
-        group: dict[str, tuple[int, int]] = {}    # drafter -> (sequences drafting, nodes granted)
+        group: dict[str, tuple[int, int, int]] = {}   # drafter -> (sequences drafting, nodes granted, largest)
         draft_s = 0.0
         no_tree, extra, trees = 1.0, 0.0, 0.0      # P(no tree at all), expected nodes, expected trees
         goodput = commits / t0 if t0 > 0 else 0.0
@@ -714,8 +753,8 @@ class GoodputBudget:
                 if cur + 1 >= len(sizes):
                     continue
                 name = seq.drafter
-                g_seqs, g_nodes = group.get(name, (0, 0))
-                d_now = draft_seconds(name, g_seqs, g_nodes)
+                g_seqs, g_nodes, g_top = group.get(name, (0, 0, 0))
+                d_now = draft_seconds(name, g_seqs, g_nodes, g_top)
                 if cur == 0:
                     no_tree2, trees2 = no_tree * (1.0 - p_tree), trees + p_tree
                 else:
@@ -728,7 +767,7 @@ class GoodputBudget:
                     if d_commit < MIN_GAIN:
                         continue
                     extra2 = extra + nodes[j] - nodes[cur]
-                    d_new = draft_seconds(name, g_seqs + (cur == 0), g_nodes + size_extra)
+                    d_new = draft_seconds(name, g_seqs + (cur == 0), g_nodes + size_extra, max(g_top, sizes[j]))
                     denom = seconds(no_tree2, extra2, trees2) + draft_s - d_now + d_new
                     if denom <= 0:
                         continue
@@ -744,8 +783,8 @@ class GoodputBudget:
             ci, j, d_delta, no_tree, extra, trees = best
             c = cands[ci]
             seq, sizes, gains, cur = c[0], c[1], c[2], c[4]
-            g_seqs, g_nodes = group.get(seq.drafter, (0, 0))
-            group[seq.drafter] = (g_seqs + (cur == 0), g_nodes + sizes[j] - sizes[cur])
+            g_seqs, g_nodes, g_top = group.get(seq.drafter, (0, 0, 0))
+            group[seq.drafter] = (g_seqs + (cur == 0), g_nodes + sizes[j] - sizes[cur], max(g_top, sizes[j]))
             commits += gains[j] - gains[cur]
             total += sizes[j] - sizes[cur]
             draft_s += d_delta
@@ -763,15 +802,15 @@ class GoodputBudget:
             if size == 0 and len(sizes) > 1 and st.idle >= st.pause:
                 dm = self.drafters[seq.drafter]
                 hope = st.hopeful_rate(dm.probe_optimism())
-                g_seqs, g_nodes = group.get(seq.drafter, (0, 0))
-                d_now = draft_seconds(seq.drafter, g_seqs, g_nodes)
+                g_seqs, g_nodes, g_top = group.get(seq.drafter, (0, 0, 0))
+                d_now = draft_seconds(seq.drafter, g_seqs, g_nodes, g_top)
                 best_j, best_d, best_g = 0, 0.0, goodput
                 for j, depth in enumerate(dm.depths(sizes)):
                     if j == 0:
                         continue
                     if total + sizes[j] > max_total:
                         break
-                    d_delta = draft_seconds(seq.drafter, g_seqs + 1, g_nodes + sizes[j]) - d_now
+                    d_delta = draft_seconds(seq.drafter, g_seqs + 1, g_nodes + sizes[j], max(g_top, sizes[j])) - d_now
                     hopeful = chain_accepted(hope, depth)
                     denom = seconds(0.0, extra + sizes[j], trees + 1) + draft_s + d_delta
                     if denom > 0 and (commits + hopeful) / denom > best_g * (1 + 1e-9):
@@ -780,7 +819,7 @@ class GoodputBudget:
                     j = best_j
                     size = sizes[j]
                     total += size
-                    group[seq.drafter] = (g_seqs + 1, g_nodes + size)
+                    group[seq.drafter] = (g_seqs + 1, g_nodes + size, max(g_top, size))
                     draft_s += best_d
                     no_tree, extra, trees = no_tree * (1.0 - p_tree), extra + nodes[j], trees + p_tree
                     commits += gains[j]
@@ -813,7 +852,7 @@ class GoodputBudget:
         nodes came back for seqs[i] (0: no tree)."""
         dm = self._drafter(drafter)
         if seqs:
-            dm.cost.update({0: 1.0, 1: float(len(seqs)), 2: float(sum(budgets))}, seconds)
+            dm.observe_cost(len(seqs), sum(budgets), max(budgets), seconds)
         for seq, budget, n in zip(seqs, budgets, nodes):
             st = self.seqs.get(seq.seq_id)
             if st is None or not st.pending:

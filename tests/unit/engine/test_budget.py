@@ -481,6 +481,63 @@ def test_drafter_cost_counts():
     assert all(v == 0 for v in budgets["costly"].values())
 
 
+def level_cost(largest: int, num_seqs: int = 1, num_nodes: int = 0) -> float:
+    """A drafter that drafts level by level over all its sequences (EAGLE): a fixed part, then one
+    pass per level of the deepest tree asked for (a tree of n nodes log2(n) + 1 deep)."""
+    return 0.001 + 0.002 * (largest.bit_length())
+
+
+def free_node_slope(monkeypatch) -> None:
+    """The control of the draft cost tests: the per-node slope as free as the other parameters (the
+    cost model before it had per-size offsets: linear in nodes)."""
+    import specserve.engine.budget as budget_mod
+
+    monkeypatch.setattr(budget_mod, "DRAFT_NODE_PRECISION", 1e-3)
+
+
+def check_level_cost_learnt(b: GoodputBudget) -> None:
+    s = seqs_of(1)
+    dm = b._drafter("d")
+    for k in range(40):
+        size = 1 + k % 2
+        b.observe_draft("d", s, [size], [size], level_cost(size))
+    assert dm.draft_seconds(1, 2, 2) == pytest.approx(level_cost(2), rel=0.05)
+    unmeasured = dm.draft_seconds(1, 8, 8)
+    assert level_cost(1) <= unmeasured <= level_cost(2) * 1.1 < level_cost(8)
+    for _ in range(10):
+        b.observe_draft("d", s, [8], [8], level_cost(8))
+    assert dm.draft_seconds(1, 8, 8) == pytest.approx(level_cost(8), rel=0.05)
+    assert dm.draft_seconds(1, 2, 2) == pytest.approx(level_cost(2), rel=0.05)
+
+
+def test_draft_cost_follows_the_deepest_tree_asked_for(monkeypatch):
+    """Measured at budgets 1 and 2 only (one sequence: node totals and tree sizes move together), a
+    level-by-level drafter's cost at 8 is not extrapolated along nodes (8 x a 1-node call): it costs
+    at most what the nearest measured size does until measured, then what it measured. With the
+    per-node slope left free (the control), the same data extrapolates along nodes and fails."""
+    check_level_cost_learnt(make_budget())
+    free_node_slope(monkeypatch)
+    with pytest.raises(AssertionError):
+        check_level_cost_learnt(make_budget())
+
+
+def test_draft_cost_per_node_is_learnt_from_batches():
+    """A drafter whose calls cost per node (a model run over every draft row) is measured on batches
+    of 1-16 sequences at budget 4: the cost of 16 sequences, and of 3, is predicted."""
+    b = make_budget()
+    seqs = seqs_of(16)
+
+    def cost(n_seqs):
+        return 0.001 + 0.0001 * n_seqs + 0.0005 * 4 * n_seqs
+
+    for k in range(60):
+        n = 1 + (k * 7) % 16
+        b.observe_draft("d", seqs[:n], [4] * n, [4] * n, cost(n))
+    dm = b._drafter("d")
+    for n in (3, 16):
+        assert dm.draft_seconds(n, 4 * n, 4) == pytest.approx(cost(n), rel=0.05)
+
+
 # ---- the step cost model ---------------------------------------------------------------------------
 
 
