@@ -214,6 +214,19 @@ def _solve(A: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
+def _hold_offsets_alike(prior: list[list[float]], first: int, end: int) -> None:
+    """Add to the precision matrix `prior` a smoothness prior on the offsets first .. end - 1:
+    precision 1 on each neighbouring difference (as much as one observation), 0.05 on each offset
+    (held weakly near 0)."""
+    for i in range(first, end):
+        prior[i][i] += 0.05
+        if i + 1 < end:
+            prior[i][i] += 1.0
+            prior[i + 1][i + 1] += 1.0
+            prior[i][i + 1] -= 1.0
+            prior[i + 1][i] -= 1.0
+
+
 # ---- step cost -----------------------------------------------------------------------------------
 
 
@@ -240,13 +253,7 @@ class StepCostModel:
         # curve, and the curve (calibrated) should explain it; where the number of trees varies at
         # similar token counts (larger batches) the data shows them
         prior = [[0.0] * (k + 2) for _ in range(k + 2)]
-        for i in range(k):
-            prior[i][i] += 0.05
-            if i + 1 < k:
-                prior[i][i] += 1.0
-                prior[i + 1][i + 1] += 1.0
-                prior[i][i + 1] -= 1.0
-                prior[i + 1][i] -= 1.0
+        _hold_offsets_alike(prior, 0, k)
         prior[k][k] = 0.2          # a step-level cost (a CPU forward's path for non-decode rows) is
         prior[k + 1][k + 1] = 2.0  # likelier than one per tree where the data cannot tell them apart
         self._fit = _Ridge(prior, STEP_FORGET)
@@ -413,13 +420,7 @@ def _draft_cost_prior(num_sizes: int) -> list[list[float]]:
     prior = [[0.0] * k for _ in range(k)]
     prior[0][0] = prior[1][1] = 1e-3
     prior[2][2] = DRAFT_NODE_PRECISION
-    for i in range(3, k):
-        prior[i][i] += 0.05
-        if i + 1 < k:
-            prior[i][i] += 1.0
-            prior[i + 1][i + 1] += 1.0
-            prior[i][i + 1] -= 1.0
-            prior[i + 1][i] -= 1.0
+    _hold_offsets_alike(prior, 3, k)
     return prior
 
 
