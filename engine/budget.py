@@ -425,7 +425,7 @@ def _draft_cost_prior(num_sizes: int) -> list[list[float]]:
 
 
 class _DrafterModel:
-    def __init__(self, budget_sizes: Iterable[int] = BUDGET_SIZES):
+    def __init__(self, budget_sizes: Iterable[int]):
         self.sizes: dict[int, _SizeStats] = {}
         self.tree_rate = 1.0                                  # P(a tree comes back), the prior of new sequences
         self.cost_sizes = sorted({s for s in budget_sizes if s > 0}) or [1]

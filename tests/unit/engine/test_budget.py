@@ -481,7 +481,7 @@ def test_drafter_cost_counts():
     assert all(v == 0 for v in budgets["costly"].values())
 
 
-def level_cost(largest: int, num_seqs: int = 1, num_nodes: int = 0) -> float:
+def level_cost(largest: int) -> float:
     """A drafter that drafts level by level over all its sequences (EAGLE): a fixed part, then one
     pass per level of the deepest tree asked for (a tree of n nodes log2(n) + 1 deep)."""
     return 0.001 + 0.002 * (largest.bit_length())
