@@ -2,11 +2,15 @@
 transformers `generate` (plain and prompt lookup), per dataset and temperature.
 
     python -m specserve.bench.spec_decode [--drafters ngram mag draft_model] [--datasets mt_bench humaneval gsm8k]
-        [--num-prompts 10] [--max-tokens 128] [--temperature 0 0.7] [--batch-size 1] [--out bench/results/spec_decode]
+        [--num-prompts 10] [--max-tokens 128] [--temperature 0 0.7] [--batch-size 1] [--draft-budget goodput adaptive]
+        [--out bench/results/spec_decode]
     (or: specserve bench spec ...)
 
 One model load, one engine with every drafter loaded; each request names its drafter ("none" = plain
-decoding). For each dataset x temperature the prompts run in batches of --batch-size requests, and
+decoding). With several `--draft-budget` policies, one engine per policy from the same load (each
+its own KV cache, drafter state and budget), every drafter once per policy ("eagle@goodput",
+"eagle@adaptive"), and plain decoding once, so policies are compared against one anchor, batch by
+batch, in one run. For each dataset x temperature the prompts run in batches of --batch-size requests, and
 each batch runs once per method before the next batch starts, in an order that reverses from one
 batch to the next (plain first, then last, ...: `method_order`), so a slow drift of the machine's
 speed hits every method alike instead of favouring the methods run nearest to plain. Every method
@@ -48,6 +52,7 @@ DEFAULT_DATASETS = ("mt_bench", "humaneval", "gsm8k")
 # used for a drafter unless --drafter-option sets that key; a truncated target of 4 layers drafts cheaply
 DEFAULT_DRAFTER_OPTIONS = {"draft_model": {"draft_layers": 4}}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "spec_decode"
+DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config's (this module loads without torch)
 HF_PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
 
@@ -83,8 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most draft-tree nodes per sequence per step (default: %(default)s)")
     ap.add_argument("--max-draft-tokens-per-step", type=int, default=64, metavar="N",
                     help="draft nodes of the whole batch per step (default: %(default)s)")
-    ap.add_argument("--draft-budget", default="goodput", choices=("goodput", "adaptive", "fixed"),
-                    help="how draft budgets are chosen, as `specserve serve --draft-budget` (default: %(default)s)")
+    ap.add_argument("--draft-budget", nargs="+", default=["goodput"], choices=DRAFT_BUDGETS, metavar="POLICY",
+                    help="how draft budgets are chosen, as `specserve serve --draft-budget` (goodput, adaptive, "
+                         "fixed); several run side by side in one invocation: one engine per policy from the "
+                         "same model load, every drafter once per policy (methods 'eagle@adaptive', ...), "
+                         "interleaved batch by batch with the one plain decoding (default: goodput)")
     ap.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=None,
                     help="the older switch: on = --draft-budget adaptive, off = fixed (default: unset)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
@@ -96,6 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=str(DEFAULT_OUT), metavar="PREFIX",
                     help="writes PREFIX.json, PREFIX.md and PREFIX.png (default: bench/results/spec_decode)")
     return ap
+
+
+class Method:
+    """One column of a run: a drafter (or plain decoding) served by the engine of one budget policy.
+    `label` names its rows: the drafter, or "drafter@policy" when several policies run."""
+
+    def __init__(self, label: str, drafter: str, policy: str | None, engine):
+        self.label, self.drafter, self.policy, self.engine = label, drafter, policy, engine
+
+
+def plan_methods(drafters: list[str], engines: dict) -> list[Method]:
+    """Plain decoding (on the first policy's engine: plain steps draft nothing, whatever the
+    policy), then each drafter under each policy in `engines` ({policy: engine}, in order)."""
+    policies = list(engines)
+    first = policies[0]
+    methods = [Method(PLAIN, PLAIN, None, engines[first])]
+    for d in drafters:
+        for p in policies:
+            methods.append(Method(d if len(policies) == 1 else f"{d}@{p}", d, p, engines[p]))
+    return methods
 
 
 def select_drafters(requested: list[str] | None, available: list[str]) -> tuple[list[str], list[str]]:
@@ -273,7 +301,7 @@ ROW_FIELDS = ("dataset", "temperature", "method", "kind", "num_prompts", "num_to
               "num_draft_steps", "num_draft_tokens", "num_accepted_tokens", "accepted_per_step",
               "emitted_per_draft_step", "alpha", "accepted_by_depth", "accepted_length_counts", "num_fallbacks",
               "draft_time_s", "verify_time_s", "budget_counts", "parts", "greedy_mismatches", "identical_to_plain",
-              "error")
+              "draft_budget", "error")
 
 
 def make_row(**values) -> dict:
@@ -305,7 +333,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"spec_decode: options for {name!r} ignored: it is not among the drafters run", file=sys.stderr)
         options.setdefault(name, {}).update(opts)
     options = {name: opts for name, opts in options.items() if name in drafters}
-    methods = [PLAIN, *drafters]
+    policies = list(dict.fromkeys(args.draft_budget))
 
     t_load = time.perf_counter()
     loaded = load_model(args.model)
@@ -315,16 +343,22 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     longest = max(len(p) for ps in prompts.values() for p in ps)
     needed = longest + args.max_tokens + args.num_speculative_tokens + 1
     max_model_len = min(-(-needed // 256) * 256, getattr(loaded.hf_config, "max_position_embeddings", needed))
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch_size,
-                          max_model_len=max_model_len, seed=args.seed, drafters=(PLAIN, *drafters),
-                          drafter_options=options, num_speculative_tokens=args.num_speculative_tokens,
-                          max_draft_tokens_per_step=args.max_draft_tokens_per_step,
-                          draft_budget=args.draft_budget, adaptive_draft_length=args.adaptive_draft_length)
-    engine = LLMEngine(config, loaded=loaded)
+    engines = {}
+    for policy in policies:   # each policy its own engine (its own KV cache, drafter state and budget)
+        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch_size,
+                              max_model_len=max_model_len, seed=args.seed, drafters=(PLAIN, *drafters),
+                              drafter_options=options, num_speculative_tokens=args.num_speculative_tokens,
+                              max_draft_tokens_per_step=args.max_draft_tokens_per_step,
+                              draft_budget=policy, adaptive_draft_length=args.adaptive_draft_length)
+        engine = LLMEngine(config, loaded=loaded)
+        engines[engine.config.draft_budget] = engine
+    engine = next(iter(engines.values()))
+    methods = plan_methods(drafters, engines)
+    drafted = [m for m in methods if m.drafter != PLAIN]
     hf = build_hf_model(loaded, engine.device, engine.dtype) if args.hf else None
     pad_id = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
     load_s = time.perf_counter() - t_load
-    print(f"spec_decode: {loaded.name} on {engine.device}/{args.dtype}, methods {', '.join(methods)}"
+    print(f"spec_decode: {loaded.name} on {engine.device}/{args.dtype}, methods {', '.join(m.label for m in methods)}"
           f"{' + HF generate/prompt lookup' if hf is not None else ''}, loaded in {load_s:.1f} s", file=sys.stderr)
 
     def params_for(temperature: float, seeds: list[int], max_tokens: int) -> list:
@@ -337,7 +371,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     hf_pl_sampling = True
     for t in args.temperature:
         for m in methods:
-            run_engine_batch(engine, first, params_for(t, list(range(len(first))), WARMUP_TOKENS), m, f"warm-{m}-{t}")
+            run_engine_batch(m.engine, first, params_for(t, list(range(len(first))), WARMUP_TOKENS), m.drafter,
+                             f"warm-{m.label}-{t}")
         if hf is not None:
             run_hf(hf, first[:1], WARMUP_TOKENS, temperature=t, seeds=[0], pad_token_id=pad_id)
             try:
@@ -360,18 +395,18 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     for ds, ps in prompts.items():
         for t in args.temperature:
             greedy = t == 0
-            tallies = {m: Tally() for m in methods}
+            tallies = {m.label: Tally() for m in methods}
             hf_tallies = {"hf_generate": Tally(), "hf_prompt_lookup": Tally()} if hf is not None else {}
-            before = {d: stats_snapshot(engine, d) for d in drafters}
-            runs_before = {d: runs_snapshot(engine, d) for d in drafters}
+            before = {m.label: stats_snapshot(m.engine, m.drafter) for m in drafted}
+            runs_before = {m.label: runs_snapshot(m.engine, m.drafter) for m in drafted}
             group = len(ps) if args.admission == "continuous" else args.batch_size
             for start in range(0, len(ps), group):
                 chunk = ps[start:start + group]
                 seeds = [args.seed + start + i for i in range(len(chunk))]
                 for m in method_order(methods, batch_no):
-                    n, secs, outs, specs = run_engine_batch(engine, chunk, params_for(t, seeds, args.max_tokens), m,
-                                                            f"{ds}-{t}-{m}-{start}")
-                    tallies[m].add(n, secs, outs, specs)
+                    n, secs, outs, specs = run_engine_batch(m.engine, chunk, params_for(t, seeds, args.max_tokens),
+                                                            m.drafter, f"{ds}-{t}-{m.label}-{start}")
+                    tallies[m.label].add(n, secs, outs, specs)
                 batch_no += 1
                 if hf is not None:
                     hf_tallies["hf_generate"].add(*run_hf(hf, chunk, args.max_tokens, temperature=t, seeds=seeds,
@@ -392,17 +427,18 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             rows.append(make_row(**base, method=PLAIN, kind="ours_plain", num_tokens=plain.num_tokens,
                                  seconds=plain.seconds, tok_s=plain.tok_s, speedup=1.0,
                                  speedup_vs_hf=ratio(plain.tok_s, hf_tok_s), tau=1.0, swi=1.0))
-            for d in drafters:
-                tally = tallies[d]
-                row = make_row(**base, method=d, kind="drafter", num_tokens=tally.num_tokens, seconds=tally.seconds,
-                               tok_s=tally.tok_s, speedup=ratio(tally.tok_s, plain.tok_s),
+            for m in drafted:
+                tally = tallies[m.label]
+                row = make_row(**base, method=m.label, kind="drafter", num_tokens=tally.num_tokens,
+                               seconds=tally.seconds, tok_s=tally.tok_s, speedup=ratio(tally.tok_s, plain.tok_s),
                                speedup_by_batch=batch_speedups(tally, plain),
-                               speedup_vs_hf=ratio(tally.tok_s, hf_tok_s),
-                               **drafter_row(tally, stats_delta(before[d], stats_snapshot(engine, d))))
-                row["model_runs"] = runs_delta(runs_before[d], runs_snapshot(engine, d))
+                               speedup_vs_hf=ratio(tally.tok_s, hf_tok_s), draft_budget=m.policy,
+                               **drafter_row(tally, stats_delta(before[m.label],
+                                                                stats_snapshot(m.engine, m.drafter))))
+                row["model_runs"] = runs_delta(runs_before[m.label], runs_snapshot(m.engine, m.drafter))
                 row["swi"] = swi(tally.num_spec_tokens, tally.num_target_forwards, row["model_runs"])
                 if greedy:
-                    bad = find_mismatches(ds, d, plain.outputs, tally.outputs)
+                    bad = find_mismatches(ds, m.label, plain.outputs, tally.outputs)
                     row["greedy_mismatches"] = len(bad)
                     mismatches += bad
                 rows.append(row)
@@ -441,7 +477,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             "hf_batch_size": 1 if hf is not None else None, "seed": args.seed, "drafters": drafters,
             "skipped_drafters": skipped, "drafter_options": options,
             "num_speculative_tokens": args.num_speculative_tokens,
-            "draft_budget": engine.config.draft_budget,
+            "draft_budget": engine.config.draft_budget, "draft_budgets": list(engines),
             "adaptive_draft_length": engine.config.draft_budget == "adaptive",
             "max_draft_tokens_per_step": args.max_draft_tokens_per_step, "max_model_len": max_model_len,
             "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS if hf is not None else None,
@@ -557,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size < 1 or args.num_prompts < 1 or args.max_tokens < 1:
         raise SystemExit("spec_decode: --batch-size, --num-prompts and --max-tokens must be positive")
+    if len(set(args.draft_budget)) > 1 and args.adaptive_draft_length is not None:
+        raise SystemExit("spec_decode: --adaptive-draft-length chooses one policy; with several --draft-budget "
+                         "policies leave it out")
     return run(args, argv)
 
 

@@ -107,6 +107,56 @@ def test_harness_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, capsys, monk
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_budget_policies_side_by_side(tiny_llama_dir, tiny_dataset, tmp_path, monkeypatch):
+    """Several --draft-budget policies in one run: one engine per policy from one model load, every
+    drafter once per policy against the one plain decoding, interleaved batch by batch."""
+    out = tmp_path / "policies"
+    runs = []   # (drafter, engine) of each measured batch, in the order run
+    real_run = spec_decode.run_engine_batch
+
+    def recording_run(engine, prompts, params, drafter, tag):
+        if not tag.startswith("warm-"):
+            runs.append((drafter, engine))
+        return real_run(engine, prompts, params, drafter, tag)
+
+    monkeypatch.setattr(spec_decode, "run_engine_batch", recording_run)
+    rc = spec_decode.main(["--model", str(tiny_llama_dir), "--datasets", str(tiny_dataset), "--num-prompts", "2",
+                           "--max-tokens", "8", "--drafters", "draft_model", "--drafter-option",
+                           "draft_model.draft_layers=1", "--temperature", "0", "--draft-budget", "goodput", "fixed",
+                           "--no-hf", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["meta"]["draft_budgets"] == ["goodput", "fixed"]
+    rows = {r["method"]: r for r in result["results"]}
+    assert set(rows) == {"none", "draft_model@goodput", "draft_model@fixed"}
+    assert rows["none"]["draft_budget"] is None
+    for policy in ("goodput", "fixed"):
+        r = rows[f"draft_model@{policy}"]
+        assert r["draft_budget"] == policy and r["greedy_mismatches"] == 0 and r["num_tokens"] == 2 * 8
+        assert len(r["speedup_by_batch"]) == 2
+    # the fixed policy drafts every decoding step; its figures are its engine's alone
+    fixed = rows["draft_model@fixed"]
+    assert fixed["num_draft_steps"] > 0 and fixed["num_target_forwards"] == 2 * 8 - fixed["num_accepted_tokens"]
+    # two engines of the same model; plain runs on the first policy's; the order reverses per batch
+    engines = {d: {id(e) for dd, e in runs if dd == d} for d in ("none", "draft_model")}
+    assert len(engines["none"]) == 1 and len(engines["draft_model"]) == 2 and engines["none"] < engines["draft_model"]
+    first, second = (e for d, e in runs[:3] if d == "draft_model")
+    assert first is not second and torch.equal(first.model.layers[0].qkv.weight, second.model.layers[0].qkv.weight)
+    assert [d for d, _ in runs] == ["none", "draft_model", "draft_model", "draft_model", "draft_model", "none"]
+    assert "| draft_model@fixed | tiny_prompts | 0 |" in out.with_suffix(".md").read_text()
+
+
+def test_one_policy_switch_with_several_policies_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="adaptive-draft-length"):
+        spec_decode.main(["--draft-budget", "goodput", "fixed", "--adaptive-draft-length", "--out", str(tmp_path / "x")])
+
+
+def test_budget_policy_names_match_the_engine():
+    from specserve.engine.config import DRAFT_BUDGETS
+
+    assert spec_decode.DRAFT_BUDGETS == DRAFT_BUDGETS
+
+
 def test_composite_drafters_report_their_parts(tiny_llama_dir, tiny_dataset, tmp_path):
     """A drafter whose trees carry provenance: its row holds per-part figures summing to its own."""
     from helpers import two_part_drafter
