@@ -132,6 +132,7 @@ PERSISTENCE_WEIGHT = 2.0    # ... before evidence (all of it), worth this many s
 PERSISTENCE_DECAY = 0.995   # ... learnt per drafter from its trees (about the last 200), decaying by this per tree
 # costs
 STEP_FORGET = 0.98          # step cost fit: weight of an observation decays by this per step
+STEP_SCALE_PRECISION = 0.05 # ... its scale of the calibrated curve held as weakly as one knot's offset
 DRAFT_FORGET = 0.95         # draft cost fit: the same per `propose` call
 DRAFT_NODE_PRECISION = 100.0 # ... its cost per node budget held near 0 this firmly (see `_draft_cost_prior`)
 MAX_STEP_RATIO = 4.0        # a step slower than this times the estimate counts as this much (GC, noise)
@@ -234,8 +235,11 @@ class StepCostModel:
     """Seconds of one engine step (target forward, verification, commit) as a function of its
     tokens and of the draft trees it verifies: F(n) + any_tree * [a tree in it] + per_tree * trees.
     F is piecewise linear between knots 1, 2, 4, ... (the first power of two >= `max_tokens`),
-    linear beyond the last; `calibrate` sets its base curve, `observe` corrects all of it online.
-    The tree terms are the verification work a tree costs beyond its tokens (0 until observed)."""
+    linear beyond the last; `calibrate` sets its base curve B, `observe` corrects all of it online:
+    F(n) = B(n) * (1 + s) + offset(n), a scale s (the machine running slower or faster than when it
+    was calibrated: most of a CPU's drift is memory bandwidth, which scales every step alike) and
+    offsets at the knots (work the calibration forward does not do). The tree terms are the
+    verification work a tree costs beyond its tokens (0 until observed)."""
 
     def __init__(self, max_tokens: int):
         top = 1
@@ -252,10 +256,16 @@ class StepCostModel:
         # every step with a tree also has more tokens (batch 1) the data cannot tell them from the
         # curve, and the curve (calibrated) should explain it; where the number of trees varies at
         # similar token counts (larger batches) the data shows them
-        prior = [[0.0] * (k + 2) for _ in range(k + 2)]
+        # then the scale, held as weakly as one offset: a step slower than B(n) at one n is as
+        # likely a slower machine (all of the curve, in proportion) as work B(n) misses (nearby);
+        # without it a calibration made while the machine ran fast left the offsets to rise with n
+        # against their smoothness, and the tree terms took the rest: small trees were charged
+        # what large ones showed
+        prior = [[0.0] * (k + 3) for _ in range(k + 3)]
         _hold_offsets_alike(prior, 0, k)
         prior[k][k] = 0.2          # a step-level cost (a CPU forward's path for non-decode rows) is
         prior[k + 1][k + 1] = 2.0  # likelier than one per tree where the data cannot tell them apart
+        prior[k + 2][k + 2] = STEP_SCALE_PRECISION
         self._fit = _Ridge(prior, STEP_FORGET)
         self._values: list[float] | None = None
         self._tree_terms = (0.0, 0.0)
@@ -306,6 +316,7 @@ class StepCostModel:
             phi[i] = phi.get(i, 0.0) + w
         if num_trees > 0:
             phi[k], phi[k + 1] = 1.0, float(num_trees)
+        phi[k + 2] = base / self.base[0]      # the scale, in units of B(1): as one offset at 1 token
         self._fit.update(phi, seconds - base)
         self._values = None
 
@@ -326,7 +337,8 @@ class StepCostModel:
         base = self.base if self.base is not None else [UNCALIBRATED_FLAT + k for k in self.knots]
         theta = self._fit.theta
         k = len(self.knots)
-        self._values = _monotone([max(1e-6, b + theta[i]) for i, b in enumerate(base)])
+        scale = theta[k + 2] / base[0]
+        self._values = _monotone([max(1e-6, b * (1.0 + scale) + theta[i]) for i, b in enumerate(base)])
         self._tree_terms = (max(0.0, theta[k]), max(0.0, theta[k + 1]))
 
     @property
