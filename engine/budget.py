@@ -191,6 +191,24 @@ class _Ridge:
             self._theta = _solve(self.A, self.b)
         return self._theta
 
+    def theta_nonnegative(self, indices: Iterable[int]) -> list[float]:
+        """The fit with theta[i] >= 0 for each i in `indices`: a coordinate the unconstrained fit
+        puts below 0 is pinned at 0 and the rest refitted without it (active set, repeated until
+        none is negative). Pinning after the fit instead would drop what that coordinate explained:
+        where two terms are confounded (a tree's verification cost and the curve's slope, at batch
+        1), the curve's share of it is left in the other."""
+        theta, pinned = self.theta, set()
+        while True:
+            negative = [i for i in indices if i not in pinned and theta[i] < 0]
+            if not negative:
+                return theta
+            pinned.update(negative)
+            free = [i for i in range(len(self.b)) if i not in pinned]
+            sub = _solve([[self.A[i][j] for j in free] for i in free], [self.b[i] for i in free])
+            theta = [0.0] * len(self.b)
+            for i, x in zip(free, sub):
+                theta[i] = x
+
 
 def _solve(A: list[list[float]], b: list[float]) -> list[float]:
     """x with A x = b (Gaussian elimination, partial pivoting; A is small and positive definite)."""
@@ -239,7 +257,10 @@ class StepCostModel:
     F(n) = B(n) * (1 + s) + offset(n), a scale s (the machine running slower or faster than when it
     was calibrated: most of a CPU's drift is memory bandwidth, which scales every step alike) and
     offsets at the knots (work the calibration forward does not do). The tree terms are the
-    verification work a tree costs beyond its tokens (0 until observed)."""
+    verification work a tree costs beyond its tokens (0 until observed), fitted non-negative
+    (`_Ridge.theta_nonnegative`): clipped after an unconstrained fit instead, a negative share
+    (tree steps below a curve whose scale prefill steps had raised) was dropped from the
+    prediction, and trees were charged 25-50 % more than they cost."""
 
     def __init__(self, max_tokens: int):
         top = 1
@@ -335,11 +356,11 @@ class StepCostModel:
 
     def _solve(self) -> None:
         base = self.base if self.base is not None else [UNCALIBRATED_FLAT + k for k in self.knots]
-        theta = self._fit.theta
         k = len(self.knots)
+        theta = self._fit.theta_nonnegative((k, k + 1))
         scale = theta[k + 2] / base[0]
         self._values = _monotone([max(1e-6, b * (1.0 + scale) + theta[i]) for i, b in enumerate(base)])
-        self._tree_terms = (max(0.0, theta[k]), max(0.0, theta[k + 1]))
+        self._tree_terms = (theta[k], theta[k + 1])
 
     @property
     def values(self) -> list[float]:
