@@ -42,6 +42,30 @@ MAX_DRAFT_PAUSE = 32   # steps without a draft, at most, after repeated misses a
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")
 
 
+def draft_length(seq, per_seq: int) -> int:
+    """The draft nodes `seq` asks for under the fixed and adaptive budgets, before its caps: 0 while
+    its back-off pauses it (counting the pause down), else `per_seq` within its own limit."""
+    if seq.draft_pause > 0:
+        seq.draft_pause -= 1
+        return 0
+    return per_seq if seq.draft_limit is None else min(per_seq, seq.draft_limit)
+
+
+def adapt_draft_length(seq, max_per_seq: int, num_accepted: int, drafted_depth: int) -> None:
+    """The adaptive rule (module docstring) after a verification of `seq`'s tree, `drafted_depth`
+    deep, that accepted `num_accepted` draft tokens."""
+    limit = max_per_seq if seq.draft_limit is None else seq.draft_limit
+    if num_accepted >= drafted_depth:
+        seq.draft_limit = min(max_per_seq, limit + 2)
+    elif limit > 1:
+        seq.draft_limit = limit - 1
+    if num_accepted > 0:
+        seq.draft_backoff = 0
+    elif limit <= 1:
+        seq.draft_backoff = min(MAX_DRAFT_PAUSE, max(2, 2 * seq.draft_backoff))
+        seq.draft_pause = seq.draft_backoff
+
+
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
@@ -115,10 +139,7 @@ class Scheduler:
         still produce (one comes free as the bonus) and than its context has room for."""
         if seq.drafter is None or per_seq <= 0:
             return 0
-        if seq.draft_pause > 0:
-            seq.draft_pause -= 1
-            return 0
-        return self._seq_cap(seq, per_seq if seq.draft_limit is None else min(per_seq, seq.draft_limit))
+        return self._seq_cap(seq, draft_length(seq, per_seq))
 
     def _seq_cap(self, seq: Sequence, left: int) -> int:
         """`left` capped by the tokens `seq` may still produce (one comes free as the bonus) and by
@@ -173,18 +194,8 @@ class Scheduler:
         if self.budget is not None:
             self.budget.observe_acceptance(seq, num_accepted, drafted_depth)
             return
-        if not self.adaptive_draft_length:
-            return
-        limit = self.max_draft_per_seq if seq.draft_limit is None else seq.draft_limit
-        if num_accepted >= drafted_depth:
-            seq.draft_limit = min(self.max_draft_per_seq, limit + 2)
-        elif limit > 1:
-            seq.draft_limit = limit - 1
-        if num_accepted > 0:
-            seq.draft_backoff = 0
-        elif limit <= 1:
-            seq.draft_backoff = min(MAX_DRAFT_PAUSE, max(2, 2 * seq.draft_backoff))
-            seq.draft_pause = seq.draft_backoff
+        if self.adaptive_draft_length:
+            adapt_draft_length(seq, self.max_draft_per_seq, num_accepted, drafted_depth)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

@@ -1,0 +1,228 @@
+"""Draft-budget policies replayed offline on recorded greedy decoding, batch 1: seconds from this
+machine's measured steps, the policies the engine's own code.
+
+    python -m specserve.bench.budget_replay --drafters ngram mag --datasets mt_bench humaneval gsm8k \\
+        --num-prompts 16 --max-tokens 64
+
+For a drafter whose proposal depends only on the tokens so far (ngram, mag: deterministic lookups)
+and greedy decoding, the output does not depend on the budget (lossless), so a policy's whole run
+follows from two recordings: the output tokens, and what a tree of each budget drafted at each
+position would accept (computed by calling the drafter on the recorded prefix). Each drafter's run
+is recorded once through the engine at the fixed budget (its outputs, and the wall time of every
+decode step by its tokens: the step cost table); then each policy is replayed on it: "fixed" and
+"adaptive" with the scheduler's `draft_length` / `adapt_draft_length`, "goodput" with a
+`GoodputBudget` calibrated on the cost table and fed each simulated step as the engine feeds it. A
+replay takes seconds where a served run of the same prompts takes minutes and moves with the
+machine's noise; the replayed fixed budget must match the recording tree for tree (checked).
+Speedups are simulated seconds against the table's one-token step for every token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+
+REPLAYABLE = ("ngram", "mag")
+POLICIES = ("fixed", "adaptive", "goodput")
+
+
+def record(engine, drafter: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[dict], dict[int, list[float]]]:
+    """Run `prompts` one at a time through `engine` (fixed budget) with `drafter`, greedy. Returns per
+    prompt its output and the (nodes, accepted) of each decode step, and step seconds by tokens."""
+    from specserve.engine.sampling_params import SamplingParams
+
+    runs, seconds = [], {}
+    for i, prompt in enumerate(prompts):
+        rid = f"{drafter}-{i}"
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                           drafter=drafter)
+        spec = engine.requests[rid].spec
+        out, steps = [], []
+        while engine.has_unfinished_requests():
+            decode = bool(out)   # the prompt's steps end with its first token
+            d0, a0 = spec.num_draft_tokens, spec.num_accepted_tokens
+            t0 = time.perf_counter()
+            for o in engine.step():
+                for delta in o.outputs:
+                    out.extend(delta.token_ids)
+            dt = time.perf_counter() - t0
+            if decode:
+                nodes, acc = spec.num_draft_tokens - d0, spec.num_accepted_tokens - a0
+                steps.append((nodes, acc))
+                seconds.setdefault(1 + nodes, []).append(dt)
+        runs.append({"prompt": prompt, "output": out, "steps": steps})
+    return runs, seconds
+
+
+def cost_table(seconds: dict[int, list[float]], largest: int) -> dict[int, float]:
+    """Median seconds of a step of n tokens for n = 1 .. largest: measured where seen, linear between
+    seen sizes, the last slope beyond."""
+    seen = sorted((n, statistics.median(v)) for n, v in seconds.items() if v)
+    if not seen:
+        raise ValueError("no decode step was timed")
+
+    def at(n: int) -> float:
+        if n <= seen[0][0]:
+            return seen[0][1]
+        for (x0, y0), (x1, y1) in zip(seen, seen[1:]):
+            if n <= x1:
+                return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+        if len(seen) == 1:
+            return seen[-1][1]
+        (x0, y0), (x1, y1) = seen[-2], seen[-1]
+        return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (n - x1)
+
+    return {n: at(n) for n in range(1, largest + 1)}
+
+
+class _Acceptance:
+    """What `drafter`'s tree of a budget accepts after the first p output tokens of a recorded run
+    (cached): (draft nodes, accepted tokens, depth); (0, 0, 0) when it proposes nothing."""
+
+    def __init__(self, drafter, run: dict, seq_id: int):
+        self.drafter, self.run, self.seq_id, self.cache = drafter, run, seq_id, {}
+
+    def __call__(self, p: int, budget: int) -> tuple[int, int, int]:
+        key = (p, budget)
+        if key not in self.cache:
+            out = self.run["output"]
+            seq = SimpleNamespace(seq_id=self.seq_id, token_ids=self.run["prompt"] + out[:p], options={})
+            (tree,) = self.drafter.propose([seq], [budget])
+            if tree is None or len(tree.tokens) < 2:
+                self.cache[key] = (0, 0, 0)
+            else:
+                children: dict[int, dict[int, int]] = {}
+                depth = [0] * len(tree.tokens)
+                for j in range(1, len(tree.tokens)):
+                    children.setdefault(tree.parents[j], {})[tree.tokens[j]] = j
+                    depth[j] = depth[tree.parents[j]] + 1
+                node, acc = 0, 0   # greedy verification: follow the recorded tokens down the tree
+                while p + acc < len(out) and out[p + acc] in children.get(node, {}):
+                    node = children[node][out[p + acc]]
+                    acc += 1
+                self.cache[key] = (len(tree.tokens) - 1, acc, max(depth))
+        return self.cache[key]
+
+
+def replay(policy: str, drafter_name: str, accept: list[_Acceptance], costs: dict[int, float],
+           max_tokens: int, per_seq: int) -> dict:
+    """One policy over the recorded runs in order (one budget state across them, as one engine)."""
+    from specserve.engine.budget import GoodputBudget
+    from specserve.engine.scheduler import adapt_draft_length, draft_length
+
+    def cost(n: int) -> float:
+        return costs[n] if n in costs else costs[max(costs)] * n / max(costs)
+
+    goodput = None
+    if policy == "goodput":
+        goodput = GoodputBudget(per_seq, max(costs))
+        goodput.calibrate(lambda n: cost(n), max(costs), time_limit=math.inf)
+    seconds = trees = accepted = 0.0
+    steps_of = []
+    for acc_at in accept:
+        seq = SimpleNamespace(seq_id=acc_at.seq_id, drafter=drafter_name, draft_limit=None, draft_pause=0,
+                              draft_backoff=0)
+        p, steps = 1, []
+        while p < max_tokens:
+            cap = min(per_seq, max_tokens - p - 1)
+            if goodput is not None:
+                budget = goodput.allocate([(seq, cap)], 1, 1, per_seq).budgets[seq.seq_id] if cap > 0 else 0
+                goodput.record(seq, budget)
+            else:
+                budget = min(cap, draft_length(seq, per_seq)) if cap > 0 else 0
+            nodes, acc, depth = acc_at(p, budget) if budget else (0, 0, 0)
+            step = cost(1 + nodes)
+            if goodput is not None:
+                if budget:
+                    goodput.observe_draft(drafter_name, [seq], [budget], [nodes], 0.0)
+                if nodes:
+                    goodput.observe_acceptance(seq, acc, depth)
+                goodput.observe_step(1 + nodes, step, 1 if nodes else 0)
+            elif nodes and policy == "adaptive":
+                adapt_draft_length(seq, per_seq, acc, depth)
+            steps.append((nodes, acc))
+            seconds += step
+            trees += nodes > 0
+            accepted += acc
+            p += 1 + acc
+        if goodput is not None:
+            goodput.forget(seq)
+        steps_of.append(steps)
+    tokens = len(accept) * (max_tokens - 1)
+    return {"policy": policy, "speedup": tokens * cost(1) / seconds, "trees": int(trees), "accepted": int(accepted),
+            "steps": steps_of}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specserve bench budget-replay", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--drafters", nargs="+", default=list(REPLAYABLE), choices=REPLAYABLE)
+    ap.add_argument("--datasets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"])
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-speculative-tokens", type=int, default=8)
+    ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    args = ap.parse_args(argv)
+
+    from specserve.bench.common import chat_ids, machine_info
+    from specserve.bench.datasets import load_prompts
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.core import LLMEngine
+    from specserve.engine.loader import load_model
+
+    loaded = load_model(args.model)
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_num_seqs=1, seed=0,
+                                    drafters=tuple(args.drafters), draft_budget="fixed",
+                                    num_speculative_tokens=args.num_speculative_tokens), loaded=loaded)
+    prompts = {ds: [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, args.num_prompts)] for ds in args.datasets}
+    rows, tables = [], {}
+    for name in args.drafters:
+        runs, seconds = {}, {}
+        for ds in args.datasets:   # recorded in dataset order, so the table spans the whole run
+            runs[ds], secs = record(engine, name, prompts[ds], args.max_tokens)
+            for n, v in secs.items():
+                seconds.setdefault(n, []).extend(v)
+        costs = cost_table(seconds, args.num_speculative_tokens + 1)
+        tables[name] = {n: round(s, 6) for n, s in costs.items()}
+        accept = {ds: [_Acceptance(engine.drafters[name], run, 10_000 * k + i) for i, run in enumerate(runs[ds])]
+                  for k, ds in enumerate(args.datasets)}
+        for policy in POLICIES:
+            for ds in args.datasets:   # each policy's state carries from one dataset to the next
+                r = replay(policy, name, accept[ds], costs, args.max_tokens, args.num_speculative_tokens)
+                if policy == "fixed" and r["steps"] != [run["steps"] for run in runs[ds]]:
+                    raise RuntimeError(f"{name} on {ds}: the replayed fixed budget differs from the recorded run")
+                rows.append({"drafter": name, "dataset": ds, "policy": policy, "speedup": round(r["speedup"], 4),
+                             "trees": r["trees"], "accepted": r["accepted"]})
+                print(f"{name} {ds} {policy}: x{r['speedup']:.3f}, {r['trees']} trees, {r['accepted']} accepted",
+                      file=sys.stderr)
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info("cpu"),
+            "invocation": "python -m specserve.bench.budget_replay " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "step_seconds": tables}
+    if args.out:
+        out = Path(args.out)
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+        lines = [f"## Draft-budget policies replayed (batch 1, cpu, {args.max_tokens} tokens per prompt)", "",
+                 f"{meta['date']}; `{meta['invocation']}`", "",
+                 "| drafter | dataset | " + " | ".join(POLICIES) + " |", "|---|---|" + "---|" * len(POLICIES)]
+        for name in args.drafters:
+            for ds in args.datasets:
+                cells = [next(r for r in rows if (r["drafter"], r["dataset"], r["policy"]) == (name, ds, p))
+                         for p in POLICIES]
+                lines.append(f"| {name} | {ds} | " + " | ".join(
+                    f"{c['speedup']:.2f}× ({c['trees']} trees, {c['accepted']} accepted)" for c in cells) + " |")
+        lines += ["", "Simulated seconds from the step cost table measured in the recording (seconds of a "
+                  "decode step by its tokens): " + "; ".join(
+                      f"{name}: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in t.items()) for name, t in tables.items())]
+        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
