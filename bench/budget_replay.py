@@ -1,8 +1,8 @@
 """Draft-budget policies replayed offline on recorded greedy decoding, batch 1: seconds from this
 machine's measured steps, the policies the engine's own code.
 
-    python -m specserve.bench.budget_replay --drafters ngram mag --datasets mt_bench humaneval gsm8k \\
-        --num-prompts 16 --max-tokens 64
+    specserve bench replay --drafters ngram mag --datasets mt_bench humaneval gsm8k \\
+        --num-prompts 16 --max-tokens 64      (or python -m specserve.bench.budget_replay ...)
 
 For a drafter whose proposal depends only on the tokens so far (ngram, mag: deterministic lookups)
 and greedy decoding, the output does not depend on the budget (lossless), so a policy's whole run
@@ -161,7 +161,7 @@ def replay(policy: str, drafter_name: str, accept: list[_Acceptance], costs: dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specserve bench budget-replay", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="specserve bench replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--drafters", nargs="+", default=list(REPLAYABLE), choices=REPLAYABLE)
     ap.add_argument("--datasets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"])

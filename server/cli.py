@@ -343,6 +343,7 @@ BENCHMARKS = {   # name -> (module with main(argv), what it measures)
     "spec": ("specserve.bench.spec_decode", "speculative decoding: each drafter vs plain decoding and transformers"),
     "plain": ("specserve.bench.plain_decode", "plain decoding: our engine vs transformers generate"),
     "forward": ("specserve.bench.forward_cost", "the target forward's cost by step size, prepacked weights or not"),
+    "replay": ("specserve.bench.budget_replay", "draft-budget policies replayed offline on recorded decoding (ngram, mag)"),
     "serve": ("specserve.bench.serve_throughput", "server throughput with concurrent streaming clients"),
     "parity": ("specserve.bench.parity", "the papers' orderings (claim, paper, ours, holds) on the shipped drafters"),
     "reliability": ("specserve.bench.reliability", "soak, disconnect storm and back-to-idle checks of a live server"),

@@ -80,3 +80,9 @@ def test_command_on_the_default_model(tmp_path):
     assert all(r["speedup"] > 0 for r in data["results"])
     assert set(data["meta"]["step_seconds"]["ngram"]) == {str(n) for n in range(1, 10)}
     assert "| ngram | gsm8k |" in out.with_suffix(".md").read_text()
+
+
+def test_listed_as_a_benchmark():
+    from specserve.server import cli
+
+    assert cli.BENCHMARKS["replay"][0] == "specserve.bench.budget_replay"
