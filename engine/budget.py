@@ -197,7 +197,7 @@ class _Ridge:
         none is negative). Pinning after the fit instead would drop what that coordinate explained:
         where two terms are confounded (a tree's verification cost and the curve's slope, at batch
         1), the curve's share of it is left in the other."""
-        theta, pinned = self.theta, set()
+        indices, theta, pinned = tuple(indices), self.theta, set()
         while True:
             negative = [i for i in indices if i not in pinned and theta[i] < 0]
             if not negative:
