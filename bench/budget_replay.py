@@ -62,24 +62,14 @@ def record(engine, drafter: str, prompts: list[list[int]], max_tokens: int) -> t
 
 
 def cost_table(seconds: dict[int, list[float]], largest: int) -> dict[int, float]:
-    """Median seconds of a step of n tokens for n = 1 .. largest: measured where seen, linear between
-    seen sizes, the last slope beyond."""
+    """Median seconds of a step of n tokens for n = 1 .. largest: measured where seen, between and
+    beyond them as the goodput budget reads its calibration points (`budget._interp`)."""
+    from specserve.engine.budget import _interp
+
     seen = sorted((n, statistics.median(v)) for n, v in seconds.items() if v)
     if not seen:
         raise ValueError("no decode step was timed")
-
-    def at(n: int) -> float:
-        if n <= seen[0][0]:
-            return seen[0][1]
-        for (x0, y0), (x1, y1) in zip(seen, seen[1:]):
-            if n <= x1:
-                return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-        if len(seen) == 1:
-            return seen[-1][1]
-        (x0, y0), (x1, y1) = seen[-2], seen[-1]
-        return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (n - x1)
-
-    return {n: at(n) for n in range(1, largest + 1)}
+    return {n: _interp(seen, n) for n in range(1, largest + 1)}
 
 
 class _Acceptance:
@@ -90,6 +80,9 @@ class _Acceptance:
         self.drafter, self.run, self.seq_id, self.cache = drafter, run, seq_id, {}
 
     def __call__(self, p: int, budget: int) -> tuple[int, int, int]:
+        from specserve.engine.tree import tree_depths
+        from specserve.engine.verify import verify_greedy
+
         key = (p, budget)
         if key not in self.cache:
             out = self.run["output"]
@@ -98,16 +91,12 @@ class _Acceptance:
             if tree is None or len(tree.tokens) < 2:
                 self.cache[key] = (0, 0, 0)
             else:
-                children: dict[int, dict[int, int]] = {}
-                depth = [0] * len(tree.tokens)
-                for j in range(1, len(tree.tokens)):
-                    children.setdefault(tree.parents[j], {})[tree.tokens[j]] = j
-                    depth[j] = depth[tree.parents[j]] + 1
-                node, acc = 0, 0   # greedy verification: follow the recorded tokens down the tree
-                while p + acc < len(out) and out[p + acc] in children.get(node, {}):
-                    node = children[node][out[p + acc]]
-                    acc += 1
-                self.cache[key] = (len(tree.tokens) - 1, acc, max(depth))
+                # greedy decoding: the target's argmax at a node d deep on the output's path is the
+                # output's token p + d (off that path it is never read); -1 past the recording
+                depth = tree_depths(tree.parents)
+                argmax = [out[p + d] if p + d < len(out) else -1 for d in depth]
+                result = verify_greedy(list(tree.tokens), list(tree.parents), argmax)
+                self.cache[key] = (len(tree.tokens) - 1, len(result.accepted_nodes), max(depth))
         return self.cache[key]
 
 
