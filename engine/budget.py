@@ -70,6 +70,15 @@ The models, all learnt online from what the engine observes:
   one: a learnt drafter's one-node trees are accepted whole half the time or more, which says
   little of the next tree, and counted as streaks they drew its sequences into larger trees that
   did not pay (eagle on the batch-1 grid, 3-7 % slower on each dataset).
+* Misses, per drafter: the mirror of streaks, the per-depth rate of its trees drafted after their
+  sequence's previous tree accepted nothing (`miss_rate`; steps without a tree in between do not
+  end the miss, the next verified tree does). Until then the sequence expects only a path
+  accepting at that rate: an n-gram drafter that left the passage it was copying has its next
+  trees rejected too (0.33 accepted tokens per tree after a rejected one on HumanEval against 1.01
+  over all, batch 1), so it is asked for a one-node tree, cheap to verify, whose acceptance ends
+  the miss, where its per-size means and the sequence's decayed record would still promise a
+  large one; a drafter whose trees after a miss accept as its others do (a learnt drafter on
+  varied text) keeps its sizes.
 * Exploration: sizes never tried get the optimistic prior; a sequence left at 0 is given a probe
   on its first decoding step, then after 16, 32, ... MAX_PROBE_PAUSE steps at 0 (the pause
   doubles with every probe; once the allocator picks the sequence by itself it starts over at
@@ -126,6 +135,7 @@ DEPTH_DECAY_DRAFTER = 0.99  # its drafter's (the prior of the sequence's rate)
 DEPTH_PRIOR_WEIGHT = 2.0    # trials the drafter's rate counts for in a sequence's
 STREAK_PRIOR_WEIGHT = 2.0   # depths tested that the drafter's overall rate counts for in its rate after a whole tree
 STREAK_MIN_DEPTH = 2        # a tree accepted whole starts a streak when it was at least this deep
+MISS_PRIOR_WEIGHT = 2.0     # depths tested that the drafter's overall rate counts for in its rate after a rejected tree
 TREE_RATE_DRAFTER = 0.05    # EMA rate of a drafter's chance of returning a tree (its new sequences' prior)
 PERSISTENCE_PRIOR = 1.0     # how much of a sequence's own deviation from its drafter carries to its next tree
 PERSISTENCE_WEIGHT = 2.0    # ... before evidence (all of it), worth this many squared tokens of deviation,
@@ -469,6 +479,8 @@ class _DrafterModel:
         self.seq_rates: deque[float] = deque(maxlen=PROBE_POPULATION)   # finished sequences' own rates
         self.streak_hits = 0.0                                # accepted depths of trees drafted right after
         self.streak_trials = 0.0                              # a wholly accepted one, and depths tested (decayed)
+        self.miss_hits = 0.0                                  # the same for the first trees after
+        self.miss_trials = 0.0                                # one that accepted nothing
         self.persist_xy = 0.0                                 # see `persistence` (decayed sums)
         self.persist_xx = 0.0
 
@@ -524,6 +536,22 @@ class _DrafterModel:
         """A tree drafted right after its sequence's previous one was accepted whole."""
         self.streak_hits = DEPTH_DECAY_DRAFTER * self.streak_hits + accepted
         self.streak_trials = DEPTH_DECAY_DRAFTER * self.streak_trials + _depth_trials(accepted, depth)
+
+    @property
+    def miss_rate(self) -> float:
+        """The per-depth rate of this drafter's trees drafted after their sequence's previous tree
+        accepted nothing (the first tree verified after it, steps without one between or not), its
+        overall rate as the
+        prior (worth MISS_PRIOR_WEIGHT depths). The mirror of `streak_rate`: where acceptance comes
+        in passages (an n-gram drafter in code) a rejected tree says the next one will mostly be
+        rejected too, while the drafter's per-size means and the sequence's decayed record still
+        promise what its trees accept inside a passage."""
+        return (self.miss_hits + MISS_PRIOR_WEIGHT * self.depth_rate) / (self.miss_trials + MISS_PRIOR_WEIGHT)
+
+    def observe_miss(self, accepted: int, depth: int) -> None:
+        """The first tree verified after its sequence's previous one accepted nothing."""
+        self.miss_hits = DEPTH_DECAY_DRAFTER * self.miss_hits + accepted
+        self.miss_trials = DEPTH_DECAY_DRAFTER * self.miss_trials + _depth_trials(accepted, depth)
 
     def observe(self, size: int, accepted: int, nodes: int, depth: int | None = None) -> None:
         st = self.sizes.setdefault(size, _SizeStats())
@@ -606,6 +634,7 @@ class _SeqState:
     depth_hits: float = 0.0    # its accepted depths (decayed)
     depth_trials: float = 0.0  # its depths tested (decayed)
     streak: bool = False       # its tree of the step just before was accepted whole (and deep enough)
+    missed: bool = False       # its last tree accepted nothing (until its next tree is verified)
 
     def multiplier(self, estimates: dict[int, float]) -> float:
         """Its recent accepted tokens over what its drafter's current per-size `estimates` predict
@@ -689,20 +718,32 @@ class GoodputBudget:
             self._drafter(drafter).seq_rates.append(st.depth_hits / st.depth_trials)
 
     def _expected(self, st: _SeqState, dm: _DrafterModel, sizes: list[int], *ks: float,
-                  streaks: bool = True) -> list[list[float]]:
+                  streaks: bool = True, misses: bool = True) -> list[list[float]]:
         """Expected accepted tokens of a sequence, given a tree, for each budget size: the better of
         two estimates, its drafter's per-size curve times the sequence's multiplier, and a path as
         deep as its drafter's trees of that size accepting each depth at the sequence's own
         per-depth rate (which sees that a sequence whose drafts are accepted whole would gain from
         larger ones); and right after a tree accepted whole, a path accepting each depth at its
-        drafter's `streak_rate` (what its trees after a whole one measured). One curve for each of
-        `ks`: the share k of the sequence's own deviation from its drafter that counts (the
+        drafter's `streak_rate` (what its trees after a whole one measured). After a tree that
+        accepted nothing, until its next tree is verified, only a path accepting each depth at its
+        drafter's `miss_rate`, for every k: a drafter whose trees after a miss are rejected too
+        (an n-gram drafter that left the passage it was copying) is then asked for a one-node
+        tree, cheap to verify, whose acceptance ends the miss, instead of the large tree its
+        per-size means and the sequence's decayed record would still promise; a drafter whose
+        trees after a miss accept as the others (a learnt drafter) keeps its sizes. One curve for
+        each of `ks`: the share k of the sequence's own deviation from its drafter that counts (the
         drafter's `persistence`; 0: the drafter's expectation, 1: the sequence's own). Without
         `streaks`, no streak term (the persistence fit measures what a sequence's own record adds
-        to its drafter's average, streak or not)."""
+        to its drafter's average, streak or not); without `misses`, no miss term (the same)."""
+        depths = dm.depths(sizes)
+        if st.missed and misses:
+            out, best = [], 0.0
+            for s, d in zip(sizes, depths):
+                best = max(best, min(float(s), chain_accepted(dm.miss_rate, d)))
+                out.append(best)
+            return [list(out) for _ in ks]
         estimates = dict(zip(self.sizes, dm.accepted(self.sizes)))
         curve = [estimates[s] for s in sizes]
-        depths = dm.depths(sizes)
         own_m, own_rate = st.multiplier(estimates), st.depth_rate(dm.depth_rate)
         streak = [chain_accepted(dm.streak_rate, d) for d in depths] if st.streak and streaks else [0.0] * len(sizes)
         curves = []
@@ -909,12 +950,15 @@ class GoodputBudget:
         depth = depth if depth is not None else nodes
         dm = self._drafter(seq.drafter)
         sizes = [s for s in self.sizes if s <= st.pending]
-        own, drafter = self._expected(st, dm, sizes, 1.0, 0.0, streaks=False)
+        own, drafter = self._expected(st, dm, sizes, 1.0, 0.0, streaks=False, misses=False)
         dm.observe_persistence(own[-1], drafter[-1], num_accepted)
         dm.observe(st.pending, num_accepted, nodes, depth)
         if st.streak:
             dm.observe_streak(num_accepted, depth)
+        if st.missed:
+            dm.observe_miss(num_accepted, depth)
         st.streak = depth >= STREAK_MIN_DEPTH and num_accepted >= depth
+        st.missed = num_accepted == 0
         st.acc_sum = SEQ_DECAY * st.acc_sum + num_accepted
         for size in st.size_weights:
             st.size_weights[size] *= SEQ_DECAY
