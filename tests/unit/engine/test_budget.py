@@ -300,16 +300,19 @@ def flat_cost(n: float) -> float:
 
 @pytest.mark.parametrize("cost", [flat_cost, cpu_cost])
 def test_persistence_is_learnt_from_streaks_and_from_luck(cost):
-    """How much of a sequence's own record carries to its next tree is measured: near 1 where each
+    """How much of a sequence's own record carries to its next tree is measured: high where each
     sequence accepts well or badly for good (streaks), low where every sequence accepts alike and
-    one tree's luck says nothing of the next; the prior, before any tree, is all of it."""
+    one tree's luck says nothing of the next; the prior, before any tree, is all of it. (On the
+    steep cost curve the bad sequences, after their misses, draft one-node trees, whose records
+    differ little from their drafter's: the fit sees mostly the good ones, against a drafter
+    mean learnt mostly on them, and settles lower than on the flat curve.)"""
     assert make_budget(cost)._drafter("d").persistence == 1.0
     persistence = {}
     for rate in (streaks, luck):
         b = make_budget(cost)
         run_population(b, rate)
         persistence[rate] = b.drafters["d"].persistence
-    assert persistence[streaks] > 0.7 and persistence[luck] < 0.5
+    assert persistence[streaks] > 0.5 and persistence[luck] < 0.2
 
 
 @pytest.mark.parametrize("cost", [flat_cost, cpu_cost])
@@ -390,6 +393,80 @@ def test_trees_after_a_whole_one_are_sized_by_the_streak_rate(monkeypatch):
                    "luck": simulate_goodput(cpu_cost, lambda rng, steps: [0.6] * steps)[0]}
     assert with_streaks["passages"] > 1.05 * without["passages"]
     assert with_streaks["luck"] > 0.98 * without["luck"]
+
+
+def measured_cpu_cost(n: float) -> float:
+    """Shaped like this project's 2-core CPU running SmolLM2-135M (the step cost tables of `bench
+    replay`): 41 ms for one token, 44.5 for two, 60 for nine, then 1.5 ms a token."""
+    ms = (41.0, 44.5, 49.0, 52.5, 54.0, 54.5, 57.5, 59.0, 60.0)
+    if n >= 9:
+        return (ms[-1] + (n - 9) * 1.5) / 1e3
+    lo = max(1, int(n))
+    f = n - lo
+    return (ms[lo - 1] * (1 - f) + ms[min(8, lo)] * f) / 1e3
+
+
+def tree_of(b: GoodputBudget, s, nodes: int, accepted: int) -> None:
+    """`s` got a chain of `nodes` nodes, `accepted` of them accepted."""
+    b.record(s, nodes)
+    b.observe_draft(s.drafter, [s], [nodes], [nodes], 0.0001)
+    b.observe_acceptance(s, accepted, nodes)
+
+
+def without_misses(monkeypatch) -> None:
+    """The control: no miss term, whatever came before a tree."""
+    orig = GoodputBudget._expected
+    monkeypatch.setattr(GoodputBudget, "_expected",
+                        lambda self, st, dm, sizes, *ks, streaks=True, misses=True:
+                        orig(self, st, dm, sizes, *ks, streaks=streaks, misses=False))
+
+
+def test_after_a_miss_a_drafter_whose_next_trees_fail_is_asked_for_one_node(monkeypatch):
+    """A drafter accepting 0.8 per depth over all, whose trees after a rejected one were rejected
+    too (an n-gram drafter leaving a passage): after a miss its sequence gets a one-node tree
+    where, without the miss term, its per-size means give it 4 nodes or more; steps without a tree
+    keep the miss, an accepted token ends it and the size comes back. A drafter whose trees after
+    a miss accept as the others do (its miss rate is its overall rate) keeps its size."""
+    b = make_budget(measured_cpu_cost)
+    teach_drafter(b, "d", 0.8)
+    for seq in seqs_of(16, start=100):     # each: a miss, then the next tree mostly rejected too
+        tree_of(b, seq, 8, 0)
+        tree_of(b, seq, 8, 1 if seq.seq_id % 3 == 0 else 0)
+        b.forget(seq)
+    dm = b.drafters["d"]
+    assert 0.15 < dm.miss_rate < 0.4 < 0.6 < dm.depth_rate
+    s = seqs_of(1)[0]
+    tree_of(b, s, 8, 8)
+    assert run_step(b, [s]).budgets[0] == 8            # (no tree accepts: run_step's default)
+    assert b._seq(s).missed
+    assert b.allocate([(s, 8)], 1, 1, 64).budgets[0] == 1
+    b.record(s, 0)                                     # a step without a tree: still missed
+    assert b._seq(s).missed and b.allocate([(s, 8)], 1, 1, 64).budgets[0] == 1
+    tree_of(b, s, 1, 1)
+    assert not b._seq(s).missed and b.allocate([(s, 8)], 1, 1, 64).budgets[0] > 1
+    tree_of(b, s, 8, 0)
+    with monkeypatch.context() as m:
+        without_misses(m)
+        assert b.allocate([(s, 8)], 1, 1, 64).budgets[0] >= 4
+    alike = make_budget(measured_cpu_cost)
+    teach_drafter(alike, "d", 0.8)
+    tree_of(alike, s, 8, 0)
+    assert alike.drafters["d"].miss_rate == alike.drafters["d"].depth_rate
+    assert alike.allocate([(s, 8)], 1, 1, 64).budgets[0] == 8
+
+
+def test_the_miss_term_pays_where_acceptance_comes_in_passages(monkeypatch):
+    """Sequences going in and out of passages (0.95 per depth inside, 0.05 outside, a passage
+    lasting ten steps on average) on this machine's cost curve: the miss term commits more tokens
+    per second than the control without it; where every step accepts alike (luck) it costs
+    little."""
+    worlds = {"passages": passages(0.9, outside=0.05), "luck": lambda rng, steps: [0.6] * steps}
+    with_misses = {name: simulate_goodput(measured_cpu_cost, w)[0] for name, w in worlds.items()}
+    with monkeypatch.context() as m:
+        without_misses(m)
+        without = {name: simulate_goodput(measured_cpu_cost, w)[0] for name, w in worlds.items()}
+    assert with_misses["passages"] > 1.02 * without["passages"]
+    assert with_misses["luck"] > 0.98 * without["luck"]
 
 
 def test_only_a_deep_tree_accepted_whole_starts_a_streak():
