@@ -13,7 +13,11 @@ its own KV cache, drafter state and budget), every drafter once per policy ("eag
 batch, in one run. For each dataset x temperature the prompts run in batches of --batch-size requests, and
 each batch runs once per method before the next batch starts, in an order that reverses from one
 batch to the next (plain first, then last, ...: `method_order`), so a slow drift of the machine's
-speed hits every method alike instead of favouring the methods run nearest to plain. Every method
+speed hits every method alike instead of favouring the methods run nearest to plain. With
+`--anchor-every K` plain decoding runs again after every K drafted methods of a batch (and at both
+ends), and each method's batch is compared with plain decoding at the same moment: linear in time
+between the plain runs just before and after it (`anchored`), so a drift that is not linear over
+a batch of many methods (a slow stretch of a shared machine) is not read as a drafter's loss. Every method
 generates exactly --max-tokens tokens per prompt (EOS ignored; transformers gets `min_new_tokens`);
 sampling is seeded per prompt. Time is wall-clock from adding a batch to its last token, prefill
 included. With `--admission continuous` a dataset's prompts are one batch: all submitted at once, the
@@ -22,7 +26,8 @@ in a server under load), and methods alternate per dataset. The transformers bas
 at a time (its assisted generation supports batch 1 only).
 
 Measures (DESIGN.md §8), per drafter x dataset x temperature:
-  tok/s, speedup = tok/s / our plain tok/s (same run, same prompts), and against HF `generate`;
+  tok/s, speedup = tok/s / our plain tok/s (same run, same prompts; with --anchor-every, plain's at
+  the same moment), and against HF `generate`;
   τ = generated tokens / target forwards that produced them (bonus included; plain = 1);
   accepted drafts per draft step (bonus excluded); α = accepted / drafted tokens;
   accepted by depth d = fraction of draft steps accepting ≥ d tokens; drafter fallbacks;
@@ -84,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "starts; continuous: all of a dataset's prompts are submitted at once and the engine "
                          "keeps --batch-size in flight, a finished request's slot going to the next prompt, "
                          "as a server under load (default: %(default)s)")
+    ap.add_argument("--anchor-every", type=int, default=0, metavar="K",
+                    help="run plain decoding again after every K drafted methods of a batch (and at both ends) "
+                         "and compare each method with plain decoding at the same moment, interpolated in time "
+                         "between those runs; 0: plain once per batch (default: %(default)s)")
     ap.add_argument("--num-speculative-tokens", type=int, default=8, metavar="N",
                     help="most draft-tree nodes per sequence per step (default: %(default)s)")
     ap.add_argument("--max-draft-tokens-per-step", type=int, default=64, metavar="N",
@@ -150,11 +159,24 @@ class Tally:
         self.num_target_forwards = 0
         self.num_spec_tokens = 0     # generated tokens of requests that report speculation figures
         self.batches: list[tuple[int, float]] = []   # (tokens, seconds) of each batch, in the order run
+        self.runs: list[tuple[int, float, float]] = []   # (batch, middle time, tokens/s) of each run
         self.error: str | None = None
 
-    def add(self, num_tokens: int, seconds: float, outputs: list[list[int]], specs=()) -> None:
+    def add(self, num_tokens: int, seconds: float, outputs: list[list[int]], specs=(), batch: int | None = None,
+            at: float | None = None) -> None:
+        """A run of a batch: `batch` its index in the cell and `at` the time of its middle (both
+        default to the order of the calls). A batch run again (plain decoding's anchors) adds its
+        time and tokens to the totals; its outputs are kept from the first run."""
+        batch = len(self.batches) if batch is None else batch
+        at = float(len(self.runs)) if at is None else at
+        if seconds > 0:
+            self.runs.append((batch, at, num_tokens / seconds))
         self.num_tokens += num_tokens
         self.seconds += seconds
+        if batch < len(self.batches):
+            n, s = self.batches[batch]
+            self.batches[batch] = (n + num_tokens, s + seconds)
+            return
         self.batches.append((num_tokens, seconds))
         self.outputs.extend(outputs)
         for spec in specs:
@@ -167,14 +189,61 @@ class Tally:
         return self.num_tokens / self.seconds if self.seconds > 0 and self.error is None else None
 
 
+def anchored(plain: Tally, batch: int, at: float) -> float | None:
+    """Plain decoding's tokens/s on `batch` at time `at`: linear in time between its runs of that
+    batch just before and just after `at`, the nearest one's beyond them (one run: its figure)."""
+    runs = sorted((t, r) for b, t, r in plain.runs if b == batch)
+    if not runs:
+        return None
+    if at <= runs[0][0]:
+        return runs[0][1]
+    for (t0, r0), (t1, r1) in zip(runs, runs[1:]):
+        if at <= t1:
+            return r0 + (r1 - r0) * (at - t0) / (t1 - t0) if t1 > t0 else r1
+    return runs[-1][1]
+
+
 def batch_speedups(tally: Tally, plain: Tally) -> list[float] | None:
-    """The method's tokens/s over plain decoding's, batch by batch (the same prompts, run within a
-    few seconds of each other): their spread says how much of a cell's speedup the machine's drift
-    can account for. The cell's speedup is their average weighted by the method's time per batch
-    (every method generates the same tokens per batch), so it lies between their extremes."""
+    """The method's tokens/s over plain decoding's at the same moment (`anchored`), batch by batch
+    (the same prompts, run within seconds of each other): their spread says how much of a cell's
+    speedup the machine's drift can account for. None when a tally failed or batches differ."""
     if tally.error is not None or plain.error is not None or len(tally.batches) != len(plain.batches):
         return None
-    return [(n / s) / (pn / ps) for (n, s), (pn, ps) in zip(tally.batches, plain.batches) if s > 0 and ps > 0 and pn]
+    out = []
+    for batch, at, rate in tally.runs:
+        anchor = anchored(plain, batch, at)
+        if anchor:
+            out.append(rate / anchor)
+    return out
+
+
+def cell_speedup(tally: Tally, plain: Tally) -> float | None:
+    """The cell's speedup: the seconds plain decoding would have taken for the method's batches at
+    the moments they ran (`anchored`) over the seconds they took, so its batch speedups averaged
+    weighted by the method's time (it lies between their extremes). With one plain run per batch
+    this is the ratio of the two tallies' tokens/s."""
+    if tally.tok_s is None or plain.tok_s is None or len(tally.batches) != len(plain.batches):
+        return None
+    plain_s = seconds = 0.0
+    for (batch, at, rate), (n, s) in zip(tally.runs, tally.batches):
+        anchor = anchored(plain, batch, at)
+        if not anchor:
+            return None
+        plain_s += n / anchor
+        seconds += s
+    return plain_s / seconds if seconds > 0 else None
+
+
+def anchored_order(order: list[str], every: int, plain: str) -> list[str]:
+    """`order` (one batch's methods, plain among them) with plain decoding first, after every
+    `every` drafted methods, and last; `every` 0: `order` as it is."""
+    if every <= 0:
+        return list(order)
+    drafted = [m for m in order if m != plain]
+    out = [plain]
+    for i in range(0, len(drafted), every):
+        out += drafted[i:i + every] + [plain]
+    return out
 
 
 def method_order(methods: list[str], batch_no: int) -> list[str]:
@@ -403,10 +472,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             for start in range(0, len(ps), group):
                 chunk = ps[start:start + group]
                 seeds = [args.seed + start + i for i in range(len(chunk))]
-                for m in method_order(methods, batch_no):
+                order = anchored_order(method_order(methods, batch_no), args.anchor_every, methods[0])
+                for k, m in enumerate(order):
+                    t0 = time.perf_counter()
                     n, secs, outs, specs = run_engine_batch(m.engine, chunk, params_for(t, seeds, args.max_tokens),
-                                                            m.drafter, f"{ds}-{t}-{m.label}-{start}")
-                    tallies[m.label].add(n, secs, outs, specs)
+                                                            m.drafter, f"{ds}-{t}-{m.label}-{start}-{k}")
+                    tallies[m.label].add(n, secs, outs, specs, batch=start // group, at=t0 + secs / 2)
                 batch_no += 1
                 if hf is not None:
                     hf_tallies["hf_generate"].add(*run_hf(hf, chunk, args.max_tokens, temperature=t, seeds=seeds,
@@ -430,7 +501,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             for m in drafted:
                 tally = tallies[m.label]
                 row = make_row(**base, method=m.label, kind="drafter", num_tokens=tally.num_tokens,
-                               seconds=tally.seconds, tok_s=tally.tok_s, speedup=ratio(tally.tok_s, plain.tok_s),
+                               seconds=tally.seconds, tok_s=tally.tok_s, speedup=cell_speedup(tally, plain),
                                speedup_by_batch=batch_speedups(tally, plain),
                                speedup_vs_hf=ratio(tally.tok_s, hf_tok_s), draft_budget=m.policy,
                                **drafter_row(tally, stats_delta(before[m.label],
@@ -474,6 +545,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             "mean_prompt_tokens": {ds: sum(map(len, ps)) / len(ps) for ds, ps in prompts.items()},
             "max_tokens": args.max_tokens, "temperatures": args.temperature, "batch_size": args.batch_size,
             "admission": args.admission, "method_order": "reversed every other batch",
+            "anchor_every": args.anchor_every,
             "hf_batch_size": 1 if hf is not None else None, "seed": args.seed, "drafters": drafters,
             "skipped_drafters": skipped, "drafter_options": options,
             "num_speculative_tokens": args.num_speculative_tokens,
@@ -545,7 +617,10 @@ def markdown(result: dict) -> str:
                      f"| {fmt(r['speedup_vs_hf'], '.2f')} | {fmt(r['tau'], '.2f')} "
                      f"| {fmt(r.get('swi'), '.2f')} | {fmt(r['alpha'], '.2f')} | {fmt(r['accepted_per_step'], '.2f')} "
                      f"| {fmt(r['num_fallbacks'], 'd')} | {mism} |")
-    lines += ["", "speedup: tok/s over our plain decoding in the same run; per batch: the lowest and highest "
+    every = meta.get("anchor_every") or 0
+    anchor = (f" at the same moment (plain decoding run again after every {every} drafted method(s) of a batch, "
+              "interpolated in time between its runs)" if every else " in the same run")
+    lines += ["", f"speedup: tok/s over our plain decoding{anchor}; per batch: the lowest and highest "
               "speedup of one batch of prompts (each batch runs every method back to back); τ: tokens per "
               "target forward (bonus included); SWI: standardized walltime improvement, tokens / (target "
               "forwards + Σ drafter network runs × its parameters / the target's); α: accepted / drafted tokens; "

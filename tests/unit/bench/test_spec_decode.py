@@ -194,6 +194,74 @@ def test_batch_speedups():
     assert spec_decode.batch_speedups(plain, plain) is None
 
 
+def test_anchored_speedups_compare_with_plain_at_the_same_moment():
+    """Plain decoding run before and after a method in the same batch: the method is compared with
+    plain's rate interpolated at its own moment, so a machine slowing down between the runs is not
+    read as the method's loss (against the first plain run alone it would be); one plain run per
+    batch gives the tallies' tokens/s ratio, as without anchors."""
+    plain, slow_machine = spec_decode.Tally(), spec_decode.Tally()
+    plain.add(100, 5.0, [[1]], batch=0, at=0.0)        # 20 tok/s
+    plain.add(100, 10.0, [[2]], batch=0, at=20.0)      # 10 tok/s: the machine slowed down
+    slow_machine.add(100, 100 / 15, [[1]], batch=0, at=10.0)   # 15 tok/s, as plain would have been then
+    assert spec_decode.anchored(plain, 0, 10.0) == pytest.approx(15.0)
+    assert spec_decode.anchored(plain, 0, -1.0) == 20.0 and spec_decode.anchored(plain, 0, 99.0) == 10.0
+    assert spec_decode.anchored(plain, 1, 0.0) is None
+    assert spec_decode.batch_speedups(slow_machine, plain) == pytest.approx([1.0])
+    assert spec_decode.cell_speedup(slow_machine, plain) == pytest.approx(1.0)
+    assert plain.outputs == [[1]] and plain.batches == [(200, 15.0)]   # one batch, outputs of its first run
+    first_only = spec_decode.Tally()
+    first_only.add(100, 5.0, [[1]], batch=0, at=0.0)
+    assert spec_decode.cell_speedup(slow_machine, first_only) == pytest.approx(0.75)
+    # one plain run per batch: the ratio of tokens/s
+    p2, m2 = spec_decode.Tally(), spec_decode.Tally()
+    for secs_plain, secs_m in ((2.0, 1.0), (2.0, 4.0)):
+        p2.add(10, secs_plain, [])
+        m2.add(10, secs_m, [])
+    assert spec_decode.cell_speedup(m2, p2) == pytest.approx(m2.tok_s / p2.tok_s)
+
+
+def test_anchor_every_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, monkeypatch):
+    """--anchor-every 1: plain decoding runs before, between and after the drafted methods of each
+    batch (the order still reversing), every plain run gives the same greedy output, and each
+    speedup is taken against plain at the method's moment."""
+    out = tmp_path / "anchored"
+    order, plain_outputs = [], []
+    real_run = spec_decode.run_engine_batch
+
+    def recording_run(engine, prompts, params, drafter, tag):
+        result = real_run(engine, prompts, params, drafter, tag)
+        if not tag.startswith("warm-"):
+            order.append(drafter)
+            if drafter == "none":
+                plain_outputs.append(result[2])
+        return result
+
+    monkeypatch.setattr(spec_decode, "run_engine_batch", recording_run)
+    rc = spec_decode.main(["--model", str(tiny_llama_dir), "--datasets", str(tiny_dataset), "--num-prompts", "2",
+                           "--max-tokens", "8", "--drafters", "ngram", "draft_model", "--drafter-option",
+                           "draft_model.draft_layers=1", "--temperature", "0", "--no-hf", "--draft-budget", "fixed",
+                           "--anchor-every", "1", "--out", str(out)])
+    assert rc == 0
+    assert order == ["none", "ngram", "none", "draft_model", "none", "none", "draft_model", "none", "ngram", "none"]
+    assert plain_outputs[0] == plain_outputs[1] == plain_outputs[2] and plain_outputs[3] == plain_outputs[4]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["meta"]["anchor_every"] == 1 and result["num_greedy_mismatches"] == 0
+    cells = {r["method"]: r for r in result["results"]}
+    assert cells["none"]["num_tokens"] == 3 * 2 * 8                  # three plain runs of each batch
+    for d in ("ngram", "draft_model"):
+        r = cells[d]
+        assert r["num_tokens"] == 2 * 8 and len(r["speedup_by_batch"]) == 2 and r["greedy_mismatches"] == 0
+        assert min(r["speedup_by_batch"]) - 1e-9 <= r["speedup"] <= max(r["speedup_by_batch"]) + 1e-9
+    assert "at the same moment" in out.with_suffix(".md").read_text()
+
+
+def test_anchored_order():
+    assert spec_decode.anchored_order(["none", "a", "b", "c"], 0, "none") == ["none", "a", "b", "c"]
+    assert spec_decode.anchored_order(["none", "a", "b", "c"], 2, "none") == ["none", "a", "b", "none", "c", "none"]
+    assert spec_decode.anchored_order(["c", "b", "a", "none"], 1, "none") == ["none", "c", "none", "b", "none",
+                                                                               "a", "none"]
+
+
 def test_method_order_balances_a_linear_drift():
     methods = ["none", "a", "b", "c"]
     assert spec_decode.method_order(methods, 0) == methods
