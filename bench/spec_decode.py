@@ -219,19 +219,13 @@ def batch_speedups(tally: Tally, plain: Tally) -> list[float] | None:
 
 def cell_speedup(tally: Tally, plain: Tally) -> float | None:
     """The cell's speedup: the seconds plain decoding would have taken for the method's batches at
-    the moments they ran (`anchored`) over the seconds they took, so its batch speedups averaged
-    weighted by the method's time (it lies between their extremes). With one plain run per batch
-    this is the ratio of the two tallies' tokens/s."""
-    if tally.tok_s is None or plain.tok_s is None or len(tally.batches) != len(plain.batches):
+    the moments they ran (`anchored`) over the seconds they took, i.e. its batch speedups averaged
+    weighted by the method's time per batch (so it lies between their extremes). With one plain run
+    per batch this is the ratio of the two tallies' tokens/s."""
+    per_batch = batch_speedups(tally, plain)
+    if not per_batch or len(per_batch) != len(tally.batches) or not tally.seconds:
         return None
-    plain_s = seconds = 0.0
-    for (batch, at, rate), (n, s) in zip(tally.runs, tally.batches):
-        anchor = anchored(plain, batch, at)
-        if not anchor:
-            return None
-        plain_s += n / anchor
-        seconds += s
-    return plain_s / seconds if seconds > 0 else None
+    return sum(s * x for (_, s), x in zip(tally.batches, per_batch)) / tally.seconds
 
 
 def anchored_order(order: list[str], every: int, plain: str) -> list[str]:

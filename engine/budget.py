@@ -443,6 +443,16 @@ class _SizeStats:
     weight: float = 0.0        # observations (the prior's share fades as 1 / weight)
 
 
+def _size_curve(sizes: list[int], expected: list[float]) -> list[float]:
+    """Expected accepted tokens per budget size from raw estimates: each at most its size, and
+    never below a smaller size's (a larger budget can always draft the smaller tree)."""
+    out, best = [], 0.0
+    for s, e in zip(sizes, expected):
+        best = max(best, min(float(s), e))
+        out.append(best)
+    return out
+
+
 def _depth_trials(accepted: int, depth: int) -> int:
     """Depths a verification tested: each up to the first rejected one (or the tree's last)."""
     return max(1, min(accepted + 1, depth))
@@ -541,8 +551,7 @@ class _DrafterModel:
     def miss_rate(self) -> float:
         """The per-depth rate of this drafter's trees drafted after their sequence's previous tree
         accepted nothing (the first tree verified after it, steps without one between or not), its
-        overall rate as the
-        prior (worth MISS_PRIOR_WEIGHT depths). The mirror of `streak_rate`: where acceptance comes
+        overall rate as the prior (worth MISS_PRIOR_WEIGHT depths). The mirror of `streak_rate`: where acceptance comes
         in passages (an n-gram drafter in code) a rejected tree says the next one will mostly be
         rejected too, while the drafter's per-size means and the sequence's decayed record still
         promise what its trees accept inside a passage."""
@@ -737,11 +746,8 @@ class GoodputBudget:
         to its drafter's average, streak or not); without `misses`, no miss term (the same)."""
         depths = dm.depths(sizes)
         if st.missed and misses:
-            out, best = [], 0.0
-            for s, d in zip(sizes, depths):
-                best = max(best, min(float(s), chain_accepted(dm.miss_rate, d)))
-                out.append(best)
-            return [list(out) for _ in ks]
+            after_miss = _size_curve(sizes, [chain_accepted(dm.miss_rate, d) for d in depths])
+            return [list(after_miss) for _ in ks]
         estimates = dict(zip(self.sizes, dm.accepted(self.sizes)))
         curve = [estimates[s] for s in sizes]
         own_m, own_rate = st.multiplier(estimates), st.depth_rate(dm.depth_rate)
@@ -750,11 +756,8 @@ class GoodputBudget:
         for k in ks:
             m = 1.0 + k * (own_m - 1.0)
             rate = dm.depth_rate + k * (own_rate - dm.depth_rate)
-            out, best = [], 0.0
-            for s, a, d, after_whole in zip(sizes, curve, depths, streak):
-                best = max(best, min(float(s), max(m * a, chain_accepted(rate, d), after_whole)))
-                out.append(best)
-            curves.append(out)
+            curves.append(_size_curve(sizes, [max(m * a, chain_accepted(rate, d), after_whole)
+                                              for a, d, after_whole in zip(curve, depths, streak)]))
         return curves
 
     def _gains(self, st: _SeqState, dm: _DrafterModel, sizes: list[int]) -> list[float]:
