@@ -77,7 +77,7 @@ class _Acceptance:
     (cached): (draft nodes, accepted tokens, depth); (0, 0, 0) when it proposes nothing."""
 
     def __init__(self, drafter, run: dict, seq_id: int):
-        self.drafter, self.run, self.seq_id, self.cache = drafter, run, seq_id, {}
+        self.drafter, self.run, self.seq_id, self.cache, self.contexts = drafter, run, seq_id, {}, {}
 
     def __call__(self, p: int, budget: int) -> tuple[int, int, int]:
         from specserve.engine.tree import tree_depths
@@ -99,10 +99,18 @@ class _Acceptance:
                 self.cache[key] = (len(tree.tokens) - 1, len(result.accepted_nodes), max(depth))
         return self.cache[key]
 
+    def context(self, p: int) -> int | None:
+        """The drafter's context (`Drafter.context_of`) after the first p output tokens."""
+        if p not in self.contexts:
+            seq = SimpleNamespace(seq_id=self.seq_id, token_ids=self.run["prompt"] + self.run["output"][:p], options={})
+            self.contexts[p] = self.drafter.context_of(seq)
+        return self.contexts[p]
+
 
 def replay(policy: str, drafter_name: str, accept: list[_Acceptance], costs: dict[int, float],
-           max_tokens: int, per_seq: int) -> dict:
-    """One policy over the recorded runs in order (one budget state across them, as one engine)."""
+           max_tokens: int, per_seq: int, contexts: bool = True) -> dict:
+    """One policy over the recorded runs in order (one budget state across them, as one engine);
+    `contexts`: the goodput budget hears the drafter's context of each step (as the engine has it)."""
     from specserve.engine.budget import GoodputBudget
     from specserve.engine.scheduler import adapt_draft_length, draft_length
 
@@ -122,7 +130,9 @@ def replay(policy: str, drafter_name: str, accept: list[_Acceptance], costs: dic
         while p < max_tokens:
             cap = min(per_seq, max_tokens - p - 1)
             if goodput is not None:
-                budget = goodput.allocate([(seq, cap)], 1, 1, per_seq).budgets[seq.seq_id] if cap > 0 else 0
+                context = acc_at.context(p) if contexts and cap > 0 else None
+                budget = goodput.allocate([(seq, cap)], 1, 1, per_seq,
+                                          {} if context is None else {seq.seq_id: context}).budgets[seq.seq_id] if cap > 0 else 0
                 goodput.record(seq, budget)
             else:
                 budget = min(cap, draft_length(seq, per_seq)) if cap > 0 else 0

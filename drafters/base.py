@@ -73,6 +73,17 @@ class Drafter(ABC):
         """One tree per sequence rooted at seq.token_ids[-1], at most budgets[i] draft nodes,
         or None for no draft."""
 
+    def context_of(self, seq) -> int | None:
+        """What `seq`'s next tree will be like, told before drafting, cheaply: a small integer naming
+        a class of contexts (not a score), or None (the default) when the drafter cannot tell. The
+        goodput budget learns acceptance per (drafter, context) and sizes each tree by its context's
+        record: an n-gram drafter tells the length of the recurring suffix it will copy from (0: no
+        match, so no tree), and a 4-token match is accepted 2-5 tokens deep where a 1-token match
+        is accepted 0.3-0.6 (the shared benchmark prompts, SmolLM2-135M, greedy). Called every step
+        for every decoding sequence whose budget is chosen, so it must cost far less than
+        `propose`; never for an extended prefix."""
+        return None
+
     def observe(self, seqs: Seq, features: Seq[tuple[int, "torch.Tensor"]]) -> None:
         """Only for `needs_features` drafters, every step a sequence's KV grows (prefill chunks,
         plain decoding, verification): `features[i] = (start, hidden)` with `hidden[j]` the

@@ -263,6 +263,15 @@ class MaxGramDrafter(Drafter):
         # seq_id -> (int32 buffer, number of valid tokens): saves re-converting the whole list every step
         self._buffers: dict[int, tuple[np.ndarray, int]] = {}
 
+    def context_of(self, seq) -> int:
+        """The length of the recurring suffix the draft copies from, in classes 1, 2, 3, 4 (4-7)
+        and 8 (8 or more); 0 when none recurs (the bigram fallback drafts)."""
+        match = max_gram_match(self._tokens(seq), self.leftmost, self.max_match)
+        if match is None:
+            return 0
+        k = match[1]
+        return k if k < 4 else 4 if k < 8 else 8
+
     def propose(self, seqs, budgets) -> list[TokenTree | None]:
         trees = []
         for seq, budget in zip(seqs, budgets):

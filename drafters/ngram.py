@@ -25,6 +25,12 @@ def find_continuations(tokens: Seq[int], max_ngram: int, min_ngram: int, max_len
                        max_matches: int) -> list[list[int]]:
     """Continuations (each up to max_len tokens) after earlier occurrences of the longest matching
     suffix n-gram, most recent occurrence first. Empty if no suffix of length >= min_ngram recurs."""
+    return _longest_match(tokens, max_ngram, min_ngram, max_len, max_matches)[1]
+
+
+def _longest_match(tokens: Seq[int], max_ngram: int, min_ngram: int, max_len: int,
+                   max_matches: int) -> tuple[int, list[list[int]]]:
+    """(n, continuations) of `find_continuations`, n the length of the suffix matched (0: none)."""
     n_tok = len(tokens)
     for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
         suffix = list(tokens[n_tok - n:])
@@ -40,8 +46,8 @@ def find_continuations(tokens: Seq[int], max_ngram: int, min_ngram: int, max_len
                 if len(found) >= max_matches:
                     break
         if found:
-            return found
-    return []
+            return n, found
+    return 0, []
 
 
 def tree_from_continuations(root: int, conts: list[list[int]], budget: int) -> TokenTree | None:
@@ -72,6 +78,11 @@ class NgramDrafter(Drafter):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ngram option {key} must be a positive integer, got {value!r}")
         return options
+
+    def context_of(self, seq) -> int:
+        """The length of the longest recurring suffix n-gram (`min_ngram` .. `max_ngram`), 0 when
+        none recurs (then `propose` returns no tree)."""
+        return _longest_match(seq.token_ids, self.max_ngram, self.min_ngram, 1, 1)[0]
 
     def propose(self, seqs, budgets) -> list[TokenTree | None]:
         trees = []

@@ -79,6 +79,16 @@ The models, all learnt online from what the engine observes:
   the miss, where its per-size means and the sequence's decayed record would still promise a
   large one; a drafter whose trees after a miss accept as its others do (a learnt drafter on
   varied text) keeps its sizes.
+* Contexts, per (drafter, context): a drafter may tell, before drafting, what kind of tree a
+  sequence will get (`Drafter.context_of`: a small integer, e.g. the length of the suffix an n-gram
+  drafter matched; `allocate`'s `contexts`). Then everything learnt of acceptance above (per-size
+  means, depth, streak and miss rates, persistence, and the chance that a tree comes back at all,
+  a mean over the context's calls instead of the sequence's own slow average) is learnt per
+  context, from all the drafter's sequences, and a sequence is sized by its context of this step:
+  an n-gram drafter's 4-token matches accept 2-5 tokens deep where its 1-token matches accept
+  0.3-0.6 (the shared benchmark prompts, SmolLM2-135M, greedy), so the first get 8 nodes and the
+  second one or none, where one record for both gave every tree a size between. The draft cost
+  stays the drafter's; a sequence's own record (multiplier, own rate) spans its contexts.
 * Exploration: sizes never tried get the optimistic prior; a sequence left at 0 is given a probe
   on its first decoding step, then after 16, 32, ... MAX_PROBE_PAUSE steps at 0 (the pause
   doubles with every probe; once the allocator picks the sequence by itself it starts over at
@@ -493,6 +503,8 @@ class _DrafterModel:
         self.miss_trials = 0.0                                # one that accepted nothing
         self.persist_xy = 0.0                                 # see `persistence` (decayed sums)
         self.persist_xx = 0.0
+        self.tree_hits = 0.0                                  # a context's calls that returned a tree,
+        self.tree_calls = 0.0                                 # and its calls (decayed; see `context_tree_rate`)
 
     @property
     def persistence(self) -> float:
@@ -561,6 +573,18 @@ class _DrafterModel:
         """The first tree verified after its sequence's previous one accepted nothing."""
         self.miss_hits = DEPTH_DECAY_DRAFTER * self.miss_hits + accepted
         self.miss_trials = DEPTH_DECAY_DRAFTER * self.miss_trials + _depth_trials(accepted, depth)
+
+    @property
+    def context_tree_rate(self) -> float:
+        """P(a tree comes back) for the sequences of a drafter's context (see `GoodputBudget`):
+        its calls' share that returned one, with an optimistic prior worth one call. The context
+        says it for every sequence alike (an n-gram drafter with no recurring suffix returns none),
+        so it is a mean over the context's calls, not a sequence's slow average over its own."""
+        return (self.tree_hits + 1.0) / (self.tree_calls + 1.0)
+
+    def observe_tree(self, got: bool) -> None:
+        self.tree_hits = DEPTH_DECAY_DRAFTER * self.tree_hits + got
+        self.tree_calls = DEPTH_DECAY_DRAFTER * self.tree_calls + 1.0
 
     def observe(self, size: int, accepted: int, nodes: int, depth: int | None = None) -> None:
         st = self.sizes.setdefault(size, _SizeStats())
@@ -644,6 +668,8 @@ class _SeqState:
     depth_trials: float = 0.0  # its depths tested (decayed)
     streak: bool = False       # its tree of the step just before was accepted whole (and deep enough)
     missed: bool = False       # its last tree accepted nothing (until its next tree is verified)
+    context: int | None = None          # its drafter's context this step (`allocate`'s `contexts`)
+    pending_context: int | None = None  # ... of the tree granted this step, until its outcome is known
 
     def multiplier(self, estimates: dict[int, float]) -> float:
         """Its recent accepted tokens over what its drafter's current per-size `estimates` predict
@@ -680,6 +706,7 @@ class GoodputBudget:
         self.sizes = budget_sizes(max_per_seq)
         self.cost = StepCostModel(max(max_step_tokens, 1))
         self.drafters: dict[str, _DrafterModel] = {}
+        self.contexts: dict[tuple[str, int], _DrafterModel] = {}   # (drafter, context) -> its acceptance
         self.seqs: dict[int, _SeqState] = {}
         self.last: BudgetDecision | None = None
 
@@ -709,6 +736,17 @@ class GoodputBudget:
         model = self.drafters.get(name)
         if model is None:
             model = self.drafters[name] = _DrafterModel(self.sizes)
+        return model
+
+    def _acceptance(self, name: str, context: int | None) -> _DrafterModel:
+        """The model whose acceptance estimates hold for a sequence of drafter `name` in `context`:
+        the drafter's own without one, else one per (drafter, context) (their draft costs stay the
+        drafter's)."""
+        if context is None:
+            return self._drafter(name)
+        model = self.contexts.get((name, context))
+        if model is None:
+            model = self.contexts[(name, context)] = _DrafterModel(self.sizes)
         return model
 
     def _seq(self, seq) -> _SeqState:
@@ -760,19 +798,20 @@ class GoodputBudget:
                                               for a, d, after_whole in zip(curve, depths, streak)]))
         return curves
 
-    def _gains(self, st: _SeqState, dm: _DrafterModel, sizes: list[int]) -> list[float]:
+    def _gains(self, st: _SeqState, dm: _DrafterModel, sizes: list[int], p_tree: float) -> list[float]:
         """Expected accepted tokens of a sequence for each budget size (`_expected` with its
-        drafter's persistence) times its chance of getting a tree at all."""
+        drafter's persistence) times its chance `p_tree` of getting a tree at all."""
         (expected,) = self._expected(st, dm, sizes, dm.persistence)
-        return [st.tree_rate * g for g in expected]
+        return [p_tree * g for g in expected]
 
     # ---- the allocation ----
 
     def allocate(self, candidates: Iterable[tuple[object, int]], base_tokens: int, base_commits: int,
-                 max_total: int) -> BudgetDecision:
+                 max_total: int, contexts: dict[int, int] | None = None) -> BudgetDecision:
         """Budgets for `candidates` ((sequence, its cap) for each decoding sequence with a drafter)
         in a step of `base_tokens` tokens committing `base_commits` tokens without drafts, with at
-        most `max_total` draft nodes in all.
+        most `max_total` draft nodes in all; `contexts`: seq_id -> its drafter's context this step
+        (`Drafter.context`), for the sequences whose drafter gives one.
 
         Greedy: among the moves that raise the batch goodput (one sequence to any larger size), take
         the one with the largest gain per draft node (so a binding node cap is spread where it
@@ -800,13 +839,16 @@ class GoodputBudget:
         cands = []   # [seq, sizes, gains, nodes, index of the current size, P(tree)]
         for seq, cap in candidates:
             sizes = [s for s in self.sizes if s <= cap] if max_total > 0 else [0]
-            st, dm = self._seq(seq), self._drafter(seq.drafter)
+            st = self._seq(seq)
+            st.context = contexts.get(seq.seq_id) if contexts else None
             if len(sizes) < 2:
                 cands.append([seq, [0], [0.0], [0.0], 0, 0.0])
                 continue
-            gains = self._gains(st, dm, sizes)
-            nodes = [st.tree_rate * x for x in dm.nodes(sizes)]   # expected: P(tree) * its nodes
-            cands.append([seq, sizes, gains, nodes, 0, st.tree_rate])
+            am = self._acceptance(seq.drafter, st.context)
+            p_tree = st.tree_rate if st.context is None else am.context_tree_rate
+            gains = self._gains(st, am, sizes, p_tree)
+            nodes = [p_tree * x for x in am.nodes(sizes)]   # expected: P(tree) * its nodes
+            cands.append([seq, sizes, gains, nodes, 0, p_tree])
         n0 = float(base_tokens)
         t0 = step_seconds(n0)
 
@@ -880,16 +922,17 @@ class GoodputBudget:
             if size == 0 and len(sizes) > 1 and st.idle >= st.pause:
                 dm = self.drafters[seq.drafter]
                 hope = st.hopeful_rate(dm.probe_optimism())
+                am = self._acceptance(seq.drafter, st.context)
                 g_seqs, g_nodes, g_top = group.get(seq.drafter, (0, 0, 0))
                 d_now = draft_seconds(seq.drafter, g_seqs, g_nodes, g_top)
                 best_j, best_d, best_g = 0, 0.0, goodput
-                for j, depth in enumerate(dm.depths(sizes)):
+                for j, depth in enumerate(am.depths(sizes)):
                     if j == 0:
                         continue
                     if total + sizes[j] > max_total:
                         break
                     d_delta = draft_seconds(seq.drafter, g_seqs + 1, g_nodes + sizes[j], max(g_top, sizes[j])) - d_now
-                    hopeful = chain_accepted(hope, depth)
+                    hopeful = p_tree * chain_accepted(hope, depth)
                     denom = seconds(0.0, extra + sizes[j], trees + 1) + draft_s + d_delta
                     if denom > 0 and (commits + hopeful) / denom > best_g * (1 + 1e-9):
                         best_j, best_d, best_g = j, d_delta, (commits + hopeful) / denom
@@ -912,7 +955,7 @@ class GoodputBudget:
         st = self._seq(seq)
         st.pending, st.pending_nodes = 0, 0
         if granted > 0:
-            st.pending = granted
+            st.pending, st.pending_context = granted, st.context
             st.idle = 0
             st.pause = min(MAX_PROBE_PAUSE, 2 * st.pause) if st.probing else FIRST_PROBE_PAUSE
         else:
@@ -938,6 +981,8 @@ class GoodputBudget:
             got = 1.0 if n > 0 else 0.0
             st.tree_rate += TREE_RATE_SEQ * (got - st.tree_rate)
             dm.tree_rate += TREE_RATE_DRAFTER * (got - dm.tree_rate)
+            if st.pending_context is not None:
+                self._acceptance(drafter, st.pending_context).observe_tree(n > 0)
             if n > 0:
                 st.pending_nodes = n
             else:
@@ -951,7 +996,7 @@ class GoodputBudget:
             return
         nodes = st.pending_nodes or st.pending
         depth = depth if depth is not None else nodes
-        dm = self._drafter(seq.drafter)
+        dm = self._acceptance(seq.drafter, st.pending_context)
         sizes = [s for s in self.sizes if s <= st.pending]
         own, drafter = self._expected(st, dm, sizes, 1.0, 0.0, streaks=False, misses=False)
         dm.observe_persistence(own[-1], drafter[-1], num_accepted)

@@ -31,6 +31,14 @@ NO_DRAFTER = "none"
 
 logger = logging.getLogger("specserve")
 
+
+def _tells_context(drafter) -> bool:
+    """Whether `drafter` overrides `Drafter.context_of` (else it never tells one: not asked)."""
+    from specserve.drafters.base import Drafter   # the protocol, no specific drafter
+
+    return getattr(type(drafter), "context_of", Drafter.context_of) is not Drafter.context_of
+
+
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
@@ -77,6 +85,10 @@ class LLMEngine:
             for part in getattr(drafter, "part_names", ()) or ():
                 self.drafter_stats[name].observe_parts({str(part): (0, 0)})
         self.features.set_capture_layers(self._capture_layers())
+        # the drafters that tell a context for each tree (`Drafter.context_of`), less those that failed to
+        self._context_drafters = {name for name, d in self.drafters.items() if _tells_context(d)}
+        if self._context_drafters:
+            self.scheduler.context_of = self._draft_context
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device, self.features.capture_layers)
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}
@@ -104,6 +116,31 @@ class LLMEngine:
                 options = dict(self.config.drafter_options.get(name, {}))
                 drafters[name] = make_drafter(name, ctx, **options)
         return drafters
+
+    def _draft_context(self, seq: Sequence) -> int | None:
+        """The context `seq`'s drafter tells for its next tree (`Drafter.context_of`), for the
+        goodput budget; None when it tells none, or raised (logged once per drafter; the budget
+        then sizes the tree from the drafter's record alone, and the request goes on)."""
+        name = seq.drafter
+        if name not in self._context_drafters:
+            return None
+        drafter = self.drafters[name]
+        t0 = time.perf_counter()
+        try:
+            context = drafter.context_of(DraftRequest.of(seq))
+        except Exception:
+            logger.exception("drafter %s failed to tell a context; its budgets come from its record alone", name)
+            self._context_drafters.discard(name)
+            return None
+        finally:
+            self.drafter_stats[name].draft_time_s += time.perf_counter() - t0
+        if context is None:
+            return None
+        if isinstance(context, bool) or not isinstance(context, int):
+            logger.warning("drafter %s told a context %r that is not an integer; ignored from now on", name, context)
+            self._context_drafters.discard(name)
+            return None
+        return context
 
     def _capture_layers(self) -> tuple[int, ...]:
         """The target's intermediate layers the feature store keeps: the union over the served

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from specserve.engine.budget import GoodputBudget
 from specserve.engine.kv_cache import BlockManager
@@ -99,6 +100,8 @@ class Scheduler:
         if draft_budget == "goodput":
             self.budget = GoodputBudget(max_draft_per_seq, max(max_num_batched_tokens,
                                                                max_num_seqs + max_draft_tokens_per_step))
+        # seq -> its drafter's context for its next tree (`Drafter.context_of`) or None; set by the engine
+        self.context_of: Callable[[Sequence], int | None] | None = None
         self.engine_stats = None     # EngineStats / {drafter: DrafterStats} to count budgets in (`attach_stats`)
         self.drafter_stats: dict | None = None
         self.max_draft_per_seq = max_draft_per_seq
@@ -260,7 +263,13 @@ class Scheduler:
             if seq.drafter is not None and seq.num_uncomputed_tokens == 1:
                 candidates.append((seq, self._seq_cap(seq, self.max_draft_per_seq)))
         max_total = min(self.max_draft_tokens_per_step, left)
-        return self.budget.allocate(candidates, base_tokens, base_commits, max_total).budgets
+        contexts = {}
+        if self.context_of is not None and max_total > 0:
+            for seq, cap in candidates:
+                context = self.context_of(seq) if cap > 0 else None
+                if context is not None:
+                    contexts[seq.seq_id] = context
+        return self.budget.allocate(candidates, base_tokens, base_commits, max_total, contexts).budgets
 
     def _record_budgets(self, batch: ScheduledBatch, decoding: list[Sequence]) -> None:
         """Tell the goodput budget what each decoding sequence got; count the budgets per drafter."""

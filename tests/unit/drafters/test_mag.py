@@ -106,6 +106,19 @@ def test_drafter_chains_cut_to_budget_and_buffers_dropped():
     assert not d._buffers
 
 
+def test_context_is_the_length_class_of_the_match():
+    d = make_drafter("mag", bigram=False)
+    assert d.context_of(seq(1, [7, 8, 9])) == 0                      # no match: the bigram would draft
+    assert d.context_of(seq(2, [1, 2, 3, 1, 2])) == 2
+    assert d.context_of(seq(3, [5, 1, 2, 3, 9, 1, 2, 3])) == 3
+    assert d.context_of(seq(4, list(range(6)) + [9] + list(range(6)))) == 4     # 6 matched: class 4 (4-7)
+    assert d.context_of(seq(5, list(range(20)) + [99] + list(range(20)))) == 8  # 8 or more
+    for k in range(1, 30):                                                  # classes agree with the matcher
+        toks = list(range(k)) + [99] + list(range(k))
+        length = max_gram_match(np.array(toks))[1]
+        assert length == k and d.context_of(seq(6, toks)) == (k if k < 4 else 4 if k < 8 else 8)
+
+
 # ----------------------------------------------------------------------------- bigram table
 
 

@@ -828,6 +828,61 @@ def test_bench_option():
 
 # ---- the engine ------------------------------------------------------------------------------------
 
+def contexts_world(rng: random.Random) -> int:
+    """An n-gram drafter's contexts, drawn afresh every step: its 4-token matches (accepted whole),
+    its 1-token matches (rejected), no match (no tree)."""
+    return rng.choice((4, 4, 1, 1, 0))
+
+
+def simulate_contexts(told: bool, seed: int = 5, n: int = 4, steps: int = 80) -> tuple[float, GoodputBudget]:
+    """Tokens committed per second of `n` sequences in `contexts_world` on this machine's cost curve,
+    with the budget told each step's contexts or not."""
+    rng, b = random.Random(seed), make_budget(measured_cpu_cost)
+    seqs, tokens, seconds = seqs_of(n), 0.0, 0.0
+    for _ in range(steps):
+        contexts = {s.seq_id: contexts_world(rng) for s in seqs}
+        decision = b.allocate([(s, 8) for s in seqs], n, n, 64, contexts if told else None)
+        drafted = 0
+        for s in seqs:
+            budget = decision.budgets[s.seq_id]
+            b.record(s, budget)
+            if not budget:
+                continue
+            nodes = budget if contexts[s.seq_id] else 0
+            b.observe_draft(s.drafter, [s], [budget], [nodes], 0.0001)
+            if nodes:
+                accepted = nodes if contexts[s.seq_id] == 4 else 0
+                b.observe_acceptance(s, accepted, nodes)
+                tokens, drafted = tokens + accepted, drafted + nodes
+        step = measured_cpu_cost(n + drafted)
+        b.observe_step(n + drafted, step, sum(1 for s in seqs if decision.budgets[s.seq_id]))
+        tokens, seconds = tokens + n, seconds + step
+    return tokens / seconds, b
+
+
+def test_a_drafters_context_sizes_each_tree_by_its_own_record():
+    """One drafter whose trees are accepted whole in one context and rejected in another (an n-gram
+    drafter's long and short matches), the contexts mixed on every sequence from step to step. Told
+    the context, the budget drafts 8 nodes in the good one, nothing in the bad one, and nothing
+    where the drafter will return no tree, and commits more per second than the control that is not
+    told (which sees one drafter accepting 40 % of its trees on average)."""
+    told, b = simulate_contexts(True)
+    blind, _ = simulate_contexts(False)
+    assert told > 1.1 * blind
+    assert {key[1] for key in b.contexts} == {0, 1, 4} and all(key[0] == "d" for key in b.contexts)
+    assert b.contexts[("d", 4)].depth_rate > 0.9 > 0.2 > b.contexts[("d", 1)].depth_rate
+    assert b.contexts[("d", 0)].context_tree_rate < 0.2 < 0.9 < b.contexts[("d", 4)].context_tree_rate
+    s = seqs_of(1, start=50)[0]
+    tree_of(b, s, 8, 3)               # not new (a new sequence is probed whatever its context)
+    # (in context 1 one node can still pay: 3.5 ms for what the prior leaves of its rate, ~0.12 a token)
+    assert b.allocate([(s, 8)], 1, 1, 64, {s.seq_id: 4}).budgets[s.seq_id] == 8
+    assert b.allocate([(s, 8)], 1, 1, 64, {s.seq_id: 1}).budgets[s.seq_id] <= 1
+    # a sequence's context and its own record: a tree rejected in context 1 leaves it a miss, but in
+    # context 4 (whose trees after a miss were accepted whole) it still gets 8 nodes
+    tree_of(b, s, 8, 0)
+    assert b._seq(s).missed and b.allocate([(s, 8)], 1, 1, 64, {s.seq_id: 4}).budgets[s.seq_id] == 8
+
+
 PLAIN: dict[tuple[int, ...], list[int]] = {}    # prompt -> plain greedy continuation
 
 
@@ -924,6 +979,61 @@ def test_goodput_budget_stops_drafting_what_is_never_accepted(tiny_llama_dir, pr
     assert st.num_accepted_tokens == 0
     decode_steps = sum(st.budget_counts)
     assert st.num_steps < 0.35 * decode_steps     # mostly no draft at all
+
+
+@register("test_budget_context")
+class ContextOracle(Drafter):
+    """Tells context 1 at even output positions, where it drafts the plain continuation, and 2 at
+    odd ones, where it drafts a wrong chain."""
+
+    def __init__(self, model_config=None, **_):
+        self.vocab, self.told = model_config.vocab_size, 0
+
+    def context_of(self, seq):
+        self.told += 1
+        return 1 + seq.num_output_tokens % 2
+
+    def propose(self, seqs, budgets):
+        trees = []
+        for seq, budget in zip(seqs, budgets):
+            truth = PLAIN[tuple(seq.token_ids[:seq.num_prompt_tokens])][seq.num_output_tokens:][:budget]
+            drafts = truth if seq.num_output_tokens % 2 == 0 else [(t + 1) % self.vocab for t in truth]
+            trees.append(TokenTree.chain(seq.token_ids[-1], drafts) if drafts else None)
+        return trees
+
+
+@register("test_budget_context_raises")
+class ContextRaises(OracleChainDrafter):
+    def __init__(self, model_config=None, **_):
+        super().__init__(model_config)
+        self.told = 0
+
+    def context_of(self, seq):
+        self.told += 1
+        raise RuntimeError("no context today")
+
+
+def test_the_engine_hands_drafter_contexts_to_the_budget(tiny_llama_dir, prompts_and_plain, caplog):
+    """A drafter's contexts reach the budget, which learns acceptance per context, losslessly; a
+    drafter whose `context_of` raises is asked once (logged), and goes on drafting from its record."""
+    prompts, plain = prompts_and_plain
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine = make_llm_engine(tiny_llama_dir, ["test_budget_context", "test_budget_context_raises"],
+                             draft_budget="goodput", num_speculative_tokens=8)
+    cheap_steps(engine)
+    budget = engine.scheduler.budget
+    assert run_requests(engine, prompts, params, drafter="test_budget_context") == plain
+    assert engine.drafters["test_budget_context"].told > 0
+    good, bad = budget.contexts[("test_budget_context", 1)], budget.contexts[("test_budget_context", 2)]
+    assert good.depth_rate > 0.8 > 0.2 > bad.depth_rate
+    assert engine.get_stats().drafters["test_budget_context"].num_accepted_tokens > 0
+    with caplog.at_level("ERROR", logger="specserve"):
+        assert run_requests(engine, prompts, params, drafter="test_budget_context_raises", prefix="x") == \
+            {f"x{i}": plain[f"r{i}"] for i in range(len(prompts))}
+    assert engine.drafters["test_budget_context_raises"].told == 1
+    assert sum("failed to tell a context" in r.getMessage() for r in caplog.records) == 1
+    assert engine.get_stats().drafters["test_budget_context_raises"].num_accepted_tokens > 0
+    assert not any(key[0] == "test_budget_context_raises" for key in budget.contexts)
 
 
 def test_fixed_and_adaptive_budgets_still_work(tiny_llama_dir, prompts_and_plain):
