@@ -11,7 +11,10 @@ position would accept (computed by calling the drafter on the recorded prefix). 
 is recorded once through the engine at the fixed budget (its outputs, and the wall time of every
 decode step by its tokens: the step cost table); then each policy is replayed on it: "fixed" and
 "adaptive" with the scheduler's `draft_length` / `adapt_draft_length`, "goodput" with a
-`GoodputBudget` calibrated on the cost table and fed each simulated step as the engine feeds it. A
+`GoodputBudget` calibrated on the cost table and fed each simulated step as the engine feeds it,
+the drafter's context of each step included (`Drafter.context_of`), and "goodput-no-contexts" the
+same budget not told them. Each policy's state carries from one dataset to the next, as a served
+engine's does. A
 replay takes seconds where a served run of the same prompts takes minutes and moves with the
 machine's noise; the replayed fixed budget must match the recording tree for tree (checked).
 Speedups are simulated seconds against the table's one-token step for every token.
@@ -30,7 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 REPLAYABLE = ("ngram", "mag")
-POLICIES = ("fixed", "adaptive", "goodput")
+POLICIES = ("fixed", "adaptive", "goodput", "goodput-no-contexts")   # the last: not told the drafter's contexts
 
 
 def record(engine, drafter: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[dict], dict[int, list[float]]]:
@@ -59,6 +62,21 @@ def record(engine, drafter: str, prompts: list[list[int]], max_tokens: int) -> t
                 seconds.setdefault(1 + nodes, []).append(dt)
         runs.append({"prompt": prompt, "output": out, "steps": steps})
     return runs, seconds
+
+
+def _step_cost(costs: dict[int, float]):
+    return lambda n: costs[n] if n in costs else costs[max(costs)] * n / max(costs)
+
+
+def summarise(steps_of: list[list[tuple[int, int]]], costs: dict[int, float]) -> dict:
+    """Speedup (simulated seconds against the one-token step for every token), trees and accepted
+    tokens of replayed runs (each a list of (draft nodes, accepted tokens) per decode step)."""
+    cost = _step_cost(costs)
+    steps = [s for run in steps_of for s in run]
+    tokens = sum(1 + acc for _, acc in steps)
+    seconds = sum(cost(1 + nodes) for nodes, _ in steps)
+    return {"speedup": tokens * cost(1) / seconds if seconds else 1.0, "trees": sum(n > 0 for n, _ in steps),
+            "accepted": sum(acc for _, acc in steps)}
 
 
 def cost_table(seconds: dict[int, list[float]], largest: int) -> dict[int, float]:
@@ -108,20 +126,20 @@ class _Acceptance:
 
 
 def replay(policy: str, drafter_name: str, accept: list[_Acceptance], costs: dict[int, float],
-           max_tokens: int, per_seq: int, contexts: bool = True) -> dict:
-    """One policy over the recorded runs in order (one budget state across them, as one engine);
-    `contexts`: the goodput budget hears the drafter's context of each step (as the engine has it)."""
+           max_tokens: int, per_seq: int) -> dict:
+    """One policy (of POLICIES) over the recorded runs in order (one budget state across them, as
+    one engine)."""
     from specserve.engine.budget import GoodputBudget
     from specserve.engine.scheduler import adapt_draft_length, draft_length
 
-    def cost(n: int) -> float:
-        return costs[n] if n in costs else costs[max(costs)] * n / max(costs)
-
+    cost = _step_cost(costs)
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    told = policy == "goodput"
     goodput = None
-    if policy == "goodput":
+    if policy.startswith("goodput"):
         goodput = GoodputBudget(per_seq, max(costs))
         goodput.calibrate(lambda n: cost(n), max(costs), time_limit=math.inf)
-    seconds = trees = accepted = 0.0
     steps_of = []
     for acc_at in accept:
         seq = SimpleNamespace(seq_id=acc_at.seq_id, drafter=drafter_name, draft_limit=None, draft_pause=0,
@@ -130,7 +148,7 @@ def replay(policy: str, drafter_name: str, accept: list[_Acceptance], costs: dic
         while p < max_tokens:
             cap = min(per_seq, max_tokens - p - 1)
             if goodput is not None:
-                context = acc_at.context(p) if contexts and cap > 0 else None
+                context = acc_at.context(p) if told and cap > 0 else None
                 budget = goodput.allocate([(seq, cap)], 1, 1, per_seq,
                                           {} if context is None else {seq.seq_id: context}).budgets[seq.seq_id] if cap > 0 else 0
                 goodput.record(seq, budget)
@@ -147,16 +165,11 @@ def replay(policy: str, drafter_name: str, accept: list[_Acceptance], costs: dic
             elif nodes and policy == "adaptive":
                 adapt_draft_length(seq, per_seq, acc, depth)
             steps.append((nodes, acc))
-            seconds += step
-            trees += nodes > 0
-            accepted += acc
             p += 1 + acc
         if goodput is not None:
             goodput.forget(seq)
         steps_of.append(steps)
-    tokens = len(accept) * (max_tokens - 1)
-    return {"policy": policy, "speedup": tokens * cost(1) / seconds, "trees": int(trees), "accepted": int(accepted),
-            "steps": steps_of}
+    return {"policy": policy, **summarise(steps_of, costs), "steps": steps_of}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,13 +203,16 @@ def main(argv: list[str] | None = None) -> int:
                 seconds.setdefault(n, []).extend(v)
         costs = cost_table(seconds, args.num_speculative_tokens + 1)
         tables[name] = {n: round(s, 6) for n, s in costs.items()}
-        accept = {ds: [_Acceptance(engine.drafters[name], run, 10_000 * k + i) for i, run in enumerate(runs[ds])]
-                  for k, ds in enumerate(args.datasets)}
-        for policy in POLICIES:
-            for ds in args.datasets:   # each policy's state carries from one dataset to the next
-                r = replay(policy, name, accept[ds], costs, args.max_tokens, args.num_speculative_tokens)
-                if policy == "fixed" and r["steps"] != [run["steps"] for run in runs[ds]]:
+        accept = [_Acceptance(engine.drafters[name], run, 10_000 * k + i)
+                  for k, ds in enumerate(args.datasets) for i, run in enumerate(runs[ds])]
+        for policy in POLICIES:   # each policy's state carries from one dataset to the next
+            steps_of = replay(policy, name, accept, costs, args.max_tokens, args.num_speculative_tokens)["steps"]
+            start = 0
+            for ds in args.datasets:
+                steps, start = steps_of[start:start + len(runs[ds])], start + len(runs[ds])
+                if policy == "fixed" and steps != [run["steps"] for run in runs[ds]]:
                     raise RuntimeError(f"{name} on {ds}: the replayed fixed budget differs from the recorded run")
+                r = summarise(steps, costs)
                 rows.append({"drafter": name, "dataset": ds, "policy": policy, "speedup": round(r["speedup"], 4),
                              "trees": r["trees"], "accepted": r["accepted"]})
                 print(f"{name} {ds} {policy}: x{r['speedup']:.3f}, {r['trees']} trees, {r['accepted']} accepted",

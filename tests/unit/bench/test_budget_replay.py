@@ -5,6 +5,7 @@ token, the step cost table, and the command end to end on the default model."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from helpers import make_llm_engine
@@ -63,6 +64,28 @@ def test_goodput_replays_deterministically_and_commits_every_token(fixed_run):
     assert a["speedup"] > plain["speedup"]   # these prompts repeat: drafting pays on this curve
 
 
+def test_goodput_hears_the_drafters_contexts_and_the_control_does_not(fixed_run, monkeypatch):
+    from specserve.engine.budget import GoodputBudget
+
+    runs, seconds, accept = fixed_run
+    costs = {n: 0.04 + 0.002 * (n - 1) for n in range(1, PER_SEQ + 2)}
+    heard = []
+    allocate = GoodputBudget.allocate
+    monkeypatch.setattr(GoodputBudget, "allocate", lambda self, cands, *args: heard.append(args[3]) or
+                        allocate(self, cands, *args))
+    told = replay("goodput", "ngram", accept, costs, MAX_TOKENS, PER_SEQ)
+    contexts = [next(iter(c.values())) for c in heard]
+    assert len(contexts) == len(heard) > 0 and {0, 1, 2} <= set(contexts)   # every step, several kinds
+    assert contexts == [accept[0].context(1)] + contexts[1:] and accept[0].context(1) == \
+        accept[0].drafter.context_of(SimpleNamespace(seq_id=0, token_ids=runs[0]["prompt"] + runs[0]["output"][:1]))
+    heard.clear()
+    blind = replay("goodput-no-contexts", "ngram", accept, costs, MAX_TOKENS, PER_SEQ)
+    assert heard and all(c == {} for c in heard)
+    assert told["steps"] != blind["steps"]
+    with pytest.raises(ValueError, match="policy must be one of"):
+        replay("goodput-blind", "ngram", accept, costs, MAX_TOKENS, PER_SEQ)
+
+
 def test_cost_table_interpolates_and_extrapolates():
     table = cost_table({1: [0.04, 0.05, 0.045], 3: [0.05], 5: [0.06]}, 7)
     assert table[1] == pytest.approx(0.045) and table[2] == pytest.approx(0.0475)
@@ -76,7 +99,7 @@ def test_command_on_the_default_model(tmp_path):
     assert main(["--drafters", "ngram", "--datasets", "gsm8k", "--num-prompts", "1", "--max-tokens", "12",
                  "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
-    assert [r["policy"] for r in data["results"]] == ["fixed", "adaptive", "goodput"]
+    assert [r["policy"] for r in data["results"]] == ["fixed", "adaptive", "goodput", "goodput-no-contexts"]
     assert all(r["speedup"] > 0 for r in data["results"])
     assert set(data["meta"]["step_seconds"]["ngram"]) == {str(n) for n in range(1, 10)}
     assert "| ngram | gsm8k |" in out.with_suffix(".md").read_text()
