@@ -47,7 +47,10 @@ The models, all learnt online from what the engine observes:
   size is measured, else the largest measured smaller size's estimate scaled by the node ratio),
   and its per-depth acceptance rate (accepted depths over depths tested: verification stops at the
   first rejected depth; depths past a tree's end are not counted, so trees cut short by the budget
-  do not read as rejections).
+  do not read as rejections). A size's evidence fades by STALE_DECAY for every tree its drafter
+  has at other sizes, so a size the allocator stopped picking on text where it did not pay (one
+  dataset or user) returns towards its prior, which the sizes in use set, and is tried again once
+  they say it could pay on the text of now, instead of keeping its old mean for good.
 * Acceptance, per sequence: its chance that the drafter returns a tree at all (an n-gram drafter
   finds no match in many contexts), a multiplier (its recent accepted tokens over what the
   drafter's per-size means predicted for it), and its own per-depth rate (the drafter's as prior).
@@ -134,6 +137,7 @@ MIN_RATE_TRIALS = 1.0       # a finished sequence's rate is remembered once it h
 PRIOR_ACCEPT_RATE = 0.7     # optimistic prior: a chain accepting each next token with this probability
 PRIOR_WEIGHT = 0.25         # the prior counts as this many observations
 MAX_EVIDENCE = 8.0          # a size's mean moves as an EMA of rate 1/MAX_EVIDENCE once it has that many
+STALE_DECAY = 0.98          # a size's evidence fades by this per tree of its drafter at other sizes
                             # (it must follow a change of the requests' text -- learnt on chat, then code --
                             # within the few trees a drafter gets to draft once its means say it does not pay)
 SEQ_DECAY = 0.7             # per-sequence sums decay by this per observation (about the last 3 steps)
@@ -450,7 +454,8 @@ class _SizeStats:
     accepted: float = 0.0      # mean accepted draft tokens when a tree came back (EMA once MAX_EVIDENCE seen)
     nodes: float = 0.0         # mean draft nodes of such trees
     depth: float = 0.0         # mean depth of such trees
-    weight: float = 0.0        # observations (the prior's share fades as 1 / weight)
+    weight: float = 0.0        # observations (the prior's share fades as 1 / weight), at tree `last`
+    last: int = 0              # its drafter's tree count at its last observation
 
 
 def _size_curve(sizes: list[int], expected: list[float]) -> list[float]:
@@ -505,6 +510,7 @@ class _DrafterModel:
         self.persist_xx = 0.0
         self.tree_hits = 0.0                                  # a context's calls that returned a tree,
         self.tree_calls = 0.0                                 # and its calls (decayed; see `context_tree_rate`)
+        self.trees = 0                                        # trees observed (see `_weight`)
 
     @property
     def persistence(self) -> float:
@@ -586,9 +592,21 @@ class _DrafterModel:
         self.tree_hits = DEPTH_DECAY_DRAFTER * self.tree_hits + got
         self.tree_calls = DEPTH_DECAY_DRAFTER * self.tree_calls + 1.0
 
+    def _weight(self, st: _SizeStats) -> float:
+        """A size's evidence now: its observations, faded by STALE_DECAY for every tree its drafter
+        had at other sizes since the last one. Acceptance moves with the text (one dataset, user or
+        task after another); the sizes in use follow it, while a size the allocator stopped picking
+        would keep the mean it had when it stopped -- measured on other text -- and never be tried
+        again. Faded, its estimate returns towards the prior, which the sizes in use set (a smaller
+        size's current estimate scaled by the node ratio), so it is tried again once they say it
+        could pay, and measured anew."""
+        return st.weight * STALE_DECAY ** (self.trees - st.last)
+
     def observe(self, size: int, accepted: int, nodes: int, depth: int | None = None) -> None:
         st = self.sizes.setdefault(size, _SizeStats())
-        st.weight = min(1e6, st.weight + 1.0)
+        self.trees += 1
+        st.weight = min(1e6, self._weight(st) + 1.0)
+        st.last = self.trees
         rate = max(1.0 / st.weight, 1.0 / MAX_EVIDENCE)
         depth = depth if depth is not None else nodes
         st.accepted += rate * (accepted - st.accepted)
@@ -602,7 +620,8 @@ class _DrafterModel:
         out = []
         for s in sizes:
             st = self.sizes.get(s)
-            out.append(float(s) if st is None else (PRIOR_WEIGHT * s + st.weight * st.depth) / (PRIOR_WEIGHT + st.weight))
+            w = 0.0 if st is None else self._weight(st)
+            out.append(float(s) if st is None else (PRIOR_WEIGHT * s + w * st.depth) / (PRIOR_WEIGHT + w))
         return out
 
     def accepted(self, sizes: list[int]) -> list[float]:
@@ -623,8 +642,9 @@ class _DrafterModel:
             if st is None:
                 est = prior
             else:
-                est = (PRIOR_WEIGHT * prior + st.weight * st.accepted) / (PRIOR_WEIGHT + st.weight)
-                if st.weight >= 1:
+                w = self._weight(st)
+                est = (PRIOR_WEIGHT * prior + w * st.accepted) / (PRIOR_WEIGHT + w)
+                if w >= 1:
                     ref = (s, est)
             best = max(best, min(est, float(s)))
             out.append(best)
@@ -634,7 +654,8 @@ class _DrafterModel:
         out = []
         for s in sizes:
             st = self.sizes.get(s)
-            out.append(float(s) if st is None else (PRIOR_WEIGHT * s + st.weight * st.nodes) / (PRIOR_WEIGHT + st.weight))
+            w = 0.0 if st is None else self._weight(st)
+            out.append(float(s) if st is None else (PRIOR_WEIGHT * s + w * st.nodes) / (PRIOR_WEIGHT + w))
         return out
 
     def _cost_phi(self, num_seqs: int, num_nodes: int, largest: int) -> dict[int, float]:

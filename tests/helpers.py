@@ -13,15 +13,25 @@ when it loads tests/conftest.py (the default "prepend" import mode; the folder i
 * Servers: `sse_events(lines)` parses a streamed response's SSE lines.
 * Composite drafters: `two_part_drafter()` registers (once) and names a drafter whose trees carry
   provenance (`TokenTree.sources`) over two parts, `ngram` and `echo`.
+* Devices: `DEVICES` parametrizes a test over ``"cpu"`` and ``"cuda"``; the CUDA case is marked
+  ``gpu`` and skips without a CUDA device (`-m gpu` runs only those).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import pytest
+import torch
+
 # the engine of `empirical_first_two_law`: room for 500 requests of a short prompt at once, large trees
 LAW_ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=1024, num_kv_blocks=2400, max_model_len=64,
                   num_speculative_tokens=8, max_draft_tokens_per_step=512)
+
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
+                                   pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])
+DEVICES = ["cpu", CUDA]
 
 
 def make_llm_engine(model_dir, drafters: Sequence[str] = (), drafter_options: dict | None = None, *,

@@ -231,7 +231,9 @@ def test_probes_hope_for_what_earlier_sequences_showed():
     poor = fresh(0.15)
     assert poor.drafters["d"].probe_optimism() < 0.5
     assert probed(poor, 16) == 0
-    assert probed(fresh(0.15), 1) == 1
+    # at batch 1 it drafts on its first step: as a probe, or by itself where the sizes the
+    # population's trees did not use have faded back towards their prior (`STALE_DECAY`)
+    assert fresh(0.15).allocate([(s, 8) for s in seqs_of(1)], 1, 1, 64).budgets[0] > 0
 
 
 def test_a_rejected_probe_lowers_the_next_ones_hope():
@@ -305,14 +307,15 @@ def test_persistence_is_learnt_from_streaks_and_from_luck(cost):
     one tree's luck says nothing of the next; the prior, before any tree, is all of it. (On the
     steep cost curve the bad sequences, after their misses, draft one-node trees, whose records
     differ little from their drafter's: the fit sees mostly the good ones, against a drafter
-    mean learnt mostly on them, and settles lower than on the flat curve.)"""
+    mean learnt mostly on them, and settles lower than on the flat curve: 0.57, and 0.45 since
+    sizes left unused fade back towards their prior and are tried again.)"""
     assert make_budget(cost)._drafter("d").persistence == 1.0
     persistence = {}
     for rate in (streaks, luck):
         b = make_budget(cost)
         run_population(b, rate)
         persistence[rate] = b.drafters["d"].persistence
-    assert persistence[streaks] > 0.5 and persistence[luck] < 0.2
+    assert persistence[streaks] > 0.4 and persistence[luck] < 0.2
 
 
 @pytest.mark.parametrize("cost", [flat_cost, cpu_cost])
@@ -505,6 +508,55 @@ def test_untried_sizes_get_an_optimistic_prior():
     assert est[0] == 0 and est[1] == pytest.approx(1, abs=0.05)
     assert est[2] > est[1] and est[4] > est[3] > est[2] >= prior_accepted(2)
     assert b.allocate([(s, 8) for s in seqs_of(1)], 1, 1, 64).budgets == {0: 8}
+
+
+def simulate_phases(phases: list[float], seed: int, n: int = 6, steps: int = 60) -> list[float]:
+    """One budget, batch 1, on this machine's step costs: `n` sequences of `steps` steps per phase,
+    phase after phase (one dataset after another through one engine); a tree of 1 or 2 nodes is
+    one deep, 4 nodes two, 8 nodes three (a learnt drafter's trees), each depth accepted with the
+    phase's rate. Committed tokens per simulated second of each phase."""
+    depth_of = {1: 1, 2: 1, 4: 2, 8: 3}
+    b, rng = make_budget(measured_cpu_cost), random.Random(seed)
+    out = []
+    for k, rate in enumerate(phases):
+        tokens = seconds = 0.0
+        for s in seqs_of(n, start=1000 * k):
+            for _ in range(steps):
+                u = [rng.random() for _ in range(8)]
+                got = [0]
+
+                def accept(_s, bud, u=u, got=got, rate=rate):
+                    while got[0] < depth_of[bud] and u[got[0]] < rate:
+                        got[0] += 1
+                    return got[0]
+
+                nodes = run_step(b, [s], accept=accept).budgets[s.seq_id]
+                tokens += 1 + got[0]
+                seconds += measured_cpu_cost(1 + nodes)
+            b.forget(s)
+        out.append(tokens / seconds)
+    return out
+
+
+def test_a_size_left_unused_is_tried_again_when_acceptance_rises(monkeypatch):
+    """A drafter accepting 0.4 per depth, then 0.8 (one dataset, then another where its drafts fit):
+    in the first phase deep trees do not pay and the allocator stops picking them; in the second
+    they do (8 nodes: 2.95 tokens per 60 ms step against 1.8 per 44.5 ms for one node). With the
+    stale sizes' evidence fading (`STALE_DECAY`) the second phase commits more than 5 % more tokens
+    per second than the control, whose unused sizes keep the means of the first phase; where
+    acceptance does not move, the fading costs at most 1 %."""
+    from specserve.engine import budget as budget_mod
+    seeds = (5, 6, 7)
+
+    def run(phases):
+        return [simulate_phases(phases, seed) for seed in seeds]
+
+    shifted, flat = run([0.4, 0.8]), run([0.4])
+    with monkeypatch.context() as m:
+        m.setattr(budget_mod, "STALE_DECAY", 1.0)
+        shifted_control, flat_control = run([0.4, 0.8]), run([0.4])
+    assert sum(r[1] for r in shifted) > 1.05 * sum(r[1] for r in shifted_control)
+    assert sum(r[0] for r in flat) > 0.99 * sum(r[0] for r in flat_control)
 
 
 def test_sizes_stay_in_the_set_and_within_every_cap():

@@ -17,7 +17,7 @@ import traceback
 
 import pytest
 import torch
-from helpers import make_llm_engine, step_and_collect
+from helpers import DEVICES, make_llm_engine, step_and_collect
 
 from specserve.drafters.base import Drafter, register
 from specserve.engine.model_runner import ModelRunner
@@ -86,9 +86,11 @@ class TransferCounter:
         return counted
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_requests", [1, 4])
-def test_a_step_makes_one_host_transfer_whatever_the_batch(tiny_llama_dir, monkeypatch, num_requests):
-    engine = make_llm_engine(tiny_llama_dir, ["test_runner_trees"], max_num_seqs=4, max_num_batched_tokens=24)
+def test_a_step_makes_one_host_transfer_whatever_the_batch(tiny_llama_dir, monkeypatch, num_requests, device):
+    engine = make_llm_engine(tiny_llama_dir, ["test_runner_trees"], max_num_seqs=4, max_num_batched_tokens=24,
+                             device=device)
     counter = TransferCounter(monkeypatch)
     counts: list[int] = []
     execute = ModelRunner.execute

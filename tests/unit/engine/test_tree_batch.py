@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 import transformers
+from helpers import DEVICES
 
 from specserve.drafters.base import Drafter, register
 from specserve.engine.attention import build_attn_metadata
@@ -157,9 +158,12 @@ class RandomTreeDrafter(Drafter):
         return trees
 
 
-def test_kv_after_many_speculative_steps_equals_a_fresh_prefill(tiny_llama_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_after_many_speculative_steps_equals_a_fresh_prefill(tiny_llama_dir, device):
+    """On CUDA the trees go through the Triton tree-attention kernel and the accepted KV through the
+    Triton compaction kernel; the fresh prefill is the same engine's plain causal path."""
     def engine(drafters=()):
-        return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", max_num_seqs=4,
+        return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device=device, max_num_seqs=4,
                                       block_size=4, max_num_batched_tokens=96, num_kv_blocks=200, max_model_len=160,
                                       drafters=tuple(drafters), num_speculative_tokens=10,
                                       max_draft_tokens_per_step=40, draft_budget="fixed"))
@@ -195,9 +199,10 @@ def test_kv_after_many_speculative_steps_equals_a_fresh_prefill(tiny_llama_dir):
         assert seq.token_ids[seq.num_prompt_tokens:] == RandomTreeDrafter.truth[
             tuple(seq.token_ids[:seq.num_prompt_tokens])][:seq.num_output_tokens]
         fresh.blocks.grow(seq.seq_id, n)
-        positions, meta = build_attn_metadata([fresh.blocks.block_tables[seq.seq_id]], 4, [0], [n], None, CPU)
+        dev = torch.device(device)
+        positions, meta = build_attn_metadata([fresh.blocks.block_tables[seq.seq_id]], 4, [0], [n], None, dev)
         with torch.inference_mode():
-            fresh.model(torch.tensor(seq.token_ids[:n]), positions, fresh.cache, meta)
+            fresh.model(torch.tensor(seq.token_ids[:n], device=dev), positions, fresh.cache, meta)
         ours = spec.cache.kv[:, :, spec.blocks.slots(seq.seq_id, 0, n)]
         ref = fresh.cache.kv[:, :, fresh.blocks.slots(seq.seq_id, 0, n)]
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)

@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from helpers import CUDA, DEVICES
 
 from specserve.engine import tree as tree_mod
 from specserve.engine import verify
@@ -100,17 +101,18 @@ def test_topology_cache_is_bounded(monkeypatch):
 
 # --- greedy ----------------------------------------------------------------------------------------
 
-def test_greedy_batched_equals_the_reference_on_random_batches():
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_batched_equals_the_reference_on_random_batches(device):
     rng = random.Random(0)
     g = torch.Generator().manual_seed(0)
     for _ in range(250):
         vocab = rng.choice([2, 3, 5])
         trees = [random_tree(rng, vocab) for _ in range(rng.randint(1, 9))]
-        packed = pack_trees(trees)
-        argmax = torch.randint(0, vocab, packed.tokens.shape, generator=g)
+        packed = pack_trees(trees, device)
+        argmax = torch.randint(0, vocab, packed.tokens.shape, generator=g).to(device)
         if rng.random() < 0.2:   # the drafts are exactly the target's argmax: long walks, many ties
-            argmax = torch.where(packed.parents[:, :, None] == torch.arange(packed.max_nodes), packed.tokens[:, None, :],
-                                 -1).amax(dim=2).clamp_min(0)
+            argmax = torch.where(packed.parents[:, :, None] == torch.arange(packed.max_nodes, device=device),
+                                 packed.tokens[:, None, :], -1).amax(dim=2).clamp_min(0)
         res = verify_greedy_batched(packed, argmax)
         got = host_results(res)
         D = packed.max_depth
@@ -222,18 +224,21 @@ def draw_without_replacement(q: torch.Tensor, k: int, g: torch.Generator) -> tor
     return (q.log() + gumbel).topk(k, dim=-1).indices
 
 
-def joint_two_tokens(trials: int, deterministic: bool, seed: int = 0, batch: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def joint_two_tokens(trials: int, deterministic: bool, seed: int = 0, batch: int = 64,
+                     device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """tests/unit/engine/test_verify.py's joint law of the first two committed tokens, through
     `verify_sampling_batched`: each trial is one tree of a batch (root with 3 children, each with
     2 children; p1 at the root, p2[t1] after t1; a one-token commit is continued by plain sampling
-    from p2[t1]). Half the trees of a batch draw from their own generator, half from the global RNG."""
+    from p2[t1]). Half the trees of a batch draw from their own generator, half from the global RNG.
+    The drafts are drawn on the host; trees, target probabilities, draft distributions and the
+    verification's generators live on `device`."""
     g = torch.Generator().manual_seed(seed)
     p1 = torch.softmax(torch.randn(V, generator=g) * 1.5, 0)
     p2 = torch.softmax(torch.randn(V, V, generator=g) * 1.5, 1)
     q1 = torch.softmax(torch.randn(V, generator=g), 0)               # drafter, deliberately off
     q2 = torch.softmax(torch.randn(V, V, generator=g), 1)
     torch.manual_seed(seed)
-    gens = [torch.Generator().manual_seed(1000 * seed + i) if i % 2 else None for i in range(batch)]
+    gens = [torch.Generator(device).manual_seed(1000 * seed + i) if i % 2 else None for i in range(batch)]
     parents = [NO_PARENT, 0, 1, 1, 0, 4, 4, 0, 7, 7]
     kid_nodes, gk_nodes = [1, 4, 7], [[2, 3], [5, 6], [8, 9]]
     counts = torch.zeros(V, V)
@@ -257,11 +262,11 @@ def joint_two_tokens(trials: int, deterministic: bool, seed: int = 0, batch: int
             for m, gnode in enumerate(gk_nodes[j]):
                 tok[:, gnode] = gks[:, j, m]
                 draft[:, gnode] = q2[kids[:, j]]
-        trees = [TokenTree(tok[b].tolist(), parents, None if deterministic else draft[b]) for b in range(B)]
-        res = verify_sampling_batched(pack_trees(trees), probs, gens[:B])
-        first, second = res.tokens[:, 0], res.tokens[:, 1]
+        trees = [TokenTree(tok[b].tolist(), parents, None if deterministic else draft[b].to(device)) for b in range(B)]
+        res = verify_sampling_batched(pack_trees(trees, device), probs.to(device), gens[:B])
+        first, second = res.tokens[:, 0].cpu(), res.tokens[:, 1].cpu()
         plain = torch.multinomial(p2[first], 1, generator=g).squeeze(1)
-        second = torch.where(res.num_accepted == 0, plain, second)
+        second = torch.where(res.num_accepted.cpu() == 0, plain, second)
         counts += torch.bincount(first * V + second, minlength=V * V).view(V, V).float()
         done += B
     return counts / trials, p1[:, None] * p2
@@ -270,22 +275,24 @@ def joint_two_tokens(trials: int, deterministic: bool, seed: int = 0, batch: int
 TV_BOUND = 0.035   # sampling noise of 12k trials on 36 outcomes is ~0.02
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_sampling_batched_is_lossless(deterministic):
-    emp, exact = joint_two_tokens(12_000, deterministic=deterministic, seed=int(deterministic))
+def test_sampling_batched_is_lossless(deterministic, device):
+    emp, exact = joint_two_tokens(12_000, deterministic=deterministic, seed=int(deterministic), device=device)
     assert (emp - exact).abs().sum() / 2 < TV_BOUND
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("broken", ["no_residual_update", "residual_without_clamp"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_the_statistical_test_catches_a_wrong_residual_update(monkeypatch, broken, deterministic):
+def test_the_statistical_test_catches_a_wrong_residual_update(monkeypatch, broken, deterministic, device):
     """The same test with a deliberately wrong residual rule must fail: it has the power to see it."""
     def without_clamp(p, q):
         r = (p - 0.5 * q).abs()
         return r / r.sum(dim=-1, keepdim=True)
     wrong = {"no_residual_update": lambda p, q: p, "residual_without_clamp": without_clamp}[broken]
     monkeypatch.setattr(verify, "residual_rows", wrong)
-    emp, exact = joint_two_tokens(12_000, deterministic=deterministic, seed=int(deterministic))
+    emp, exact = joint_two_tokens(12_000, deterministic=deterministic, seed=int(deterministic), device=device)
     assert (emp - exact).abs().sum() / 2 > TV_BOUND
 
 
@@ -401,6 +408,32 @@ def test_batched_verification_does_no_host_sync():
             argmax.tolist()
     for s in stacked:   # and the results are sane once on the host
         assert len(verify_results_from_stacked(s.tolist(), packed.max_depth)) == T
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_batched_verification_on_cuda_does_not_synchronize(device):
+    """On CUDA, beyond the Tensor methods above: no operation of the batched verification waits for
+    the device (`torch.cuda.set_sync_debug_mode("error")` raises on any synchronizing call, such as
+    a `nonzero` or a data-dependent shape). Inputs are built before, as the runner stages them."""
+    rng = random.Random(5)
+    vocab = 11
+    trees = mixed_batch(rng, 9, vocab)
+    trees.append(TokenTree([1, 2, 3, 4], [NO_PARENT, NO_PARENT, 0, 1], next_roots=3))
+    T = len(trees)
+    packed = pack_trees(trees, device)
+    logits = torch.randn(T, packed.max_nodes, vocab, device=device)
+    gens = [torch.Generator(device).manual_seed(t) if t % 2 else None for t in range(T)]
+    params = [SamplingParams(temperature=0.0) if t % 3 == 0 else SamplingParams(temperature=1.0, top_p=0.8)
+              for t in range(T)]
+    st = SamplingTensors.from_params(params, device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with no_host_sync():
+            stacked = verify_batched(packed, logits, st, gens, compact=False).stacked()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(verify_results_from_stacked(stacked.tolist(), packed.max_depth)) == T
 
 
 def test_compacting_and_masked_paths_give_the_same_results():
