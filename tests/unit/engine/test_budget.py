@@ -350,6 +350,23 @@ def passages(stay: float, inside: float = 0.95, outside: float = 0.25):
     return rates
 
 
+def simulated_step(b: GoodputBudget, s, rate: float, u: list[float], cost, depth_of: dict | None = None):
+    """One batch-1 step of `s`: its tree (`depth_of[size]` deep, else as deep as its size) accepts
+    each next depth while that depth's uniform draw in `u` is below `rate`. (Committed tokens,
+    the step's `cost` of its tokens.)"""
+    got = 0
+
+    def accept(_s, bud):
+        nonlocal got
+        depth = depth_of[bud] if depth_of else bud
+        while got < depth and u[got] < rate:
+            got += 1
+        return got
+
+    nodes = run_step(b, [s], accept=accept).budgets[s.seq_id]
+    return 1 + got, cost(1 + nodes)
+
+
 def simulate_goodput(cost, rates_of, seeds=(5, 6, 7), n: int = 24, steps: int = 40) -> tuple[float, object]:
     """`n` sequences one after another at batch 1, `steps` steps each, per-depth acceptance of each
     step from `rates_of`; the same uniform draws whatever the budgets. Committed tokens per
@@ -361,16 +378,9 @@ def simulate_goodput(cost, rates_of, seeds=(5, 6, 7), n: int = 24, steps: int = 
             rates = rates_of(rng, steps)
             draws = [[rng.random() for _ in range(8)] for _ in range(steps)]
             for rate, u in zip(rates, draws):
-                got = [0]
-
-                def accept(_s, bud, rate=rate, u=u, got=got):
-                    while got[0] < bud and u[got[0]] < rate:
-                        got[0] += 1
-                    return got[0]
-
-                nodes = run_step(b, [s], accept=accept).budgets[s.seq_id]
-                tokens += 1 + got[0]
-                seconds += cost(1 + nodes)
+                t, sec = simulated_step(b, s, rate, u, cost)
+                tokens += t
+                seconds += sec
             b.forget(s)
     return tokens / seconds, b.drafters["d"]
 
@@ -522,17 +532,9 @@ def simulate_phases(phases: list[float], seed: int, n: int = 6, steps: int = 60)
         tokens = seconds = 0.0
         for s in seqs_of(n, start=1000 * k):
             for _ in range(steps):
-                u = [rng.random() for _ in range(8)]
-                got = [0]
-
-                def accept(_s, bud, u=u, got=got, rate=rate):
-                    while got[0] < depth_of[bud] and u[got[0]] < rate:
-                        got[0] += 1
-                    return got[0]
-
-                nodes = run_step(b, [s], accept=accept).budgets[s.seq_id]
-                tokens += 1 + got[0]
-                seconds += measured_cpu_cost(1 + nodes)
+                t, sec = simulated_step(b, s, rate, [rng.random() for _ in range(8)], measured_cpu_cost, depth_of)
+                tokens += t
+                seconds += sec
             b.forget(s)
         out.append(tokens / seconds)
     return out
