@@ -137,9 +137,9 @@ MIN_RATE_TRIALS = 1.0       # a finished sequence's rate is remembered once it h
 PRIOR_ACCEPT_RATE = 0.7     # optimistic prior: a chain accepting each next token with this probability
 PRIOR_WEIGHT = 0.25         # the prior counts as this many observations
 MAX_EVIDENCE = 8.0          # a size's mean moves as an EMA of rate 1/MAX_EVIDENCE once it has that many
-STALE_DECAY = 0.98          # a size's evidence fades by this per tree of its drafter at other sizes
                             # (it must follow a change of the requests' text -- learnt on chat, then code --
                             # within the few trees a drafter gets to draft once its means say it does not pay)
+STALE_DECAY = 0.98          # a size's evidence fades by this per tree of its drafter at other sizes
 SEQ_DECAY = 0.7             # per-sequence sums decay by this per observation (about the last 3 steps)
 SEQ_PRIOR = 1.0             # pseudo accepted tokens shrinking the per-sequence multiplier towards 1
 MAX_MULTIPLIER = 4.0
@@ -615,14 +615,18 @@ class _DrafterModel:
         self.depth_hits = DEPTH_DECAY_DRAFTER * self.depth_hits + accepted
         self.depth_trials = DEPTH_DECAY_DRAFTER * self.depth_trials + _depth_trials(accepted, depth)
 
+    def _toward_size(self, size: int, value: Callable[[_SizeStats], float]) -> float:
+        """`value` of a size's trees (their mean depth or nodes) blended with the size itself (a chain
+        of that many nodes, the prior, worth PRIOR_WEIGHT observations) by the size's evidence now."""
+        st = self.sizes.get(size)
+        if st is None:
+            return float(size)
+        w = self._weight(st)
+        return (PRIOR_WEIGHT * size + w * value(st)) / (PRIOR_WEIGHT + w)
+
     def depths(self, sizes: list[int]) -> list[float]:
         """Expected tree depth for each budget size (the size itself until measured: a chain)."""
-        out = []
-        for s in sizes:
-            st = self.sizes.get(s)
-            w = 0.0 if st is None else self._weight(st)
-            out.append(float(s) if st is None else (PRIOR_WEIGHT * s + w * st.depth) / (PRIOR_WEIGHT + w))
-        return out
+        return [self._toward_size(s, lambda st: st.depth) for s in sizes]
 
     def accepted(self, sizes: list[int]) -> list[float]:
         """Expected accepted tokens given a tree, for each of `sizes` (all budget sizes up to some
@@ -651,12 +655,8 @@ class _DrafterModel:
         return out
 
     def nodes(self, sizes: list[int]) -> list[float]:
-        out = []
-        for s in sizes:
-            st = self.sizes.get(s)
-            w = 0.0 if st is None else self._weight(st)
-            out.append(float(s) if st is None else (PRIOR_WEIGHT * s + w * st.nodes) / (PRIOR_WEIGHT + w))
-        return out
+        """Expected draft nodes of a tree for each budget size (the size itself until measured)."""
+        return [self._toward_size(s, lambda st: st.nodes) for s in sizes]
 
     def _cost_phi(self, num_seqs: int, num_nodes: int, largest: int) -> dict[int, float]:
         # the offset of the smallest budget size holding `largest` (the last one beyond them all)

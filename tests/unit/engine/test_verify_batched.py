@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from helpers import CUDA, DEVICES
+from helpers import DEVICES
 
 from specserve.engine import tree as tree_mod
 from specserve.engine import verify
@@ -366,37 +366,46 @@ SYNC_METHODS = ["item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__in
 
 
 @contextlib.contextmanager
-def no_host_sync():
-    """Every Tensor method that brings a device value to the host raises inside the block."""
+def no_host_sync(device: str = "cpu"):
+    """Every Tensor method that brings a device value to the host raises inside the block; on CUDA
+    also any operation that waits for the device (`torch.cuda.set_sync_debug_mode("error")`: a
+    `nonzero`, a data-dependent shape)."""
     def boom(*args, **kwargs):
         raise AssertionError("host sync inside batched verification")
     saved = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
+    cuda = torch.device(device).type == "cuda"
     try:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
         for name in SYNC_METHODS:
             setattr(torch.Tensor, name, boom)
         yield
     finally:
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
 
 
-def test_batched_verification_does_no_host_sync():
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_verification_does_no_host_sync(device):
     rng = random.Random(5)
     vocab = 11
     trees = mixed_batch(rng, 9, vocab)
     trees.append(TokenTree([1, 2, 3, 4], [NO_PARENT, NO_PARENT, 0, 1], next_roots=3))
     T = len(trees)
-    packed = pack_trees(trees)
-    logits = torch.randn(T, packed.max_nodes, vocab)
-    gens = [torch.Generator().manual_seed(t) if t % 2 else None for t in range(T)]
+    packed = pack_trees(trees, device)
+    logits = torch.randn(T, packed.max_nodes, vocab).to(device)
+    gens = [torch.Generator(device).manual_seed(t) if t % 2 else None for t in range(T)]
     params = [SamplingParams(temperature=0.0) if t % 3 == 0 else SamplingParams(temperature=1.0, top_p=0.8)
               for t in range(T)]
-    st = SamplingTensors.from_params(params, "cpu")
-    st_greedy = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * T, "cpu")
-    st_random = SamplingTensors.from_params([SamplingParams(temperature=1.0, top_k=4)] * T, "cpu")
+    st = SamplingTensors.from_params(params, device)
+    st_greedy = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * T, device)
+    st_random = SamplingTensors.from_params([SamplingParams(temperature=1.0, top_k=4)] * T, device)
     probs = torch.softmax(logits, -1)
     argmax = logits.argmax(-1)
-    with no_host_sync():
+    with no_host_sync(device):
         # compact=False: the CUDA path (the compacting CPU path reads row counts, free on a CPU)
         out = [verify_batched(packed, logits, st, gens, compact=False),
                verify_batched(packed, logits, st_greedy, gens, compact=False),
@@ -408,32 +417,6 @@ def test_batched_verification_does_no_host_sync():
             argmax.tolist()
     for s in stacked:   # and the results are sane once on the host
         assert len(verify_results_from_stacked(s.tolist(), packed.max_depth)) == T
-
-
-@pytest.mark.parametrize("device", [CUDA])
-def test_batched_verification_on_cuda_does_not_synchronize(device):
-    """On CUDA, beyond the Tensor methods above: no operation of the batched verification waits for
-    the device (`torch.cuda.set_sync_debug_mode("error")` raises on any synchronizing call, such as
-    a `nonzero` or a data-dependent shape). Inputs are built before, as the runner stages them."""
-    rng = random.Random(5)
-    vocab = 11
-    trees = mixed_batch(rng, 9, vocab)
-    trees.append(TokenTree([1, 2, 3, 4], [NO_PARENT, NO_PARENT, 0, 1], next_roots=3))
-    T = len(trees)
-    packed = pack_trees(trees, device)
-    logits = torch.randn(T, packed.max_nodes, vocab, device=device)
-    gens = [torch.Generator(device).manual_seed(t) if t % 2 else None for t in range(T)]
-    params = [SamplingParams(temperature=0.0) if t % 3 == 0 else SamplingParams(temperature=1.0, top_p=0.8)
-              for t in range(T)]
-    st = SamplingTensors.from_params(params, device)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with no_host_sync():
-            stacked = verify_batched(packed, logits, st, gens, compact=False).stacked()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert len(verify_results_from_stacked(stacked.tolist(), packed.max_depth)) == T
 
 
 def test_compacting_and_masked_paths_give_the_same_results():
