@@ -107,8 +107,13 @@ The models, all learnt online from what the engine observes:
   first; once PROBE_POPULATION_MIN sequences of the drafter finished, at most the PROBE_QUANTILE of
   their own rates plus PROBE_MARGIN (a request unlike all before it is still found where drafting
   is cheap, as at batch 1, while a crowded step stops paying for probes no earlier sequence would
-  have repaid); and pulled towards the sequence's own rate as it gets measured (a sequence whose
-  probe was rejected hopes for less the next time).
+  have repaid); where the drafter tells a context, at most the per-depth rate of the earlier probes
+  in that context (`probe_rate`, the optimism as its prior) plus PROBE_MARGIN: the finished
+  sequences' rates span all contexts, and the context's trees come from sequences the allocator
+  picked for their record, while its probes are what a probe there gets (an n-gram drafter's
+  8-node probes at 16 streams on a CPU, hoping for the best sequences' rates, were mostly rejected
+  whole and cost the step 3-5 %: GSM8K, SmolLM2-135M, greedy); and pulled towards the sequence's
+  own rate as it gets measured (a sequence whose probe was rejected hopes for less the next time).
 """
 
 from __future__ import annotations
@@ -132,6 +137,7 @@ PROBE_POPULATION_MIN = 8    # ... and bounds its probes' optimism by them once i
 PROBE_QUANTILE = 0.9        # the bound: this quantile of those rates ...
 PROBE_MARGIN = 0.1          # ... plus this (text differs between requests: leave room above what was seen)
 PROBE_SEQ_WEIGHT = 2.0      # depths tested of a sequence's own that weigh as much as that optimism
+PROBE_PRIOR_WEIGHT = 2.0    # depths tested that the optimism counts for in a context's probe rate
 MIN_RATE_TRIALS = 1.0       # a finished sequence's rate is remembered once it had a depth tested
 # acceptance
 PRIOR_ACCEPT_RATE = 0.7     # optimistic prior: a chain accepting each next token with this probability
@@ -511,6 +517,8 @@ class _DrafterModel:
         self.tree_hits = 0.0                                  # a context's calls that returned a tree,
         self.tree_calls = 0.0                                 # and its calls (decayed; see `context_tree_rate`)
         self.trees = 0                                        # trees observed (see `_weight`)
+        self.probe_hits = 0.0                                 # accepted depths of its probes' trees,
+        self.probe_trials = 0.0                               # and their depths tested (decayed)
 
     @property
     def persistence(self) -> float:
@@ -579,6 +587,14 @@ class _DrafterModel:
         """The first tree verified after its sequence's previous one accepted nothing."""
         self.miss_hits = DEPTH_DECAY_DRAFTER * self.miss_hits + accepted
         self.miss_trials = DEPTH_DECAY_DRAFTER * self.miss_trials + _depth_trials(accepted, depth)
+
+    def probe_rate(self, prior: float) -> float:
+        """The per-depth rate of the probes' trees, `prior` worth PROBE_PRIOR_WEIGHT depths."""
+        return (self.probe_hits + PROBE_PRIOR_WEIGHT * prior) / (self.probe_trials + PROBE_PRIOR_WEIGHT)
+
+    def observe_probe(self, accepted: int, depth: int) -> None:
+        self.probe_hits = DEPTH_DECAY_DRAFTER * self.probe_hits + accepted
+        self.probe_trials = DEPTH_DECAY_DRAFTER * self.probe_trials + _depth_trials(accepted, depth)
 
     @property
     def context_tree_rate(self) -> float:
@@ -685,6 +701,7 @@ class _SeqState:
     probing: bool = False      # this step's budget is a probe
     pending: int = 0           # the size granted this step, until its outcome is known
     pending_nodes: int = 0
+    pending_probe: bool = False   # ... and whether it was a probe
     depth_hits: float = 0.0    # its accepted depths (decayed)
     depth_trials: float = 0.0  # its depths tested (decayed)
     streak: bool = False       # its tree of the step just before was accepted whole (and deep enough)
@@ -828,11 +845,20 @@ class GoodputBudget:
     # ---- the allocation ----
 
     def allocate(self, candidates: Iterable[tuple[object, int]], base_tokens: int, base_commits: int,
-                 max_total: int, contexts: dict[int, int] | None = None) -> BudgetDecision:
+                 max_total: int, contexts: dict[int, int] | None = None,
+                 decode_rows: int | None = None) -> BudgetDecision:
         """Budgets for `candidates` ((sequence, its cap) for each decoding sequence with a drafter)
         in a step of `base_tokens` tokens committing `base_commits` tokens without drafts, with at
         most `max_total` draft nodes in all; `contexts`: seq_id -> its drafter's context this step
-        (`Drafter.context`), for the sequences whose drafter gives one.
+        (`Drafter.context`), for the sequences whose drafter gives one; `decode_rows`: the sequences
+        that decode in the steps after this one (this step's prefill done), when it holds prefill.
+
+        A move must earn its seconds at the better of two rates: this step's goodput, and the
+        tokens per second of a plain decode step of `decode_rows` sequences. The first alone is
+        right for a step of decode rows, whose rate is what the engine's time earns; a step that
+        also holds a prefill chunk commits a few tokens in many seconds, and against its own rate
+        any draft looks worth its cost, while the seconds it adds are taken from decode steps
+        that earn the second rate.
 
         Greedy: among the moves that raise the batch goodput (one sequence to any larger size), take
         the one with the largest gain per draft node (so a binding node cap is spread where it
@@ -888,6 +914,15 @@ class GoodputBudget:
         draft_s = 0.0
         no_tree, extra, trees = 1.0, 0.0, 0.0      # P(no tree at all), expected nodes, expected trees
         goodput = commits / t0 if t0 > 0 else 0.0
+        decode_rate = 0.0                          # tokens per second of a plain decode step after this one
+        if decode_rows and base_tokens > decode_rows:
+            decode_rate = decode_rows / step_seconds(float(decode_rows))
+        now_s = t0                                 # expected seconds of the step as allocated so far
+
+        def earns(gain: float, denom: float) -> bool:
+            """`gain` more committed tokens for a step of `denom` seconds instead of `now_s` raise
+            the goodput and earn at least the decode rate."""
+            return commits + gain > goodput * denom * (1 + 1e-9) and gain >= decode_rate * (denom - now_s)
         while True:
             best, best_score, best_g = None, 0.0, goodput
             for ci, (seq, sizes, gains, nodes, cur, p_tree) in enumerate(cands):
@@ -912,9 +947,9 @@ class GoodputBudget:
                     denom = seconds(no_tree2, extra2, trees2) + draft_s - d_now + d_new
                     if denom <= 0:
                         continue
-                    g_sure = (commits + GAIN_TRUST * d_commit) / denom
-                    if g_sure <= goodput * (1 + 1e-9):
+                    if not earns(GAIN_TRUST * d_commit, denom):
                         continue
+                    g_sure = (commits + GAIN_TRUST * d_commit) / denom
                     g = (commits + d_commit) / denom
                     score = (g_sure - goodput) / size_extra
                     if score > best_score:
@@ -930,6 +965,7 @@ class GoodputBudget:
             total += sizes[j] - sizes[cur]
             draft_s += d_delta
             goodput = best_g
+            now_s = seconds(no_tree, extra, trees) + draft_s
             c[4] = j
         decision = BudgetDecision(goodput=goodput, step_seconds=seconds(no_tree, extra, trees))
         # probes, for sequences at 0 long enough, where a probe could pay: were the sequence to accept
@@ -942,8 +978,11 @@ class GoodputBudget:
             st.probing = False
             if size == 0 and len(sizes) > 1 and st.idle >= st.pause:
                 dm = self.drafters[seq.drafter]
-                hope = st.hopeful_rate(dm.probe_optimism())
                 am = self._acceptance(seq.drafter, st.context)
+                optimism = dm.probe_optimism()
+                if am is not dm:   # what earlier probes in its context got bounds what it may hope
+                    optimism = min(optimism, am.probe_rate(optimism) + PROBE_MARGIN)
+                hope = st.hopeful_rate(optimism)
                 g_seqs, g_nodes, g_top = group.get(seq.drafter, (0, 0, 0))
                 d_now = draft_seconds(seq.drafter, g_seqs, g_nodes, g_top)
                 best_j, best_d, best_g = 0, 0.0, goodput
@@ -955,7 +994,7 @@ class GoodputBudget:
                     d_delta = draft_seconds(seq.drafter, g_seqs + 1, g_nodes + sizes[j], max(g_top, sizes[j])) - d_now
                     hopeful = p_tree * chain_accepted(hope, depth)
                     denom = seconds(0.0, extra + sizes[j], trees + 1) + draft_s + d_delta
-                    if denom > 0 and (commits + hopeful) / denom > best_g * (1 + 1e-9):
+                    if denom > 0 and earns(hopeful, denom) and (commits + hopeful) / denom > best_g * (1 + 1e-9):
                         best_j, best_d, best_g = j, d_delta, (commits + hopeful) / denom
                 if best_j:
                     j = best_j
@@ -976,7 +1015,7 @@ class GoodputBudget:
         st = self._seq(seq)
         st.pending, st.pending_nodes = 0, 0
         if granted > 0:
-            st.pending, st.pending_context = granted, st.context
+            st.pending, st.pending_context, st.pending_probe = granted, st.context, st.probing
             st.idle = 0
             st.pause = min(MAX_PROBE_PAUSE, 2 * st.pause) if st.probing else FIRST_PROBE_PAUSE
         else:
@@ -1026,6 +1065,8 @@ class GoodputBudget:
             dm.observe_streak(num_accepted, depth)
         if st.missed:
             dm.observe_miss(num_accepted, depth)
+        if st.pending_probe:
+            dm.observe_probe(num_accepted, depth)
         st.streak = depth >= STREAK_MIN_DEPTH and num_accepted >= depth
         st.missed = num_accepted == 0
         st.acc_sum = SEQ_DECAY * st.acc_sum + num_accepted

@@ -8,7 +8,8 @@ in arrival order while the budget, the sequence cap and the free blocks allow.
 
 Speculation budget: a decoding sequence with a drafter may add up to `max_draft_per_seq` draft-tree
 nodes, all such sequences together at most `max_draft_tokens_per_step` (and what the step's token
-budget leaves). Within these caps the `draft_budget` policy picks each sequence's budget:
+budget leaves once the running sequences' own tokens and the prompts admitted this step are in:
+prefill goes before drafts). Within these caps the `draft_budget` policy picks each sequence's budget:
 
 * "goodput" (the engine's default): `engine/budget.py` chooses every sequence's budget from a fixed
   set of sizes (0 included) to maximise the expected committed tokens per second of the whole batch,
@@ -207,10 +208,14 @@ class Scheduler:
         per_seq = 0
         goodput: dict[int, int] | None = None
         if speculating:
-            per_seq = min(self.max_draft_per_seq, self.max_draft_tokens_per_step // speculating,
-                          max(0, budget - len(self.running)) // speculating)
+            left = self._left_after_running()
+            admitted, admit_tokens = self._admissions(left)
+            room = left - admit_tokens   # draft nodes come after this step's prefill
             if self.budget is not None:
-                goodput = self._goodput_budgets()
+                goodput = self._goodput_budgets(room, admitted, admit_tokens)
+            else:
+                per_seq = min(self.max_draft_per_seq, self.max_draft_tokens_per_step // speculating,
+                              room // speculating)
         decoding: list[Sequence] = []   # decoding sequences with a drafter, as scheduled
         i = 0
         while i < len(self.running) and budget > 0:
@@ -248,10 +253,44 @@ class Scheduler:
             budget -= scheduled
         return batch
 
-    def _goodput_budgets(self) -> dict[int, int]:
-        """The goodput budget's choice for the decoding sequences of this step (seq_id -> nodes)."""
+    def _left_after_running(self) -> int:
+        """The step's token budget left once every running sequence has its own tokens (a decode
+        token, or its prompt's next chunk), taken in scheduling order."""
         left = self.max_num_batched_tokens
-        base_tokens = base_commits = 0
+        for seq in self.running:
+            n = min(seq.num_uncomputed_tokens, left)
+            if n <= 0:
+                break
+            left -= n
+        return left
+
+    def _admissions(self, left: int) -> tuple[int, int]:
+        """(sequences, tokens) the waiting queue would get this step out of `left` tokens, as
+        `_admit` takes them (arrival order, the sequence cap, the free pool). Draft nodes are
+        granted only from what is left after them: a draft displacing a new request's prefill
+        delays its first token and the steps it would decode alongside the others, and a step
+        that holds a prefill chunk commits so few tokens per second that any draft would look
+        worth its cost there."""
+        room, free = self.max_num_seqs - len(self.running), self.blocks.num_free_blocks
+        count = tokens = 0
+        for seq in self.waiting:
+            if room <= 0 or tokens >= left:
+                break
+            need = self.blocks.blocks_needed(seq.seq_id, len(seq.token_ids) + 1)
+            if need > free:
+                break
+            free -= need
+            room -= 1
+            count += 1
+            tokens += seq.num_uncomputed_tokens
+        return count, min(tokens, left)
+
+    def _goodput_budgets(self, room: int, admitted: int, admit_tokens: int) -> dict[int, int]:
+        """The goodput budget's choice for the decoding sequences of this step (seq_id -> nodes),
+        with at most `room` draft nodes in all, in a step that also admits `admitted` waiting
+        sequences (`admit_tokens` tokens of their prompts)."""
+        left = self.max_num_batched_tokens
+        base_tokens, base_commits = admit_tokens, 0
         candidates = []
         for seq in self.running:
             n = min(seq.num_uncomputed_tokens, left)
@@ -262,14 +301,15 @@ class Scheduler:
             base_commits += n == seq.num_uncomputed_tokens   # a decode, or a prompt's last chunk: one token
             if seq.drafter is not None and seq.num_uncomputed_tokens == 1:
                 candidates.append((seq, self._seq_cap(seq, self.max_draft_per_seq)))
-        max_total = min(self.max_draft_tokens_per_step, left)
+        max_total = max(0, min(self.max_draft_tokens_per_step, room))
         contexts = {}
         if self.context_of is not None and max_total > 0:
             for seq, cap in candidates:
                 context = self.context_of(seq) if cap > 0 else None
                 if context is not None:
                     contexts[seq.seq_id] = context
-        return self.budget.allocate(candidates, base_tokens, base_commits, max_total, contexts).budgets
+        return self.budget.allocate(candidates, base_tokens, base_commits, max_total, contexts,
+                                    decode_rows=len(self.running) + admitted).budgets
 
     def _record_budgets(self, batch: ScheduledBatch, decoding: list[Sequence]) -> None:
         """Tell the goodput budget what each decoding sequence got; count the budgets per drafter."""
