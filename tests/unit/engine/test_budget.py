@@ -253,6 +253,58 @@ def test_a_rejected_probe_lowers_the_next_ones_hope():
     assert b.allocate([(s, 8) for s in seqs], 16, 16, 64).probes
 
 
+def test_probes_in_a_context_hope_for_what_its_earlier_probes_got():
+    """A drafter that tells contexts (an n-gram drafter's match length), in a crowded step where a
+    probe pays only if its sequence accepts well: the first sequences in context 3 are probed and
+    their probes (8 nodes) rejected whole; a few crowds later new sequences in context 3 get a
+    quarter of those nodes or less (a one-node probe, cheap on this curve, can still pay), while new
+    ones in context 2 (the same acceptance, no probe of its own yet: the control) get at least half."""
+    b = make_budget(lambda n: 0.06 + 0.001 * n)
+    for context in (2, 3):   # the trees drafted there accepted little: the allocator drafts neither
+        am = b._acceptance("d", context)
+        for s in b.sizes[1:]:
+            for _ in range(20):
+                am.observe(s, prior_accepted(s, 0.05), s)
+
+    def crowd(context: int, start: int) -> list:
+        seqs = seqs_of(16, start=start)
+        decision = b.allocate([(s, 8) for s in seqs], 16, 16, 64, {s.seq_id: context for s in seqs})
+        assert not set(decision.budgets) - {s.seq_id for s in seqs}
+        assert all(decision.budgets[s.seq_id] == 0 for s in seqs if s.seq_id not in decision.probes)
+        for s in seqs:
+            b.record(s, decision.budgets[s.seq_id])
+        probes = [s for s in seqs if s.seq_id in decision.probes]
+        for s in probes:
+            budget = decision.budgets[s.seq_id]
+            b.observe_draft("d", [s], [budget], [budget], 1e-4)
+            b.observe_acceptance(s, 0, budget)
+        return sum(decision.budgets[s.seq_id] for s in probes)
+
+    nodes = [crowd(3, 100 * i) for i in range(4)]       # draft nodes spent on probes, crowd by crowd
+    assert nodes[0] >= 16 and nodes[-1] <= nodes[0] / 4, nodes
+    assert b._acceptance("d", 3).probe_rate(PROBE_OPTIMISM) < PROBE_OPTIMISM / 2
+    assert crowd(2, 1000) >= nodes[0] / 2
+
+
+def test_a_step_holding_prefill_drafts_only_what_earns_the_decode_rate():
+    """16 decoding sequences and a 200-token prefill chunk in one step, on a steep (CPU) curve: a
+    node costs 2.5 ms, and one accepted 30 % of the time earns 120 tokens a second -- more than the
+    step's own goodput (16 tokens in 0.56 s), less than a plain decode step of the 16 (267 a
+    second). Told that 16 sequences decode after this step, the budget drafts none of them; not
+    told (the control), it drafts them all. A step without prefill is the same either way."""
+    def decide(decode_rows, base_tokens=16 + 200):
+        b = make_budget(cpu_cost)
+        teach_drafter(b, "d", 0.3)
+        seqs = seqs_of(16)
+        for s in seqs:
+            b._seq(s).idle = 0   # not due for a probe
+        return b.allocate([(s, 8) for s in seqs], base_tokens, 16, 64, decode_rows=decode_rows).budgets
+
+    assert all(decide(None).values())
+    assert not any(decide(16).values())
+    assert decide(16, base_tokens=16) == decide(None, base_tokens=16)
+
+
 def test_a_good_probe_brings_a_sequence_back():
     """A sequence whose acceptance turns good is found by its probes and drafts again."""
     b = make_budget(lambda n: 0.02 + 0.0005 * n)

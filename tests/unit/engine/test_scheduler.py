@@ -220,3 +220,32 @@ def test_goodput_budget_stops_drafting_for_a_crowd_on_a_steep_curve():
     history = [_goodput_step(sched, lambda s, b: b // 2, cost) for _ in range(40)]
     assert sum(b > 0 for step in history[-20:] for b in step) <= 16   # probes only: one per sequence at most
     assert st.budget_counts[0] > 0.8 * sum(st.budget_counts)
+
+
+def _decoding_with_a_prompt_waiting(draft_budget: str, prompt_len: int | None):
+    """4 sequences with a drafter decoding in steps of at most 110 tokens, and (unless `prompt_len` is
+    None) a prompt of `prompt_len` tokens arriving. Returns the next step's batch."""
+    sched = Scheduler(BlockManager(1024, 4), max_num_seqs=8, max_num_batched_tokens=110, max_draft_per_seq=8,
+                      max_draft_tokens_per_step=32, max_model_len=4096, draft_budget=draft_budget)
+    if sched.budget is not None:   # a flat step cost: drafting pays wherever it has room
+        sched.calibrate(lambda n: 0.01 + 1e-6 * n)
+    for i in range(4):
+        s = make_seq(5, str(i), max_tokens=1000)
+        s.drafter = "d"
+        sched.add(s)
+    run_step(sched)   # prefill
+    if prompt_len is not None:
+        sched.add(make_seq(prompt_len, "new"))
+    return sched.schedule()
+
+
+def test_prefill_goes_before_drafts():
+    """A prompt arriving while sequences draft gets its whole prefill in the step (all 100 of its
+    tokens); the drafts share what is left (6 nodes), under the fixed budget as under goodput. The
+    control without the prompt: the drafts take the step's draft cap (8 each, 32 in all)."""
+    for policy in ("fixed", "goodput"):
+        alone = _decoding_with_a_prompt_waiting(policy, None)
+        assert sum(alone.draft_budgets) == 32, policy
+        batch = _decoding_with_a_prompt_waiting(policy, 100)
+        assert [s.request.request_id for s in batch.seqs][-1] == "new" and batch.num_tokens[-1] == 100, policy
+        assert 0 < sum(batch.draft_budgets) <= 110 - 4 - 100, policy
