@@ -286,6 +286,54 @@ def test_probes_in_a_context_hope_for_what_its_earlier_probes_got():
     assert crowd(2, 1000) >= nodes[0] / 2
 
 
+def test_the_share_the_picked_trees_realized_scales_the_expectations_in_a_crowd():
+    """The allocator's picks among 16 sequences are measured against what it expected of them: trees
+    that accept a third of that lower the drafter's realized share towards a third, and the crowd
+    then gets fewer nodes than the same budget whose picks accepted what it expected (the control,
+    share near 1). A probe's outcome does not move the share, and neither does a lone sequence's
+    tree (batch 1: nothing was picked from others), whose expectations it leaves alone."""
+    def world(fraction: float, n: int = 16):
+        b = make_budget(lambda n: 0.06 + 0.001 * n)
+        teach_drafter(b, "d", 0.6)
+        seqs = seqs_of(n)
+        for s in seqs:
+            b._seq(s).idle = 0   # not due for a probe
+        for step in range(12):
+            d = b.allocate([(s, 8) for s in seqs], n, n, 64)
+            for s in seqs:
+                b.record(s, d.budgets[s.seq_id])
+            for s in seqs:
+                budget = d.budgets[s.seq_id]
+                if budget:
+                    expected = b.seqs[s.seq_id].pending_expected
+                    assert (expected is None) == (s.seq_id in d.probes or n == 1)
+                    accepted = round(fraction * (expected if expected is not None else prior_accepted(budget, 0.6)))
+                    b.observe_draft("d", [s], [budget], [budget], 1e-4)
+                    b.observe_acceptance(s, min(budget, accepted), budget)
+            teach_drafter(b, "d", 0.6, times=2)   # the drafter's trees elsewhere keep its means
+        nodes = sum(b.allocate([(s, 8) for s in seqs], n, n, 64).budgets.values())
+        return b.drafters["d"].realized, nodes
+
+    share, nodes = world(1 / 3)
+    full_share, full_nodes = world(1.0)
+    assert share < 0.5 and 0.8 < full_share < 1.25, (share, full_share)
+    assert nodes < full_nodes, (nodes, full_nodes)
+    assert world(1 / 3, n=1)[0] == 1.0
+    # a probe is not the allocator's pick: its outcome leaves the share alone
+    b = make_budget(cpu_cost)
+    teach_drafter(b, "d", 0.05)
+    seqs = seqs_of(16)
+    d = b.allocate([(s, 8) for s in seqs], 16, 16, 64)
+    assert d.probes and all(d.budgets[i] == 0 for i in d.budgets if i not in d.probes)
+    for s in seqs:
+        b.record(s, d.budgets[s.seq_id])
+    for i in d.probes:
+        assert b.seqs[i].pending_expected is None
+        b.observe_draft("d", [seqs[i]], [d.budgets[i]], [d.budgets[i]], 1e-4)
+        b.observe_acceptance(seqs[i], 0, d.budgets[i])
+    assert b.drafters["d"].realized == 1.0
+
+
 def test_a_step_holding_prefill_drafts_only_what_earns_the_decode_rate():
     """16 decoding sequences and a 200-token prefill chunk in one step, on a steep (CPU) curve: a
     node costs 2.5 ms, and one accepted 30 % of the time earns 120 tokens a second -- more than the
