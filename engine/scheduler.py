@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from specserve.engine.budget import GoodputBudget
 from specserve.engine.kv_cache import BlockManager
@@ -208,7 +208,7 @@ class Scheduler:
         per_seq = 0
         goodput: dict[int, int] | None = None
         if speculating:
-            left = self._left_after_running()
+            left = self.max_num_batched_tokens - sum(n for _, n in self._running_tokens())
             admitted, admit_tokens = self._admissions(left)
             room = left - admit_tokens   # draft nodes come after this step's prefill
             if self.budget is not None:
@@ -253,16 +253,16 @@ class Scheduler:
             budget -= scheduled
         return batch
 
-    def _left_after_running(self) -> int:
-        """The step's token budget left once every running sequence has its own tokens (a decode
-        token, or its prompt's next chunk), taken in scheduling order."""
+    def _running_tokens(self) -> Iterator[tuple[Sequence, int]]:
+        """(sequence, its own tokens this step: a decode token, or its prompt's next chunk) for the
+        running sequences the step's token budget reaches, in scheduling order."""
         left = self.max_num_batched_tokens
         for seq in self.running:
             n = min(seq.num_uncomputed_tokens, left)
             if n <= 0:
                 break
             left -= n
-        return left
+            yield seq, n
 
     def _admissions(self, left: int) -> tuple[int, int]:
         """(sequences, tokens) the waiting queue would get this step out of `left` tokens, as
@@ -289,14 +289,9 @@ class Scheduler:
         """The goodput budget's choice for the decoding sequences of this step (seq_id -> nodes),
         with at most `room` draft nodes in all, in a step that also admits `admitted` waiting
         sequences (`admit_tokens` tokens of their prompts)."""
-        left = self.max_num_batched_tokens
         base_tokens, base_commits = admit_tokens, 0
         candidates = []
-        for seq in self.running:
-            n = min(seq.num_uncomputed_tokens, left)
-            if n <= 0:
-                break
-            left -= n
+        for seq, n in self._running_tokens():
             base_tokens += n
             base_commits += n == seq.num_uncomputed_tokens   # a decode, or a prompt's last chunk: one token
             if seq.drafter is not None and seq.num_uncomputed_tokens == 1:
