@@ -14,6 +14,12 @@ difference `new_text[len(prefix_text):]` becomes output only when `new_text` doe
 U+FFFD: a byte-level BPE decodes an incomplete multi-byte character as '\\ufffd' until the token
 holding its last byte arrives, and a partial character must never reach the client.
 
+When the output ends (EOS, a stop token, max_tokens, the context, an abort) in the middle of a
+character, `flush` drops that incomplete character instead of emitting U+FFFD, as OpenAI's API
+does: the text a client sees never ends in a character the model did not finish. (A U+FFFD the
+model did produce in full, bytes EF BF BD, at the very end is dropped as well: decoded text
+cannot tell the two apart.)
+
 Stop strings are searched in the confirmed text. While the sequence runs, the longest suffix of the
 text that is a proper prefix of some stop string is held back, so a client never sees the start of
 a stop string that completes later.
@@ -114,14 +120,15 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The sequence finished for another reason (EOS, length, abort): return the text still
-        held back, including a trailing incomplete character (as '\\ufffd', like a full decode).
-        A stop string inside that text still cuts it, so a stop string is never emitted."""
+        held back, without a trailing incomplete character (a full decode would end in '\\ufffd'
+        there; OpenAI's API drops it). A stop string inside that text still cuts it, so a stop string
+        is never emitted."""
         if self._stopped:
             return self._take(len(self._text))
         old_len = len(self._text)
         new_text = self._decode(self._ids[self._prefix_offset:])
         if len(new_text) > len(self._prefix_text):
-            self._text += new_text[len(self._prefix_text):]
+            self._text += new_text[len(self._prefix_text):].rstrip(REPLACEMENT_CHAR)
         self._prefix_offset = self._read_offset = len(self._ids)
         self._prefix_text = ""
         match = self._find_stop(old_len)

@@ -100,13 +100,17 @@ def test_leading_space_kept_after_prompt(tokenizer):
     assert deltas[0].startswith(" ")
 
 
-def test_flush_returns_trailing_incomplete_character(tokenizer):
+def test_flush_drops_a_trailing_incomplete_character(tokenizer):
+    """Output cut mid-character (max_tokens, abort): the whole characters before it, no U+FFFD (as
+    OpenAI's API); a full decode would end in U+FFFD there."""
     ids = tokenizer.encode("ok 😀😃")
     cut = next(n for n in range(len(ids), 0, -1) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
     deltas, _ = stream(detok, ids[:cut])
     assert "\ufffd" not in "".join(deltas)
-    assert "".join(deltas) + detok.flush() == tokenizer.decode(ids[:cut])   # same as a full decode
+    full = tokenizer.decode(ids[:cut])
+    assert full.endswith("\ufffd")
+    assert "".join(deltas) + detok.flush() == full.rstrip("\ufffd") == "ok 😀"
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -260,3 +264,23 @@ def test_smollm2_tokenizer_streaming():
     detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams(stop=["STOP"]))
     deltas, stop = stream(detok, ids)
     assert stop == "STOP" and "".join(deltas) == "The answer is "
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", ["Héllo wörld, 你好世界 🤗🚀 ok", "東京は日本の首都です。👍🏽", "naïve café 😀😃🎉"])
+def test_smollm2_output_cut_mid_character_ends_without_replacement_char(default_model, text):
+    """The real SmolLM2 byte-level BPE: for every cut of the token ids that splits a character (max_tokens
+    or an abort there), the streamed text plus flush is the full decode minus the incomplete
+    character, and no U+FFFD is ever emitted."""
+    tokenizer = default_model.tokenizer
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt = tokenizer.encode("Say something", add_special_tokens=False)
+    cuts = [n for n in range(1, len(ids) + 1) if tokenizer.decode(ids[:n]).endswith("\ufffd")]
+    assert len(cuts) >= 2      # the text does split characters across tokens
+    for n in cuts:
+        detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+        deltas, _ = stream(detok, ids[:n])
+        deltas.append(detok.flush())
+        assert all("\ufffd" not in d for d in deltas), (n, deltas)
+        assert "".join(deltas) == tokenizer.decode(ids[:n]).rstrip("\ufffd")
+        assert text.startswith("".join(deltas))
