@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
+from collections import deque
 from typing import AsyncIterator
 
 from specserve.engine.config import EngineConfig
@@ -64,6 +66,16 @@ class RequestStream:
 
 
 class AsyncEngine:
+    """The engine behind the server. Admission: a request that can be scheduled soon -- a free
+    sequence slot (`max_num_seqs` less the running sequences and those admitted ahead of it) and
+    room in the KV pool for its prompt -- is always taken; only the requests beyond that count as
+    queued, and a new one is refused (`QueueFullError`, HTTP 429 with Retry-After) when
+    `max_queue_len` of them already wait. So a burst of `max_num_seqs + max_queue_len` requests
+    sent at once into an idle engine is taken whole."""
+
+    RATE_WINDOW_S = 60.0    # completions counted for the Retry-After estimate
+    MAX_RETRY_AFTER_S = 60
+
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.model_name = engine.model_name
@@ -71,6 +83,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.eos_token_ids = sorted(engine.eos_token_ids)
         self.max_queue_len = engine.config.max_queue_len
+        self.max_num_seqs = engine.config.max_num_seqs
         self._streams: dict[str, RequestStream] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -81,6 +94,14 @@ class AsyncEngine:
         self._num_pending = 0          # added but not yet seen by the loop
         self._lock = threading.Lock()
         self._stats = engine.get_stats()
+        # admission (see `add_request`): what is left for requests not yet running once those ahead of
+        # them that can be scheduled soon are counted, as of the loop's last look plus what came since
+        self._pending: dict[str, tuple[int, int]] = {}   # added, not yet seen by the loop: (sequences, KV blocks)
+        self._free_slots = self.max_num_seqs
+        self._free_blocks = engine.blocks.num_free_blocks
+        self._num_queued = 0           # requests not yet running that cannot be scheduled soon
+        self._finish_times: deque[float] = deque()      # when requests finished, the last RATE_WINDOW_S
+        self._started_at = time.monotonic()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -124,9 +145,14 @@ class AsyncEngine:
         drafter_options = self.engine.check_drafter_options(drafter, drafter_options)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        num_seqs = params.n
+        num_blocks = num_seqs * self.engine.blocks.blocks_for(len(prompt_token_ids) + 1)
         with self._lock:
-            if self._stats.num_waiting + self._num_pending >= self.max_queue_len:
-                raise QueueFullError(f"the server is busy: {self.max_queue_len} requests are waiting; retry later")
+            if not self._take(num_seqs, num_blocks):
+                raise QueueFullError(f"the server is busy: {self._num_queued} requests are queued beyond the "
+                                     f"{self.max_num_seqs} sequence slots; retry later",
+                                     retry_after=self.retry_after())
+            self._pending[request_id] = (num_seqs, num_blocks)
             self._num_pending += 1
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._streams[request_id] = stream
@@ -159,6 +185,60 @@ class AsyncEngine:
     def get_stats(self) -> EngineStats:
         return self._stats
 
+    # ---- admission --------------------------------------------------------------------------
+
+    def _take(self, num_seqs: int, num_blocks: int, force: bool = False) -> bool:
+        """Under the lock: count a request behind every one counted so far -- into a free slot with
+        KV room if it can be scheduled soon (nobody ahead is queued, first come first served as the
+        scheduler admits), else into the queue. False (nothing counted) when it would queue and the
+        queue is full, unless `force`."""
+        if self._num_queued == 0 and num_seqs <= self._free_slots and num_blocks <= self._free_blocks:
+            self._free_slots -= num_seqs
+            self._free_blocks -= num_blocks
+            return True
+        if self._num_queued >= self.max_queue_len and not force:
+            return False
+        self._num_queued += 1
+        return True
+
+    def _refresh_admission(self) -> None:
+        """Loop thread, between steps: recount from the scheduler's own queues (running sequences,
+        the waiting ones in order, the free pool), then the requests still in the inbox."""
+        scheduler, blocks = self.engine.scheduler, self.engine.blocks
+        with self._lock:
+            self._free_slots = self.max_num_seqs - len(scheduler.running)
+            self._free_blocks = blocks.num_free_blocks
+            self._num_queued = 0
+            queued: set[int] = set()
+            for seq in scheduler.waiting:
+                need = blocks.blocks_needed(seq.seq_id, len(seq.token_ids) + 1)
+                if not queued and self._free_slots >= 1 and need <= self._free_blocks:
+                    self._free_slots -= 1
+                    self._free_blocks -= need
+                else:
+                    queued.add(id(seq.request))
+            self._num_queued = len(queued)
+            for num_seqs, num_blocks in self._pending.values():
+                self._take(num_seqs, num_blocks, force=True)
+            now = time.monotonic()
+            while self._finish_times and self._finish_times[0] < now - self.RATE_WINDOW_S:
+                self._finish_times.popleft()
+
+    def admission(self) -> dict[str, int]:
+        """{free_slots, free_blocks, queued}: what a new request would find (for tests and logs)."""
+        with self._lock:
+            return {"free_slots": self._free_slots, "free_blocks": self._free_blocks, "queued": self._num_queued}
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the mean gap between completions over the last
+        RATE_WINDOW_S (one completion frees a slot, which takes one queued request and frees a queue
+        place); with none in that window, the window so far. At least 1, at most MAX_RETRY_AFTER_S."""
+        now = time.monotonic()
+        window = min(self.RATE_WINDOW_S, now - self._started_at)
+        recent = sum(1 for t in list(self._finish_times) if t >= now - window)
+        gap = window / recent if recent else window
+        return max(1, min(self.MAX_RETRY_AFTER_S, math.ceil(gap)))
+
     # ---- the loop ---------------------------------------------------------------------------
 
     def _drain_inbox(self) -> None:
@@ -170,8 +250,9 @@ class AsyncEngine:
                 return
             if msg[0] == "add":
                 _, request_id, prompt, params, arrival, drafter, drafter_options = msg
-                with self._lock:
+                with self._lock:   # its room stays counted until `_refresh_admission` finds it in the scheduler
                     self._num_pending -= 1
+                    self._pending.pop(request_id, None)
                 stream = self._streams.get(request_id)
                 if stream is None or stream.finished:   # closed before it started
                     self._streams.pop(request_id, None)
@@ -189,10 +270,12 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        now = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if out.finished:
                 self._streams.pop(out.request_id, None)
+                self._finish_times.append(now)
             if stream is not None:
                 by_loop.setdefault(stream._loop, []).append((stream, out))
         for loop, items in by_loop.items():
@@ -217,12 +300,14 @@ class AsyncEngine:
                 self._drain_inbox()
                 if not engine.has_unfinished_requests():
                     self._stats = engine.get_stats()
+                    self._refresh_admission()
                     self._wakeup.wait(timeout=0.5)
                     continue
                 outputs = engine.step()
                 self._stats = engine.get_stats()
                 if outputs:
                     self._deliver(outputs)
+                self._refresh_admission()
         except BaseException as exc:  # noqa: BLE001 - the loop must report any death to every waiter
             # engine.step() isolates request-scoped failures itself: what reaches here is unrecoverable
             logger.exception("engine loop died")

@@ -14,7 +14,12 @@ class InvalidRequestError(EngineError, ValueError):
 
 
 class QueueFullError(EngineError):
-    """The waiting queue is at its limit (HTTP 429); retry later."""
+    """The waiting queue is at its limit (HTTP 429); retry later -- after `retry_after` seconds
+    (the server's Retry-After header) when the engine has an estimate."""
+
+    def __init__(self, message: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EngineDeadError(EngineError):

@@ -49,14 +49,15 @@ class OpenAIError(Exception):
     """An error answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status_code = status_code
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = dict(headers or {})   # sent with the error (e.g. Retry-After on a 429)
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(ErrorResponse(error=self.info).model_dump(mode="json"), status_code=self.status_code,
-                            headers=headers)
+                            headers={**self.headers, **(headers or {})} or None)
 
 
 def engine_error(exc: EngineError, prompt_param: str | None = None) -> OpenAIError:
@@ -68,7 +69,8 @@ def engine_error(exc: EngineError, prompt_param: str | None = None) -> OpenAIErr
         code = "context_length_exceeded" if "context length" in str(exc) else None
         return OpenAIError(400, str(exc), param=param, code=code)
     if isinstance(exc, QueueFullError):
-        return OpenAIError(429, str(exc), type="rate_limit_error", code="queue_full")
+        retry = {"Retry-After": str(max(1, int(exc.retry_after)))} if exc.retry_after is not None else None
+        return OpenAIError(429, str(exc), type="rate_limit_error", code="queue_full", headers=retry)
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, str(exc), type="service_unavailable_error", code="engine_dead")
     if isinstance(exc, ShuttingDownError):

@@ -419,6 +419,68 @@ def test_queue_full_gives_429(serve, make_tiny_engine, idle):
         assert m["specserve_requests_total{status=rejected}"] == codes.count(429)
 
 
+async def _burst(base_url: str, size: int, max_tokens: int) -> list[httpx.Response]:
+    """`size` streamed completions sent at once (a barrier holds them until every connection is up)."""
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "stream": True, **NO_EOS}
+    limits = httpx.Limits(max_connections=size + 4, max_keepalive_connections=size + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as ac:
+        await asyncio.gather(*[ac.get("/health") for _ in range(size)])   # open the connections first
+        gate = asyncio.Event()
+
+        async def one() -> httpx.Response:
+            await gate.wait()
+            async with ac.stream("POST", "/v1/completions", json=body) as r:
+                await r.aread()
+                return r
+
+        tasks = [asyncio.create_task(one()) for _ in range(size)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await asyncio.gather(*tasks)
+
+
+def test_burst_into_free_slots_gets_no_429(serve, make_tiny_engine, idle):
+    """max_num_seqs + max_queue_len requests sent at once: the free slots take max_num_seqs of them,
+    the queue the rest -- none is refused (only requests that cannot be scheduled soon count as queued)."""
+    engine = make_tiny_engine(max_num_seqs=8, max_queue_len=2)
+    with serve(engine, served_model_name="tiny") as server:
+        responses = asyncio.run(_burst(server.base_url, 8 + 2, max_tokens=40))
+        assert [r.status_code for r in responses] == [200] * 10
+        for r in responses:
+            events = sse_events(r.text.splitlines())
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        idle(engine)
+        assert scrape(server.base_url).get("specserve_requests_total{status=rejected}", 0) == 0
+
+
+def test_burst_beyond_the_queue_gets_429_with_retry_after(serve, make_tiny_engine, idle):
+    """Beyond max_num_seqs + max_queue_len the extra requests get 429 queue_full, each with an integer
+    Retry-After of at least 1 s; the openai client sees it on its RateLimitError."""
+    engine = make_tiny_engine(max_num_seqs=2, max_queue_len=2)
+    with serve(engine, served_model_name="tiny") as server:
+        responses = asyncio.run(_burst(server.base_url, 10, max_tokens=200))
+        codes = [r.status_code for r in responses]
+        assert codes.count(200) >= 4 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+        for r in responses:
+            if r.status_code == 429:
+                assert r.json()["error"]["code"] == "queue_full"
+                assert r.headers["retry-after"].isdigit() and int(r.headers["retry-after"]) >= 1, r.headers
+            else:
+                assert "retry-after" not in r.headers
+        client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=60)
+        idle(engine)
+        engine.add_request = _always_full   # the engine's estimate travels as the header
+        with pytest.raises(openai.RateLimitError) as exc:
+            client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+        assert exc.value.response.headers["retry-after"] == "7"
+        assert error_of(exc.value)["code"] == "queue_full"
+
+
+def _always_full(*args, **kwargs):
+    from specserve.engine.errors import QueueFullError
+    raise QueueFullError("the server is busy; retry later", retry_after=7)
+
+
 # ---- api key, dead engine -------------------------------------------------------------------------
 
 

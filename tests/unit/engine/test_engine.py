@@ -177,6 +177,90 @@ def test_async_engine_streams_and_aborts(tiny_llama_dir):
         engine.shutdown()
 
 
+def _admission_engine(tiny_llama_dir, **config) -> AsyncEngine:
+    config = {"max_num_seqs": 8, "block_size": 4, "num_kv_blocks": 64, "max_model_len": 96, "max_queue_len": 2,
+              **config}
+    return AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", **config)))
+
+
+def test_admission_takes_a_burst_into_free_slots(tiny_llama_dir):
+    """Requests that free slots and KV room can take are not queued: max_num_seqs + max_queue_len
+    added at once (the loop not even started) are all taken; the next is refused with a Retry-After."""
+    engine = _admission_engine(tiny_llama_dir)
+    long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+
+    async def main():
+        for i in range(8 + 2):
+            engine.add_request(f"b{i}", [4, 5, 6], long)
+        assert engine.admission() == {"free_slots": 0, "free_blocks": 64 - 8 * 1, "queued": 2}
+        with pytest.raises(QueueFullError) as exc:
+            engine.add_request("over", [4, 5, 6], long)
+        assert exc.value.retry_after is not None and exc.value.retry_after >= 1
+        assert "over" not in engine._streams
+
+    asyncio.run(main())
+
+
+def test_admission_counts_kv_room_and_choices(tiny_llama_dir):
+    """A prompt the free pool cannot hold yet is queued even with slots free, and so is every request
+    behind it (the scheduler admits first come first served); a request's n choices take n slots."""
+    engine = _admission_engine(tiny_llama_dir)   # 64 blocks of 4 tokens
+    big = list(range(4, 64))                     # 60 tokens + 1: 16 blocks
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def main():
+        for i in range(4):
+            engine.add_request(f"big{i}", big, params)
+        assert engine.admission() == {"free_slots": 4, "free_blocks": 0, "queued": 0}
+        engine.add_request("big4", big, params)
+        engine.add_request("small", [4, 5], params)   # would fit, but waits behind big4
+        assert engine.admission()["queued"] == 2
+        with pytest.raises(QueueFullError):
+            engine.add_request("small2", [4, 5], params)
+
+    asyncio.run(main())
+    engine = _admission_engine(tiny_llama_dir, max_queue_len=1)
+
+    async def choices():
+        engine.add_request("n6", [4, 5], SamplingParams(temperature=1.0, max_tokens=8, n=6))
+        assert engine.admission()["free_slots"] == 2
+        engine.add_request("n3", [4, 5], SamplingParams(temperature=1.0, max_tokens=8, n=3))   # 3 > 2 free: queued
+        assert engine.admission()["queued"] == 1
+        with pytest.raises(QueueFullError):
+            engine.add_request("n1", [4, 5], SamplingParams(temperature=1.0, max_tokens=8))
+
+    asyncio.run(choices())
+
+
+def test_admission_recounts_from_the_scheduler(tiny_llama_dir):
+    """The loop recounts after every step: while the burst runs, free slots + running = max_num_seqs;
+    once it has finished, every slot and block is free again and nothing is queued."""
+    engine = _admission_engine(tiny_llama_dir, max_num_seqs=2)
+    engine.start()
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    async def main():
+        streams = [engine.add_request(f"r{i}", [4, 5, 6], params) for i in range(4)]
+        with pytest.raises(QueueFullError):
+            engine.add_request("r4", [4, 5, 6], params)
+        first = await streams[0].__anext__()
+        assert first.outputs and engine.admission()["free_slots"] == 0
+        for stream in streams:
+            async for _ in stream:
+                pass
+        for _ in range(100):
+            if engine.admission() == {"free_slots": 2, "free_blocks": 64, "queued": 0}:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.admission() == {"free_slots": 2, "free_blocks": 64, "queued": 0}
+        assert 1 <= engine.retry_after() <= AsyncEngine.MAX_RETRY_AFTER_S
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("prepack", [True, False])
 def test_engine_prepacks_cpu_weights_unless_told_not_to(tiny_llama_dir, prepack):
     """On the CPU the engine prepacks the target's projections and LM head and the drafters' own
