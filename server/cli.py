@@ -84,7 +84,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gib", type=float, default=d["kv_cache_memory_gib"], metavar="GIB",
                    help="memory cap for the default KV-cache pool (default: %(default)s)")
     g.add_argument("--max-queue-len", type=int, default=d["max_queue_len"], metavar="N",
-                   help="waiting requests beyond which new ones get HTTP 429 (default: %(default)s)")
+                   help="requests queued beyond the free sequence slots and KV room before new ones get "
+                        "HTTP 429 (default: %(default)s)")
     g.add_argument("--seed", type=int, default=d["seed"], help="seed for requests without their own "
                    "(default: %(default)s)")
     g.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=d["prepack_weights"],

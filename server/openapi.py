@@ -41,7 +41,8 @@ ERRORS: dict[int, tuple[str, str]] = {
                           "`Authorization: Bearer <key>`."),
     404: ("NotFound", "No such model: this server serves one model (`code: model_not_found`)."),
     413: ("ContentTooLarge", "The request body is larger than the server's limit (`code: request_too_large`)."),
-    429: ("TooManyRequests", "The engine's queue is full (`code: queue_full`); retry later."),
+    429: ("TooManyRequests", "The engine's queue is full (`code: queue_full`): more requests wait beyond the free "
+                             "sequence slots than the server queues; retry after the `Retry-After` header's seconds."),
     500: ("InternalServerError", "An internal error, or the engine failed on this request."),
     503: ("ServiceUnavailable", "The engine is not running (`code: engine_dead`) or the server is shutting down "
                                 "(`code: shutting_down`); retry on another replica."),
@@ -91,6 +92,9 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     _name_the_served_model(doc, sorted(app.state.specserve.model_aliases))
     components["responses"] = {name: _error_response(status, description)
                                for status, (name, description) in ERRORS.items()}
+    components["responses"][ERRORS[429][0]]["headers"] = {"Retry-After": {
+        "description": "Seconds to wait before retrying (an integer, at least 1).",
+        "schema": {"type": "integer", "minimum": 1}}}
 
     for path_item in doc["paths"].values():
         for operation in path_item.values():
