@@ -28,7 +28,7 @@ class Drafter(ABC):
     `seq` objects are `DraftRequest` views the engine builds for each call (never its own
     sequences): `seq.seq_id`, `seq.token_ids` (prompt + output, the last one being the tree
     root; possibly followed by `seq.hypothetical` tokens when asked to draft from an extended
-    prefix), `seq.params`, `seq.generator`, `seq.options` (the request's own options),
+    prefix), `seq.params`, `seq.sample_key`, `seq.options` (the request's own options),
     `seq.extra_roots`. Budgets are the maximum number of draft nodes (root excluded) the scheduler
     allows for each sequence this step; 0 means "no draft".
 

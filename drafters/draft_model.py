@@ -67,7 +67,7 @@ from specserve.drafters.draft_vocab import DraftVocab
 from specserve.engine.config import ModelConfig
 from specserve.engine.kv_cache import PagedDraftKV
 from specserve.engine.model import LlamaModel
-from specserve.engine.sampler import SamplingTensors, processed_probs
+from specserve.engine.sampler import SamplingTensors, keyed_exponentials, processed_probs
 from specserve.engine.tree import TokenTree, TreeTemplate, num_roots, tree_depths, tree_topology
 
 DEFAULT_DECISION_THRESHOLD = 0.4   # MCSD+'s β
@@ -96,9 +96,9 @@ def parse_k_config(value) -> tuple[int, ...]:
 
 
 def seq_params_exclude(params) -> bool:
-    """Requests that never get target-initialised roots: greedy ones (lossless by contract) and
-    ones asking for logprobs."""
-    return params.greedy or params.logprobs is not None
+    """Requests that never get target-initialised roots: greedy ones and seeded ones (lossless by
+    contract: a seeded request reproduces plain decoding with its seed), and ones asking for logprobs."""
+    return params.greedy or params.seed is not None or params.logprobs is not None
 
 
 class _SeqState:
@@ -239,6 +239,9 @@ class DraftModelDrafter(Drafter):
         # top-k children, one-hot q (deterministic drafts) for greedy requests or when asked for;
         # otherwise children drawn from q without replacement (stochastic drafts)
         top_k = [self.deterministic or s.params.greedy for s in seqs]
+        # seeded requests draw their children with the keyed noise of their position; their trees
+        # carry no q (keyed verification matches the target's own keyed samples)
+        keyed = [s.sample_key is not None and not t for s, t in zip(seqs, top_k)]
 
         # 1. catch up on committed tokens (the root last): logits at the root
         starts = [st.draft_len for st in states]
@@ -296,7 +299,11 @@ class DraftModelDrafter(Drafter):
                     q = None
                 else:
                     q = processed_probs(logits_b, SamplingTensors.from_params([seq.params] * n_front, self.device))
-                    gumbel = torch.empty_like(q).exponential_(generator=seq.generator).clamp_min_(1e-20)
+                    if seq.sample_key is None:
+                        gumbel = torch.empty_like(q).exponential_().clamp_min_(1e-20)
+                    else:   # coupled with the target's keyed sample at the children's output position
+                        pos = torch.full((n_front,), seq.num_output_tokens + depth - 1, device=self.device)
+                        gumbel = keyed_exponentials(torch.full_like(pos, seq.sample_key), pos, q.shape[1])
                     picks = (q / gumbel).topk(k, dim=-1).indices   # k draws without replacement from q
                 picks = picks.tolist()
                 for node in level:
@@ -325,7 +332,7 @@ class DraftModelDrafter(Drafter):
         for b, i in enumerate(live):
             if len(tokens[b]) > 1:
                 dp = None
-                if not top_k[b]:
+                if not top_k[b] and not keyed[b]:
                     rows = [p if p is not None else torch.zeros(self.vocab_size, device=self.device) for p in probs[b]]
                     dp = torch.stack(rows)
                 next_roots = 1

@@ -20,6 +20,7 @@ from specserve.engine.loader import LoadedModel, load_model
 from specserve.engine.model import LlamaModel, pack_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
+from specserve.engine.sampler import sample_key
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import ScheduledBatch, Scheduler
 from specserve.engine.sequence import DraftRequest, Request, Sequence, SeqStatus
@@ -235,12 +236,9 @@ class LLMEngine:
         if drafter is not None:   # a composite drafter's declared parts, reported even if one never proposes
             add_part_tally(req.spec.parts, {str(p): (0, 0) for p in getattr(self.drafters[drafter], "part_names", ())})
         for i in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed((params.seed * 1_000_003 + i) % (2**63))
+            key = sample_key(params.seed, i) if params.seed is not None else None
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
-            seq = Sequence(req, i, req.prompt_token_ids, detok, generator)
+            seq = Sequence(req, i, req.prompt_token_ids, detok, key)
             seq.options = options
             req.seqs.append(seq)
             if drafter is not None:
@@ -428,8 +426,8 @@ class LLMEngine:
                 return "extra roots are not the target's own samples for this position"
             if seq.params.logprobs is not None:
                 return "target-initialised roots cannot report logprobs"
-        if tree.next_roots > 1 and (seq.params.greedy or seq.params.logprobs is not None):
-            return "target-initialised roots are for sampling requests without logprobs"
+        if tree.next_roots > 1 and (seq.params.greedy or seq.params.seed is not None or seq.params.logprobs is not None):
+            return "target-initialised roots are for unseeded sampling requests without logprobs"
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in tree.tokens):
             return "token id out of the vocabulary"

@@ -199,8 +199,9 @@ class ModelRunner:
         plain_seqs = [batch.seqs[b] for b in inp.plain]
         plain_lp = None
         if plain_seqs:
-            st = SamplingTensors.from_params([s.params for s in plain_seqs], self.device)
-            out = sample(logits[:num_plain], st, [s.generator for s in plain_seqs])
+            st = SamplingTensors.from_params([s.params for s in plain_seqs], self.device,
+                                             [s.sample_key for s in plain_seqs])
+            out = sample(logits[:num_plain], st, [s.num_output_tokens for s in plain_seqs])
             device_out.append(out.token_ids)
             if out.logprobs is not None:
                 plain_lp = (out.logprobs, out.top_ids, out.top_logprobs)
@@ -212,9 +213,10 @@ class ModelRunner:
             packed = inp.packed
             tree_logits = logits[num_plain:].index_select(0, inp.tree_pad_index.reshape(-1))
             tree_logits = tree_logits.view(*inp.tree_pad_index.shape, -1)                 # [T, N, V]
-            st = SamplingTensors.from_params([s.params for s in tree_seqs], self.device)
-            verified = verify_batched(packed, tree_logits, st, [s.generator for s in tree_seqs],
-                                      any_greedy=any(s.params.greedy for s in tree_seqs))
+            st = SamplingTensors.from_params([s.params for s in tree_seqs], self.device,
+                                             [s.sample_key for s in tree_seqs])
+            verified = verify_batched(packed, tree_logits, st, any_greedy=any(s.params.greedy for s in tree_seqs),
+                                      positions=[s.num_output_tokens for s in tree_seqs])
             path_lens = verified.num_accepted + 1
             compact_tree_kv(self.cache.kv, inp.tree_block_tables, self.block_size, inp.tree_starts,
                             verified.path, path_lens)

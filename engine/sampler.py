@@ -8,6 +8,19 @@ step stays free of host syncs until the runner's single `.tolist()` at the end.
 Order of processing for a random row (as in vLLM): temperature, then top-k, then top-p on the
 top-k-renormalised distribution. Greedy rows (temperature 0, or top_k 1) take the argmax of the
 raw logits.
+
+**Keyed randomness (seeded requests).** A random row draws token v with the exponential race
+argmax_v probs[v] / E[v]. For an unseeded row E comes from the global RNG. For a seeded row E is a
+pure function of (the request's key, the output position of the token being drawn): the key is
+`sample_key(seed, choice index)`, and `keyed_exponentials` hashes (key, position, vocabulary index)
+into Exp(1) draws (counter-based, like Philox: no generator state, the same numbers on any device,
+batch or step). So the token a seeded request gets at output position i depends only on the
+processed distribution there and on (seed, i) — not on how many tokens an engine step produced,
+which drafts were verified or what else ran in the batch. Verification uses the same draws
+(`verify.verify_batched`): a drafted token is accepted exactly when it equals the target's own
+keyed sample at its node, so speculative decoding of a seeded request reproduces plain decoding
+with that seed token for token, whatever the drafter. Distinct positions get independent draws,
+so every token is still an exact sample of the target's distribution.
 """
 
 from __future__ import annotations
@@ -20,6 +33,53 @@ from torch import Tensor
 from specserve.engine.sampling_params import SamplingParams
 
 _TINY = torch.finfo(torch.float32).tiny  # floor for Exp(1) draws, so probs / E never meets 0 / 0
+_MASK32 = 0xFFFFFFFF
+_KEY_STRIDE = 1_000_003   # sample_key: choices of one request get keys this far apart
+
+
+def sample_key(seed: int, index: int = 0) -> int:
+    """The 64-bit key (as a signed int64) of choice `index` of a request seeded with `seed`."""
+    key = (int(seed) * _KEY_STRIDE + int(index)) % 2**64
+    return key - 2**64 if key >= 2**63 else key
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash, elementwise over int64 tensors holding values in [0, 2^32): rounds of
+    xor-shift and multiplication by odd constants below 2^31 (so no product overflows int64),
+    every step a bijection of the 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x297A2D39) & _MASK32
+    return x ^ (x >> 15)
+
+
+_VOCAB_HASH: dict[tuple[int, str], Tensor] = {}
+
+
+def _vocab_hash(vocab: int, device: torch.device) -> Tensor:
+    """[V] the hash of every vocabulary index (cached per size and device)."""
+    cached = _VOCAB_HASH.get((vocab, str(device)))
+    if cached is None:
+        cached = _VOCAB_HASH[(vocab, str(device))] = _mix32(torch.arange(vocab, dtype=torch.int64, device=device)
+                                                           + 0x9E3779B9)
+    return cached
+
+
+def keyed_exponentials(keys: Tensor, positions: Tensor, vocab: int) -> Tensor:
+    """[R, V] Exp(1) draws; row r is a pure function of (keys[r], positions[r]) — int64 tensors [R]
+    — and the same on every device.
+
+    The row's (key, position) is hashed into a 32-bit state h_r; entry v is
+    u = (mix(h_r xor hash(v)) + 1/2) / 2^32, a uniform draw in (0, 1), and E = -log u."""
+    keys, positions = keys.to(torch.int64), positions.to(torch.int64)
+    lo, hi = keys & _MASK32, (keys >> 32) & _MASK32
+    row = _mix32(lo ^ _mix32(hi ^ _mix32(positions & _MASK32)))                 # [R]
+    bits = _mix32(row[:, None] ^ _vocab_hash(vocab, keys.device)[None, :])      # [R, V]
+    u = (bits.to(torch.float64) + 0.5) * (1.0 / 2**32)
+    return (-torch.log(u)).to(torch.float32).clamp_min_(_TINY)
 
 
 @dataclass
@@ -34,9 +94,16 @@ class SamplingTensors:
     any_top_p: bool
     max_logprobs: int | None  # max k over rows asking for logprobs, None if no row does
     max_top_k: int = 0        # max top_k over random rows (0 if none): bounds the top-k-only path
+    # keyed rows: the random rows with a sample key (seeded requests), host indices, and their keys
+    keyed_rows: tuple[int, ...] = ()
+    keys: Tensor | None = None   # [len(keyed_rows)] int64
+    all_matched: bool = False    # every row is greedy or keyed (verification needs no rejection walk)
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], device: torch.device | str) -> "SamplingTensors":
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str,
+                    keys: list[int | None] | None = None) -> "SamplingTensors":
+        """keys: one per row, the row's `sample_key` or None (unkeyed: the global RNG); greedy rows
+        are never keyed."""
         temperature, top_k, top_p = [], [], []
         for p in params:
             if p.greedy:
@@ -48,6 +115,7 @@ class SamplingTensors:
                 top_k.append(int(p.top_k))
                 top_p.append(float(p.top_p))
         asked = [p.logprobs for p in params if p.logprobs is not None]
+        keyed = tuple(i for i, k in enumerate(keys or ()) if k is not None and temperature[i] != 0.0)
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
@@ -57,6 +125,9 @@ class SamplingTensors:
             any_top_p=any(p < 1.0 for p in top_p),
             max_logprobs=max(asked) if asked else None,
             max_top_k=max(top_k, default=0),
+            keyed_rows=keyed,
+            keys=torch.tensor([keys[i] for i in keyed], dtype=torch.int64, device=device) if keyed else None,
+            all_matched=sum(t == 0.0 for t in temperature) + len(keyed) == len(params),
         )
 
 
@@ -134,6 +205,18 @@ def _processed_probs(logits: Tensor, st: SamplingTensors, greedy_ids: Tensor) ->
     return torch.where(greedy.unsqueeze(1), onehot, probs)
 
 
+def race_noise(st: SamplingTensors, vocab: int, positions, device: torch.device) -> Tensor:
+    """[B, V] the Exp(1) draws of the exponential race of one step's rows: keyed rows' from
+    `keyed_exponentials` at `positions` (per row, the output position of the token drawn; only
+    read for keyed rows), the others' from the global RNG in one batched draw."""
+    noise = torch.empty((st.temperature.shape[0], vocab), dtype=torch.float32, device=device).exponential_()
+    if st.keyed_rows:
+        pos = torch.tensor([int(positions[i]) for i in st.keyed_rows], dtype=torch.int64, device=device)
+        rows = torch.tensor(st.keyed_rows, dtype=torch.int64, device=device)
+        noise.index_copy_(0, rows, keyed_exponentials(st.keys, pos, vocab))
+    return noise.clamp_min_(_TINY)
+
+
 def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
                       device: torch.device) -> Tensor:
     """[B, V] i.i.d. Exp(1) draws. Row i comes from generators[i] when it has one (so a seeded
@@ -146,24 +229,24 @@ def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator |
     return noise.clamp_min_(_TINY)
 
 
-def sample(logits: Tensor, st: SamplingTensors, generators: list[torch.Generator | None]) -> SamplerOutput:
+def sample(logits: Tensor, st: SamplingTensors, positions=None) -> SamplerOutput:
     """Pick one token per row.
 
-    logits: [B, V] (float32 or bf16/fp16, computed in float32). generators: B entries.
+    logits: [B, V] (float32 or bf16/fp16, computed in float32). positions: per row the output
+    position of the token drawn (a host sequence; needed when `st` has keyed rows).
 
     Greedy rows: argmax of the raw logits. Random rows: the exponential race
     argmax_v probs[v] / E[v] with E[v] ~ Exp(1) i.i.d.; since E[v] / probs[v] ~ Exp(probs[v]),
     the smallest of those (the winner) is v with probability probs[v] / sum(probs). No host sync.
     Logprobs (OpenAI-style) are taken from log_softmax of the raw, unscaled logits.
     """
-    assert len(generators) == logits.shape[0], (len(generators), logits.shape)
     logits = logits.float()
     greedy_ids = logits.argmax(dim=-1)                                       # [B]
     if st.all_greedy:
         token_ids = greedy_ids
     else:
         probs = _processed_probs(logits, st, greedy_ids)
-        race = probs / exponential_noise(tuple(probs.shape), generators, probs.device)
+        race = probs / race_noise(st, probs.shape[1], positions, probs.device)
         token_ids = torch.where(st.temperature == 0, greedy_ids, race.argmax(dim=-1))
 
     if st.max_logprobs is None:

@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Sequence as Seq
 
-import torch
-
 from specserve.engine.outputs import RequestMetrics, TokenLogprob
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.stats import RequestSpecStats
@@ -29,13 +27,16 @@ class DraftRequest:
     those tokens were committed, but must not let them into its committed state: only the first
     `num_committed` tokens are final. `extra_roots` are the target's other samples for the root's
     position (MCSD target-initialised roots, a lossy opt-in; empty otherwise); `options` the
-    request's own options for this drafter."""
+    request's own options for this drafter. `sample_key` is the key of a seeded sequence's keyed
+    randomness (`engine.sampler`), None when unseeded: a drafter that samples its drafts should draw
+    them with `keyed_exponentials(key, output position)` — the draws the target's own sample at that
+    position uses — so that its drafts match that sample as often as they can."""
 
     seq_id: int
     token_ids: tuple[int, ...]
     num_prompt_tokens: int
     params: SamplingParams
-    generator: torch.Generator | None = None
+    sample_key: int | None = None
     options: Mapping | None = None   # None: no options (read as an empty mapping)
     extra_roots: tuple[int, ...] = ()
     num_committed: int = -1          # -1: every token is committed
@@ -50,7 +51,7 @@ class DraftRequest:
 
     @classmethod
     def of(cls, seq: "Sequence") -> "DraftRequest":
-        return cls(seq.seq_id, tuple(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.generator,
+        return cls(seq.seq_id, tuple(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.sample_key,
                    seq.options or _NO_OPTIONS, tuple(seq.alt_roots) if seq.held_back else ())
 
     @property
@@ -75,7 +76,7 @@ class DraftRequest:
         if not tokens:
             return self
         return DraftRequest(self.seq_id, self.token_ids + tuple(int(t) for t in tokens), self.num_prompt_tokens,
-                            self.params, self.generator, self.options, (), self.num_committed)
+                            self.params, self.sample_key, self.options, (), self.num_committed)
 
 
 class SeqStatus(enum.Enum):
@@ -91,7 +92,7 @@ class Sequence:
     """One choice of a request: its tokens, how many of them have KV in the cache, its stop state."""
 
     def __init__(self, request: "Request", index: int, prompt_token_ids: list[int], detokenizer,
-                 generator: torch.Generator | None):
+                 sample_key: int | None = None):
         self.seq_id = next(_seq_ids)
         self.request = request
         self.index = index
@@ -103,7 +104,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.detokenizer = detokenizer
-        self.generator = generator
+        self.sample_key = sample_key          # seeded: the key of its keyed randomness (engine.sampler)
         # what the next delta will carry
         self.pending_token_ids: list[int] = []
         self.pending_text: str = ""

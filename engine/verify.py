@@ -22,6 +22,15 @@ longest walk biases the output towards easily drafted continuations — hence op
 top-W, without replacement): the first is the bonus, exactly as lossless as the single draw; the
 others are the next forest's extra roots.
 
+Keyed verification (seeded requests, `sampler` module docstring): every node's target token is
+the request's keyed sample there, argmax p / E with E the keyed Exp(1) draws of the node's output
+position; the walk is the greedy one on those tokens (a child is accepted iff it equals its
+parent's keyed sample, the bonus is the keyed sample at the end). The committed tokens are then
+exactly those plain decoding with the same seed draws, whatever the tree. A deterministic draft x
+is accepted with probability p(x) either way; a stochastic draft (q a distribution) is accepted
+with probability sum_x q(x) p(x) under independent draws instead of sum_x min(p(x), q(x)) —
+drafters that sample close that gap by drawing their drafts with the same keyed noise (coupling).
+
 Batched (the engine's path): `verify_batched` / `verify_greedy_batched` / `verify_sampling_batched`
 verify all trees of a step at once on the device (`tree.pack_trees` layout) with no host sync and
 return a `BatchVerifyResult` of device tensors, read back in one transfer. The Python functions
@@ -164,7 +173,8 @@ def _walk(root, tokens, children, target_probs, draft_probs, generator) -> tuple
 
 from typing import Sequence  # noqa: E402
 
-from specserve.engine.sampler import SamplingTensors, exponential_noise, processed_probs  # noqa: E402
+from specserve.engine.sampler import (SamplingTensors, exponential_noise, keyed_exponentials,  # noqa: E402
+                                     processed_probs)
 from specserve.engine.tree import PackedTrees  # noqa: E402
 
 PAD_TOKEN = -1   # pads `BatchVerifyResult.tokens` after the bonus token (and path / alternates)
@@ -457,11 +467,35 @@ def _rows_of(st: SamplingTensors, ix: torch.Tensor) -> SamplingTensors:
                            st.any_top_p, None, st.max_top_k)
 
 
+def keyed_node_samples(packed: PackedTrees, target_logits: torch.Tensor, sampling: SamplingTensors,
+                       positions: Sequence[int]) -> torch.Tensor:
+    """[K, N] the keyed sample of the target at every node of the K keyed trees
+    (`sampling.keyed_rows`): argmax over v of processed_p(node)[v] / E[v], E the keyed Exp(1)
+    draws of (the tree's key, positions[t] + the node's depth). positions[t]: the output position
+    of the token drawn at tree t's root."""
+    rows = torch.tensor(sampling.keyed_rows, dtype=torch.int64, device=target_logits.device)
+    K, (N, V), D = len(sampling.keyed_rows), target_logits.shape[1:], packed.max_depth
+    logits = target_logits.index_select(0, rows).float()                       # [K, N, V]
+    node_rows = _rows_of(sampling, rows.repeat_interleave(N))                 # the settings of each node row
+    probs = processed_probs(logits.view(K * N, V), node_rows).view(K, N, V)
+    base = torch.tensor([int(positions[t]) for t in sampling.keyed_rows], dtype=torch.int64, device=rows.device)
+    levels = base[:, None] + torch.arange(D + 1, device=rows.device)[None, :]   # [K, D+1]
+    noise = keyed_exponentials(sampling.keys.repeat_interleave(D + 1), levels.reshape(-1), V).view(K, D + 1, V)
+    depth = packed.depths.index_select(0, rows).clamp(0, D)                    # [K, N]
+    return (probs / noise.gather(1, depth[:, :, None].expand(K, N, V))).argmax(dim=-1)
+
+
 def verify_batched(packed: PackedTrees, target_logits: torch.Tensor, sampling: SamplingTensors,
                    generators: Sequence[torch.Generator | None] | None = None,
-                   any_greedy: bool | None = None, compact: bool | None = None) -> BatchVerifyResult:
+                   any_greedy: bool | None = None, compact: bool | None = None,
+                   positions: Sequence[int] | None = None) -> BatchVerifyResult:
     """Verify T trees from the target's raw logits [T, N, V] (any float dtype), sampling settings
-    one row per tree (`SamplingTensors.from_params`), generators one per tree.
+    one row per tree (`SamplingTensors.from_params`), generators one per tree (unkeyed rows' random
+    stream; None: the global RNG). positions: per tree the output position of the token drawn at
+    its root (needed when `sampling` has keyed rows).
+
+    Keyed trees (seeded random rows) are verified by matching their keyed samples
+    (`keyed_node_samples`, the module docstring) on the greedy walk.
 
     Greedy trees (temperature 0) take `verify_greedy_batched` on the argmax of the raw logits, the
     others the walk of `verify_sampling_batched` on `processed_probs` of the logits (temperature,
@@ -475,9 +509,15 @@ def verify_batched(packed: PackedTrees, target_logits: torch.Tensor, sampling: S
     if any_greedy is None:
         any_greedy = getattr(sampling, "any_greedy", None)
     greedy_res = None
-    if sampling.all_greedy or any_greedy is not False:
-        greedy_res = verify_greedy_batched(packed, target_logits.argmax(dim=-1))
-        if sampling.all_greedy:
+    keyed = sampling.keyed_rows
+    if sampling.all_greedy or any_greedy is not False or keyed:
+        matched = target_logits.argmax(dim=-1)                                 # [T, N]
+        if keyed:
+            assert positions is not None, "keyed rows need the positions of their roots"
+            ix = torch.tensor(keyed, dtype=torch.int64, device=dev)
+            matched = matched.index_copy(0, ix, keyed_node_samples(packed, target_logits, sampling, positions))
+        greedy_res = verify_greedy_batched(packed, matched)
+        if sampling.all_greedy or sampling.all_matched:
             return greedy_res
     rows = torch.arange(T, device=dev)
 
@@ -486,7 +526,9 @@ def verify_batched(packed: PackedTrees, target_logits: torch.Tensor, sampling: S
             return processed_probs(target_logits[rows, nodes], sampling)
         return processed_probs(target_logits[ix, nodes], _rows_of(sampling, ix))
 
-    g = sampling.temperature == 0                                              # [T]
+    g = sampling.temperature == 0                                              # [T] rows decided by the match walk
+    if keyed:
+        g = g.index_fill(0, torch.tensor(keyed, dtype=torch.int64, device=dev), True)
     sampled = _sampling_walk(packed, probs_at, V, generators, ~g if greedy_res is not None else None,
                              dev.type == "cpu" if compact is None else compact)
     if greedy_res is None:

@@ -123,7 +123,8 @@ def test_target_initialised_roots(tiny_llama_dir):
 
     eng = engine_with(tiny_llama_dir, ["test_ti_recorder"], options)
     for i, p in enumerate(prompts):
-        params = greedy if i < 2 else SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=i)
+        # unseeded: a seeded request reproduces plain decoding with its seed, so it never gets a forest
+        params = greedy if i < 2 else SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
         eng.add_request(f"r{i}", p, params)
     drafter = eng.drafters["test_ti_recorder"]
     streamed: dict[str, list[int]] = {}
@@ -169,7 +170,7 @@ def test_target_initialised_roots_respect_stops_and_abort(tiny_llama_dir):
     eng = engine_with(tiny_llama_dir, ["test_ti_recorder"], options)
     for i, n in enumerate((3, 7, 12)):
         eng.add_request(f"r{i}", [5, 9, 13, 200, 7, 31][: 2 + i],
-                        SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True, seed=i))
+                        SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True))
     got = {}
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -179,7 +180,7 @@ def test_target_initialised_roots_respect_stops_and_abort(tiny_llama_dir):
     assert [len(got[f"r{i}"]) for i in range(3)] == [3, 7, 12]
     assert eng.drafters["test_ti_recorder"].num_forests > 0
 
-    eng.add_request("a", [5, 9, 13], SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=1))
+    eng.add_request("a", [5, 9, 13], SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True))
     seq = eng.requests["a"].seqs[0]
     while not seq.held_back:
         eng.step()

@@ -251,8 +251,8 @@ def test_dynamic_forest_of_target_initialised_roots_runs(tiny_llama_dir, decisio
     plain = run_requests(make_llm_engine(tiny_llama_dir, **ENGINE), prompts(2), greedy)
     got = run_requests(eng, prompts(2), greedy)
     assert got == plain
-    sampled = run_requests(eng, prompts(3, seed=3), SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True,
-                                                                    seed=1), prefix="s")
+    sampled = run_requests(eng, prompts(3, seed=3), SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True),
+                           prefix="s")   # unseeded: seeded requests never get target-initialised roots
     assert all(len(v) == 24 for v in sampled.values())
     assert 1.0 < eng.drafters["draft_model"].mean_stop_depth < 4.0
 

@@ -1,6 +1,8 @@
 """Sampler: greedy = argmax, top-k/top-p masks on hand-worked rows, row independence in mixed
-batches, seeded reproducibility across batch compositions, logprobs, and a statistical test that
-the exponential race draws from `processed_probs`."""
+batches, seeded reproducibility across batch compositions, keyed draws (a pure function of key and
+position, Exp(1), independent across positions, with a control sharing draws between positions
+that the law test catches), logprobs, and a statistical test that the exponential race draws from
+`processed_probs`."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import math
 import pytest
 import torch
 
-from specserve.engine.sampler import SamplingTensors, apply_top_k_top_p, processed_probs, sample
+from specserve.engine.sampler import (SamplingTensors, apply_top_k_top_p, keyed_exponentials, processed_probs, sample,
+                                     sample_key)
 from specserve.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -159,24 +162,23 @@ def test_top_k_only_path_matches_sorted_path():
 # ---- seeded reproducibility ------------------------------------------------------------------
 
 def seeded_run(seed: int, others: list[tuple[SamplingParams, int | None]], steps: int = 20) -> list[int]:
-    """Tokens of a seeded request (row `position`) over several steps, sharing each step's batch
-    with `others` (params, seed or None). The logits of each step are fixed per step."""
+    """Tokens of a seeded request over several steps (output positions 0, 1, ...), sharing each
+    step's batch with `others` (params, seed or None), at a different row each step. The logits of
+    each step are fixed per step."""
     mine = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
     rows = [(mine, seed)] + others
-    gens = [torch.Generator().manual_seed(s) if s is not None else None for _, s in rows]
-    st = st_of(*(p for p, _ in rows))
     tokens = []
     for step in range(steps):
         step_logits = torch.randn(1000, generator=torch.Generator().manual_seed(100 + step))
-        # rotate our row to a different place in the batch each time
         pos = step % len(rows)
         order = list(range(1, len(rows)))
         order.insert(pos, 0)
         logits = torch.randn(len(rows), 1000)
         logits[pos] = step_logits
-        st_step = SamplingTensors(st.temperature[order], st.top_k[order], st.top_p[order], st.all_greedy,
-                                  st.any_top_k, st.any_top_p, st.max_logprobs, st.max_top_k)
-        out = sample(logits, st_step, [gens[i] for i in order])
+        keys = [sample_key(rows[i][1]) if rows[i][1] is not None else None for i in order]
+        st = SamplingTensors.from_params([rows[i][0] for i in order], CPU, keys)
+        # the others are at other output positions than ours
+        out = sample(logits, st, [step if i == 0 else 3 * step + i for i in order])
         tokens.append(int(out.token_ids[pos]))
     return tokens
 
@@ -189,6 +191,59 @@ def test_seeded_request_is_reproducible_across_batch_compositions():
     assert alone == crowd == other
     assert seeded_run(8, []) != alone
     assert len(set(alone)) > 5  # really sampled, not argmax
+
+
+def test_keyed_draws_depend_on_key_and_position_only():
+    keys = torch.tensor([sample_key(5), sample_key(5), sample_key(5, 1), sample_key(-(2**63))])
+    pos = torch.tensor([0, 1, 0, 0])
+    e = keyed_exponentials(keys, pos, 64)
+    assert e.shape == (4, 64) and e.dtype == torch.float32 and bool((e > 0).all())
+    again = keyed_exponentials(keys[[1, 0]], pos[[1, 0]], 64)
+    assert torch.equal(again, e[[1, 0]])                         # a row's draws do not depend on the batch
+    assert not torch.equal(e[0], e[1]) and not torch.equal(e[0], e[2])   # positions and choices differ
+    # Exp(1): mean 1, P(E > 1) = 1/e, over many draws
+    many = keyed_exponentials(torch.full((200,), sample_key(3)), torch.arange(200), 500)
+    assert abs(float(many.mean()) - 1.0) < 0.01
+    assert abs(float((many > 1).double().mean()) - math.exp(-1)) < 0.005
+
+
+def keyed_pair_law(noise_fn, num_keys: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
+    """The observed joint law of the tokens a keyed request draws at output positions 0 and 1 from
+    two fixed distributions, over `num_keys` seeds (noise by `noise_fn`), and the exact law."""
+    g = torch.Generator().manual_seed(21)
+    rows = torch.randn(2, 5, generator=g) * 1.2
+    params = SamplingParams(temperature=1.0)
+    st = SamplingTensors.from_params([params] * num_keys, CPU, [sample_key(s) for s in range(num_keys)])
+    tokens = []
+    for position in (0, 1):
+        probs = processed_probs(rows[position:position + 1], st_of(params))
+        noise = noise_fn(st.keys, torch.full((num_keys,), position), 5)
+        tokens.append((probs / noise).argmax(-1))
+    law = torch.bincount(tokens[0] * 5 + tokens[1], minlength=25).double() / num_keys
+    p = rows.softmax(-1).double()
+    return law, (p[0][:, None] * p[1][None, :]).reshape(-1)
+
+
+def test_keyed_draws_follow_the_law_and_positions_are_independent():
+    law, exact = keyed_pair_law(keyed_exponentials)
+    assert 0.5 * float((law - exact).abs().sum()) < 0.02
+
+
+def test_the_keyed_law_test_sees_noise_shared_between_positions():
+    law, exact = keyed_pair_law(lambda keys, pos, vocab: keyed_exponentials(keys, pos * 0, vocab))
+    assert 0.5 * float((law - exact).abs().sum()) > 0.05
+
+
+def test_sample_uses_the_keyed_draws_of_the_given_positions():
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0, seed=4), SamplingParams(seed=4)]
+    st = SamplingTensors.from_params(params, CPU, [sample_key(4), sample_key(4), sample_key(4)])
+    assert st.keyed_rows == (0, 2)                                # greedy rows are never keyed
+    out = sample(logits, st, [6, 0, 2]).token_ids
+    probs = processed_probs(logits, st)
+    noise = keyed_exponentials(torch.tensor([sample_key(4)] * 2), torch.tensor([6, 2]), 50)
+    assert out[0] == (probs[0] / noise[0]).argmax() and out[2] == (probs[2] / noise[1]).argmax()
+    assert out[1] == logits[1].argmax()
 
 
 def test_unseeded_rows_follow_global_rng():

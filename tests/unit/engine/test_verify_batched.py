@@ -1,7 +1,8 @@
 """Batched device verification: `pack_trees` against `build_tree_buffers`, greedy batched verification
 equal to the Python reference walk (exactly, ties included), the sampling walk lossless on the joint
 law of two tokens (with the broken-residual controls failing), forests and next-root candidates,
-seeded reproducibility whatever the batch, and no host sync inside the batched functions."""
+seeded reproducibility whatever the batch, keyed trees committing exactly the tokens keyed plain
+sampling draws along their path, and no host sync inside the batched functions."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from helpers import DEVICES
 
 from specserve.engine import tree as tree_mod
 from specserve.engine import verify
-from specserve.engine.sampler import SamplingTensors
+from specserve.engine.sampler import SamplingTensors, sample, sample_key
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.tree import (NO_PARENT, TokenTree, TreeTemplate, build_tree_buffers, pack_trees,
                                    tree_topology)
@@ -362,6 +363,48 @@ def test_seeded_trees_reproduce_whatever_the_batch():
     assert all(o == outcomes[0] for o in outcomes)
 
 
+def test_keyed_trees_commit_what_keyed_plain_sampling_draws_along_the_path():
+    """A keyed (seeded) tree commits, token for token, what plain sampling with the same key draws
+    at those output positions from the logits along the accepted path — and the walk is the greedy
+    walk on the keyed samples of every node. Mixed with greedy and unkeyed random trees."""
+    rng = random.Random(3)
+    vocab = 6
+    accepted = 0
+    for trial in range(25):
+        T = rng.randint(1, 7)
+        trees = [tr if tr.num_roots == 1 else TokenTree.chain(tr.tokens[0], tr.tokens[1:3])
+                 for tr in mixed_batch(rng, T, vocab)]
+        for tr in trees:
+            tr.next_roots = 1
+        packed = pack_trees(trees)
+        logits = torch.randn(T, packed.max_nodes, vocab) * 2
+        for t, tr in enumerate(trees):        # a target that often likes the drafts: deeper walks
+            for i, par in enumerate(tr.parents):
+                if par != NO_PARENT and rng.random() < 0.6:
+                    logits[t, par, tr.tokens[i]] += 3
+        kinds = [rng.choice(["greedy", "keyed", "keyed", "random"]) for _ in range(T)]
+        params = [SamplingParams(temperature=0.0) if k == "greedy" else SamplingParams(temperature=0.9, top_p=0.95)
+                  for k in kinds]
+        keys = [sample_key(1000 + t) if k != "random" else None for t, k in enumerate(kinds)]
+        positions = [rng.randint(0, 50) for _ in range(T)]
+        st = SamplingTensors.from_params(params, "cpu", keys)
+        res = host_results(verify_batched(packed, logits, st, positions=positions))
+        for t, (tr, r) in enumerate(zip(trees, res)):
+            if kinds[t] != "keyed":
+                continue
+            one = SamplingTensors.from_params([params[t]], "cpu", [keys[t]])
+            path = [r.root] + r.accepted_nodes
+            plain = [int(sample(logits[t, node][None], one, [positions[t] + k]).token_ids[0])
+                     for k, node in enumerate(path)]
+            assert r.tokens == plain
+            depths = tree_mod.tree_depths(tr.parents)
+            node_samples = [int(sample(logits[t, i][None], one, [positions[t] + depths[i]]).token_ids[0])
+                            for i in range(tr.num_nodes)]
+            assert r == verify_greedy(tr.tokens, tr.parents, node_samples)
+            accepted += len(r.accepted_nodes)
+    assert accepted > 20   # the walks went deep enough to mean something
+
+
 SYNC_METHODS = ["item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"]
 
 
@@ -401,6 +444,7 @@ def test_batched_verification_does_no_host_sync(device):
     params = [SamplingParams(temperature=0.0) if t % 3 == 0 else SamplingParams(temperature=1.0, top_p=0.8)
               for t in range(T)]
     st = SamplingTensors.from_params(params, device)
+    st_keyed = SamplingTensors.from_params(params, device, [sample_key(t) if t % 2 else None for t in range(T)])
     st_greedy = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * T, device)
     st_random = SamplingTensors.from_params([SamplingParams(temperature=1.0, top_k=4)] * T, device)
     probs = torch.softmax(logits, -1)
@@ -409,6 +453,7 @@ def test_batched_verification_does_no_host_sync(device):
         # compact=False: the CUDA path (the compacting CPU path reads row counts, free on a CPU)
         out = [verify_batched(packed, logits, st, gens, compact=False),
                verify_batched(packed, logits, st_greedy, gens, compact=False),
+               verify_batched(packed, logits, st_keyed, gens, compact=False, positions=list(range(T))),
                verify_batched(packed, logits, st_random, gens, any_greedy=False, compact=False),
                verify_greedy_batched(packed, argmax), verify_sampling_batched(packed, probs, gens, compact=False)]
         stacked = [r.stacked() for r in out]
