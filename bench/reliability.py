@@ -11,12 +11,14 @@ waits for /health, and at the end stops it with SIGTERM and records its exit sta
 Phases:
   warm-up  one short request per drafter (mag builds its bigram table on first use), then the idle
            values of /metrics: running and waiting requests, KV-cache usage.
-  soak     --num-requests requests, --concurrency at a time: a shuffled, balanced mix of chat / completions
-           x stream / non-stream x --temperatures x --drafters (the per-request `speculative` extension),
-           max_tokens drawn from --max-tokens, a share with logprobs (one entry per token, so token counts
+  soak     --num-requests requests, --concurrency at a time: a shuffled full factorial of --drafters (the
+           per-request `speculative` extension) x chat / completions x stream / non-stream x --temperatures,
+           cycled through the request count (every cell equally often, up to one; the run warns when
+           --num-requests is below the number of cells), max_tokens drawn from --max-tokens, a share with logprobs (one entry per token, so token counts
            are exact) and, for streams, a share with stream_options.include_usage. Every response is checked.
   storm    --disconnects streaming requests with long max_tokens (EOS ignored), --concurrency at a time,
-           each closed by the client after a few content chunks.
+           each closed by the client after a few content chunks; they cycle through every drafter x
+           endpoint x temperature cell.
 After each phase /metrics is polled until running = waiting = 0 and KV usage is back at its idle value (up
 to --idle-timeout); /health is sampled every --health-interval seconds from warm-up to the end.
 
@@ -230,17 +232,25 @@ class Planned:
         return f"{self.endpoint} {'stream' if self.stream else 'full'}"
 
 
+def plan_cells(drafters: Iterable[str], temperatures: Iterable[float],
+               streams: Iterable[bool] = (False, True)) -> list[tuple[str, bool, float, str]]:
+    """Every (endpoint, stream, temperature, drafter) cell once -- the full factorial -- ordered with
+    endpoint x stream varying fastest, then the drafter, then the temperature (so a run of consecutive
+    cells is balanced over the modes first)."""
+    modes = list(product(ENDPOINTS, streams))
+    return [(*mode, float(t), d) for t in temperatures for d in dict.fromkeys(drafters) for mode in modes]
+
+
 def make_plan(num_requests: int, *, drafters: Iterable[str], temperatures: Iterable[float],
               max_tokens: tuple[int, int], num_prompts: int, logprobs_fraction: float, usage_fraction: float,
               seed: int = 0) -> list[Planned]:
-    """A shuffled, balanced mix: request i takes mode i mod 4 (endpoint x stream) and (temperature, drafter)
-    pair i mod T*D, so each mode and each pair occur equally often (up to one), and every combination does
-    when 4 and T*D are coprime (3 temperatures x 3 drafters: each of the 36 once per 36 requests).
-    max_tokens, prompt, logprobs and include_usage are drawn per request."""
+    """A shuffled full factorial: request i takes cell i mod C of `plan_cells` (C = 4 modes x T
+    temperatures x D drafters), so every drafter x endpoint x stream x temperature cell occurs
+    floor(N/C) or ceil(N/C) times -- each at least once when N >= C -- whatever T and D are; then the
+    order is shuffled. max_tokens, prompt, logprobs and include_usage are drawn per request."""
     rng = random.Random(seed)
-    modes = list(product(ENDPOINTS, (False, True)))
-    pairs = list(product(temperatures, drafters))
-    cells = [(*modes[i % len(modes)], *pairs[i % len(pairs)]) for i in range(num_requests)]
+    table = plan_cells(drafters, temperatures)
+    cells = [table[i % len(table)] for i in range(num_requests)]
     rng.shuffle(cells)
     plan = []
     for i, (endpoint, stream, temperature, drafter) in enumerate(cells):
@@ -250,6 +260,23 @@ def make_plan(num_requests: int, *, drafters: Iterable[str], temperatures: Itera
                             include_usage=stream and rng.random() < usage_fraction,
                             prompt=rng.randrange(num_prompts)))
     return plan
+
+
+def cell_key(p) -> str:
+    """A request's cell as "drafter | endpoint stream-mode | T=t" (a `Planned` or an `Outcome`)."""
+    return f"{p.drafter} | {p.mode} | T={p.temperature:g}"
+
+
+def plan_coverage(plan: list[Planned], drafters: Iterable[str], temperatures: Iterable[float]) -> dict:
+    """{cells, cells_covered, requests_per_cell: [min, max], missing_cells}: how the plan covers the full
+    factorial (missing ones listed, at most 20)."""
+    counts = Counter(cell_key(p) for p in plan)
+    table = [cell_key(Planned(0, e, st, t, d, 1, False, False, 0)) for e, st, t, d in plan_cells(drafters, temperatures)]
+    missing = [c for c in table if not counts[c]]
+    per_cell = [counts[c] for c in table]
+    return {"cells": len(table), "cells_covered": len(table) - len(missing),
+            "requests_per_cell": [min(per_cell), max(per_cell)] if per_cell else [0, 0],
+            "missing_cells": missing[:20]}
 
 
 def request_body(p: Planned, prompt: str) -> dict:
@@ -520,10 +547,11 @@ class Disconnect:
 
 def storm_body(i: int, prompt: str, drafters: list[str], temperatures: list[float],
                max_tokens: int) -> tuple[str, dict]:
-    endpoint = ENDPOINTS[i % len(ENDPOINTS)]
+    """Storm request i: streamed, in cell i mod C of the endpoint x temperature x drafter factorial."""
+    table = plan_cells(drafters, temperatures, streams=(True,))
+    endpoint, _, temperature, drafter = table[i % len(table)]
     body: dict = {"model": "default", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                  "temperature": temperatures[i % len(temperatures)],
-                  "speculative": {"drafter": drafters[i % len(drafters)]}}
+                  "temperature": temperature, "speculative": {"drafter": drafter}}
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -913,11 +941,13 @@ async def run_phases(base: str, args: argparse.Namespace, prompts: list[str], al
                 "by_mode": group(outcomes, lambda o: o.mode),
                 "by_drafter": group(outcomes, lambda o: o.drafter),
                 "by_temperature": group(outcomes, lambda o: f"{o.temperature:g}"),
+                "by_cell": group(outcomes, cell_key),
                 "back_to_idle": idle_soak, "server_counters": counter_deltas(before, after),
                 "problems": [asdict(o) for o in outcomes if o.status in ("lost", "invalid")][:200],
                 "mix": {"num_prompts": len(prompts), "max_tokens": args.max_tokens, "drafters": args.drafters,
                         "temperatures": args.temperatures, "logprobs": sum(p.logprobs for p in plan),
-                        "streams_with_usage": sum(p.include_usage for p in plan)},
+                        "streams_with_usage": sum(p.include_usage for p in plan),
+                        **plan_coverage(plan, args.drafters, args.temperatures)},
             }
 
             # disconnect storm
@@ -978,6 +1008,10 @@ def verdict(result: dict) -> tuple[list[str], list[str]]:
                 problems.append(f"{s[name]} soak request(s) {name.replace('_', ' ')}")
         if s["rejected"]:
             warnings.append(f"{s['rejected']} soak request(s) rejected with 429 (queue full)")
+        mix = soak.get("mix", {})
+        if mix.get("cells") and mix.get("cells_covered", mix["cells"]) < mix["cells"]:
+            warnings.append(f"the soak covered {mix['cells_covered']} of the {mix['cells']} drafter x endpoint x "
+                            "stream x temperature cells (--num-requests below the number of cells)")
         if not soak["back_to_idle"]["returned"]:
             problems.append("not back to idle after the soak")
     storm = result["phases"].get("storm")
@@ -1005,6 +1039,11 @@ def verdict(result: dict) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from specserve.bench.common import machine_info
+
+    num_cells = len(plan_cells(args.drafters, args.temperatures))
+    if args.num_requests < num_cells and not args.quiet:
+        print(f"reliability: warning: {args.num_requests} soak requests cannot cover the {num_cells} drafter x "
+              "endpoint x stream x temperature cells", file=sys.stderr, flush=True)
 
     prompts, prompt_source = load_prompt_set(args.prompts, args.num_prompts, args.max_prompt_chars)
     started = datetime.now().astimezone()
@@ -1119,6 +1158,13 @@ def markdown(result: dict) -> str:
                   f"Lost: {_kinds(s['lost_by_kind'])}. Invalid: {_kinds(s['invalid_by_kind'])}. "
                   f"Rejected: {_kinds(s['rejected_by_kind'])}.",
                   ""]
+        mix = soak.get("mix", {})
+        if mix.get("cells"):
+            lo, hi = mix["requests_per_cell"]
+            cells_ok = sum(1 for g in soak.get("by_cell", {}).values() if g["sent"] and g["ok"] == g["sent"])
+            lines[-1:] = [f"Cells (drafter x endpoint x stream x temperature, `by_cell` in the JSON): "
+                          f"{mix['cells_covered']} of {mix['cells']} covered, {lo}–{hi} requests each; "
+                          f"{cells_ok} with every request ok.", ""]
     storm = result["phases"].get("storm")
     if storm:
         s = storm["summary"]

@@ -367,7 +367,14 @@ def _add_bench(sub) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    module = importlib.import_module(BENCHMARKS[args.benchmark][0])
+    try:
+        module = importlib.import_module(BENCHMARKS[args.benchmark][0])
+    except ModuleNotFoundError as exc:   # a package of an extra, not of the plain install
+        if exc.name is None or exc.name.split(".")[0] == "specserve":
+            raise
+        print(f"specserve bench {args.benchmark}: needs the Python package {exc.name!r}, which a plain install "
+              f"lacks: pip install 'specserve[dev]' (or pip install {exc.name.split('.')[0]})", file=sys.stderr)
+        return 2
     return int(module.main(args.args) or 0)
 
 

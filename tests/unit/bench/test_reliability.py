@@ -4,9 +4,16 @@ own schemas), the response checks (on made-up bodies and SSE lines, and through 
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import importlib.metadata
 import json
+import re
+import subprocess
+import sys
 from collections import Counter
+from itertools import product
+from pathlib import Path
 
 import httpx
 import pytest
@@ -87,6 +94,100 @@ def test_plan_covers_every_combination_and_is_reproducible():
     assert plan == rel.make_plan(72, **kw)
     small = rel.make_plan(8, **kw)
     assert set(Counter(p.mode for p in small).values()) == {2}
+
+
+FOUR = ["none", "ngram", "mag", "eagle"]
+
+
+def test_plan_covers_every_cell_with_four_drafters():
+    """Four drafters x 2 endpoints x 2 stream modes x 3 temperatures = 48 cells: 48 requests hold each
+    once, 1,000 hold each 20 or 21 times -- where the old mix (mode i mod 4, pair i mod 12) tied each
+    drafter to one endpoint x stream mode and covered only 12 of them."""
+    kw = dict(drafters=FOUR, temperatures=[0.0, 0.7, 1.0], max_tokens=(8, 32), num_prompts=5,
+              logprobs_fraction=0.5, usage_fraction=0.75, seed=0)
+    every = set(product(rel.ENDPOINTS, (False, True), (0.0, 0.7, 1.0), FOUR))
+    assert set(rel.plan_cells(FOUR, [0.0, 0.7, 1.0])) == every and len(rel.plan_cells(FOUR, [0.0, 0.7, 1.0])) == 48
+    for n, counts in ((48, {1}), (96, {2}), (1000, {20, 21})):
+        plan = rel.make_plan(n, **kw)
+        cells = Counter((p.endpoint, p.stream, p.temperature, p.drafter) for p in plan)
+        assert set(cells) == every and set(cells.values()) == counts, (n, cells)
+        cover = rel.plan_coverage(plan, FOUR, [0.0, 0.7, 1.0])
+        assert cover == {"cells": 48, "cells_covered": 48, "requests_per_cell": [min(counts), max(counts)],
+                         "missing_cells": []}
+        for d in FOUR:   # each drafter meets every endpoint x stream mode, not one
+            assert {(p.endpoint, p.stream) for p in plan if p.drafter == d} == set(product(rel.ENDPOINTS, (False, True)))
+    # the control: the old mix, judged by the same check, misses 36 cells
+    modes, pairs = list(product(rel.ENDPOINTS, (False, True))), list(product([0.0, 0.7, 1.0], FOUR))
+    old = [(*modes[i % 4], *pairs[i % 12]) for i in range(1000)]
+    assert len(set(old)) == 12 and len(every - set(old)) == 36
+    # too few requests to cover them all: reported, and the verdict warns
+    short = rel.make_plan(40, **kw)
+    cover = rel.plan_coverage(short, FOUR, [0.0, 0.7, 1.0])
+    assert cover["cells_covered"] == 40 and cover["requests_per_cell"] == [0, 1] and len(cover["missing_cells"]) == 8
+    soak = {"wall_s": 1.0, "summary": rel.summarize([]), "back_to_idle": {"returned": True}, "mix": cover}
+    _, warnings = rel.verdict({"phases": {"soak": soak}})
+    assert warnings == ["the soak covered 40 of the 48 drafter x endpoint x stream x temperature cells "
+                        "(--num-requests below the number of cells)"]
+
+
+def test_storm_covers_every_cell():
+    bodies = [rel.storm_body(i, "hello", FOUR, [0.0, 1.0], 512) for i in range(16)]
+    cells = {(path, b["temperature"], b["speculative"]["drafter"]) for path, b in bodies}
+    assert cells == set(product(rel.PATHS.values(), (0.0, 1.0), FOUR))
+    assert all(b["stream"] and b["ignore_eos"] for _, b in bodies)
+
+
+# ---- a plain install --------------------------------------------------------------------------
+
+
+def _requirement_name(spec: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0].strip().lower().replace("_", "-")
+
+
+def test_imports_are_main_dependencies():
+    """Every third-party module the reliability bench (and the `specserve` command that runs it)
+    imports at module level comes from a distribution in [project].dependencies, not an extra."""
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+    root = Path(__file__).resolve().parents[3]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    main_deps = {_requirement_name(d) for d in project["dependencies"]}
+    dists = importlib.metadata.packages_distributions()
+    for source in (root / "bench" / "reliability.py", root / "server" / "cli.py"):
+        tree = ast.parse(source.read_text())
+        modules = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+        modules |= {n.module.split(".")[0] for n in tree.body
+                    if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+        third_party = modules - set(sys.stdlib_module_names) - {"specserve", "__future__"}
+        for module in sorted(third_party):
+            names = {_requirement_name(d) for d in dists.get(module, [module])}
+            assert names & main_deps, f"{source.name} imports {module} ({names}), not a main dependency"
+    assert "httpx" in main_deps and "httpx" not in {_requirement_name(d) for d in project["optional-dependencies"]["dev"]}
+
+
+BLOCK = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+from specserve.server.cli import main
+raise SystemExit(main(["bench", "reliability", "--help"]))
+"""
+
+
+@pytest.mark.parametrize("blocked, rc", [({"openai", "pytest", "matplotlib", "schemathesis"}, 0),
+                                         ({"httpx"}, 2)])
+def test_help_without_the_dev_extra(blocked, rc):
+    """`specserve bench reliability --help` with the dev extra's packages unimportable prints the
+    help; the control without httpx exits 2 naming the package and the extra (not a traceback)."""
+    r = subprocess.run([sys.executable, "-c", BLOCK.format(blocked=sorted(blocked))], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == rc, r.stderr
+    if rc == 0:
+        assert "--drafters" in r.stdout and "--disconnects" in r.stdout
+    else:
+        assert "'httpx'" in r.stderr and "specserve[dev]" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("endpoint, stream, logprobs, include_usage",
