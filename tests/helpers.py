@@ -103,10 +103,13 @@ def exact_first_two_law(target_dir, prompt: list[int], params) -> dict[tuple[int
 
 
 def empirical_first_two_law(target_dir, drafter: str, options: dict, prompt: list[int], params, trials: int, *,
-                            batch: int = 500, seed: int = 0):
+                            batch: int = 500, seed: int = 0, seeded: bool = False):
     """The observed joint law of the first two tokens over `trials` requests of `prompt`, sent in groups
     of `batch` at once to a fresh `LAW_ENGINE` speculating with `drafter` (its `options`), after
-    ``torch.manual_seed(seed)``; returns (law, engine) so tests can read the drafter's statistics."""
+    ``torch.manual_seed(seed)``; `seeded`: request i carries its own seed (1000 * seed + i), so its
+    draws are the keyed ones. Returns (law, engine) so tests can read the drafter's statistics."""
+    import dataclasses
+
     import torch
 
     torch.manual_seed(seed)
@@ -114,7 +117,8 @@ def empirical_first_two_law(target_dir, drafter: str, options: dict, prompt: lis
     counts: dict[tuple[int, int], int] = {}
     for start in range(0, trials, batch):
         for i in range(start, min(start + batch, trials)):
-            engine.add_request(f"s{i}", prompt, params)
+            engine.add_request(f"s{i}", prompt,
+                               dataclasses.replace(params, seed=1000 * seed + i) if seeded else params)
         got: dict[str, list[int]] = {}
         while engine.has_unfinished_requests():
             step_and_collect(engine, got)

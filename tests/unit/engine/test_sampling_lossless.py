@@ -10,6 +10,13 @@ verification: three candidates for the second token in the MCSD tree). Each case
 with a deliberately wrong residual update: the same bound must then fail, which shows the test
 has the power to see the bug. The n-gram case is checked for losslessness only: its one-hot
 drafts hit too rarely on a random model for the wrong rule to show in the joint law.
+
+Seeded requests (every request its own seed) take the keyed path instead — plain sampling and
+verification with draws keyed by output position, drafts drawn with the same keyed noise — and must
+follow the same law; their control is a keyed noise that forgets the key (every seed drawing
+alike), which the same bound must catch. (Draws shared between positions are caught by the
+sampler's own law test: here the supports of the two positions barely overlap, so sharing them
+hardly shows in the joint law.)
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import pytest
 import torch
 from helpers import empirical_first_two_law, exact_first_two_law, total_variation
 
-from specserve.engine import verify
+from specserve.drafters import draft_model
+from specserve.engine import sampler, verify
 from specserve.engine.sampling_params import SamplingParams
 
 PROMPT = [7, 100, 42, 9, 250, 31, 7, 100, 42, 9, 250, 31, 7, 100]   # repeats: n-gram matches happen
@@ -32,8 +40,8 @@ def exact_law(peaky_target) -> dict[tuple[int, int], float]:
     return exact_first_two_law(peaky_target, PROMPT, PARAMS)
 
 
-def empirical_law(target_dir, drafter: str, options: dict):
-    return empirical_first_two_law(target_dir, drafter, options, PROMPT, PARAMS, TRIALS)
+def empirical_law(target_dir, drafter: str, options: dict, seeded: bool = False):
+    return empirical_first_two_law(target_dir, drafter, options, PROMPT, PARAMS, TRIALS, seeded=seeded)
 
 
 EVENS_FIRST = torch.cat([torch.arange(0, 320, 2), torch.arange(1, 320, 2)])   # a ranking: even ids first
@@ -66,6 +74,29 @@ def test_a_wrong_residual_update_is_caught(case, peaky_target, exact_law, monkey
     drafter, options = CASES[case]
     monkeypatch.setattr(verify, "residual_rows", lambda p, q: p)   # forget the rejected draft's mass
     emp, _ = empirical_law(peaky_target, drafter, options)
+    assert total_variation(emp, exact_law) > TV_BOUND
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_seeded_first_tokens_follow_the_target_law(case, peaky_target, exact_law):
+    drafter, options = CASES[case]
+    emp, engine = empirical_law(peaky_target, drafter, options, seeded=True)
+    stats = engine.get_stats().drafters[drafter]
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert total_variation(emp, exact_law) < TV_BOUND
+
+
+@pytest.mark.parametrize("case", ["draft_model MCSD tree, drawn without replacement", "ngram deterministic tree"])
+def test_keyed_draws_that_forget_the_key_are_caught(case, peaky_target, exact_law, monkeypatch):
+    drafter, options = CASES[case]
+    real = sampler.keyed_exponentials
+
+    def forgets_the_key(keys, positions, vocab):
+        return real(keys * 0, positions, vocab)
+
+    for module in (sampler, verify, draft_model):
+        monkeypatch.setattr(module, "keyed_exponentials", forgets_the_key)
+    emp, _ = empirical_law(peaky_target, drafter, options, seeded=True)
     assert total_variation(emp, exact_law) > TV_BOUND
 
 
