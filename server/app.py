@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve.engine.errors import EngineError, ShuttingDownError
 from specserve.server.metrics import ServerMetrics
 from specserve.server.openapi import install_openapi
-from specserve.server.openai_routes import OpenAIError, ServerState, engine_error, get_state, router
+from specserve.server.openai_routes import OpenAIError, ServerState, clip, engine_error, get_state, router
 
 logger = logging.getLogger("specserve.server")
 
@@ -182,7 +182,7 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
 def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
     """Pydantic's error list as one OpenAI-style 400 naming the first bad parameter."""
     if not errors:
-        return OpenAIError(400, "invalid request")
+        return OpenAIError(400, "invalid request", code="invalid_request")
     err = errors[0]
     kind, loc, msg = err.get("type", ""), tuple(err.get("loc", ())), str(err.get("msg", "invalid value"))
     msg = msg.removeprefix("Value error, ")
@@ -196,14 +196,14 @@ def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
     if kind == "model_attributes_type" and param is None:
         return OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
     if kind == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: {param}"
+        message = f"Unrecognized request argument supplied: {clip(param)}"
         code = "unknown_parameter"
     elif kind == "missing":
-        message, code = f"Missing required parameter: '{param}'.", "missing_required_parameter"
+        message, code = f"Missing required parameter: '{clip(param)}'.", "missing_required_parameter"
     elif kind == "invalid_param":
         message, code = msg, "invalid_value"
     else:
-        message, code = f"Invalid value for '{param}': {msg}", "invalid_value"
+        message, code = f"Invalid value for '{clip(param)}': {msg}", "invalid_value"
         value = err.get("input")
         if isinstance(value, (int, float, bool)) or (isinstance(value, str) and len(value) <= 64):
             message += f" (got {json.dumps(value)})"
@@ -228,16 +228,16 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        code = "request_too_large" if exc.status_code == 413 else None
+        code = None   # OpenAIError's default for the status: request_too_large, request_timeout, not_found, ...
         if exc.status_code == 404:
-            message = f"Unknown route: {request.method} {request.url.path}"
+            message = f"Unknown route: {clip(request.method)} {clip(request.url.path)}"
         elif exc.status_code == 400 and message == "There was an error parsing the body":
             # FastAPI's answer to a body json.loads could not take (nesting too deep, an int too long)
             message = ("We could not parse the JSON body of your request: it nests too deeply or holds a number "
                        "too long to read. The body must be a JSON object.")
             code = "invalid_json"
         elif exc.status_code == 405:
-            message = f"Method {request.method} is not allowed on {request.url.path}"
+            message = f"Method {clip(request.method)} is not allowed on {clip(request.url.path)}"
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         # e.g. a 405's Allow header, which Starlette sets
         return _error_response(request, OpenAIError(exc.status_code, message, type=kind, code=code), exc.headers)
@@ -246,4 +246,4 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises after answering, so the server logs the traceback
         return _error_response(request, OpenAIError(500, f"internal server error: {type(exc).__name__}",
-                                                    type="server_error"))
+                                                    type="server_error", code="internal_error"))

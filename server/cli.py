@@ -41,6 +41,8 @@ ENV_VARS = {
     "host": "SPECSERVE_HOST", "port": "SPECSERVE_PORT", "served_model_name": "SPECSERVE_SERVED_MODEL_NAME",
     "log_level": "SPECSERVE_LOG_LEVEL", "shutdown_timeout": "SPECSERVE_SHUTDOWN_TIMEOUT",
     "max_request_body_bytes": "SPECSERVE_MAX_REQUEST_BODY_BYTES",
+    "header_timeout": "SPECSERVE_HEADER_TIMEOUT", "body_timeout": "SPECSERVE_BODY_TIMEOUT",
+    "stream_stall_timeout": "SPECSERVE_STREAM_STALL_TIMEOUT",
     # engine (serve and generate)
     "model": "SPECSERVE_MODEL", "dtype": "SPECSERVE_DTYPE", "device": "SPECSERVE_DEVICE",
     "max_num_seqs": "SPECSERVE_MAX_NUM_SEQS", "max_model_len": "SPECSERVE_MAX_MODEL_LEN",
@@ -225,6 +227,18 @@ def _add_serve(sub) -> None:
                         "(default: %(default)s)")
     p.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20, metavar="N",
                    help="larger request bodies are answered 413 without being parsed (default: %(default)s)")
+    c = p.add_argument_group("connections", "slow or stalled clients (0 switches a timeout off)")
+    c.add_argument("--header-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="a request's line and headers must arrive whole within this time of the connection "
+                        "opening (or of a keep-alive request's first byte), else the connection is closed, "
+                        "after a 408 when part of them came: slowloris (default: %(default)s)")
+    c.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a request's whole body must arrive within this time of its headers, else it is "
+                        "answered 408 request_timeout and the connection closed (default: %(default)s)")
+    c.add_argument("--stream-stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a client that reads nothing of its response (its socket and a 64 KiB write buffer "
+                        "full) for this long is disconnected and its request aborted, freeing its KV blocks; "
+                        "until then its stream waits, taking nothing more from the engine (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
     _add_engine_args(p)
     _apply_env_defaults(p)
@@ -240,7 +254,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
                      max_request_body_bytes=args.max_request_body_bytes)
     server = build_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
-                          log_level=args.log_level)
+                          log_level=args.log_level, header_timeout=args.header_timeout or None,
+                          body_timeout=args.body_timeout or None,
+                          stream_stall_timeout=args.stream_stall_timeout or None)
     return run_server(server, engine)
 
 

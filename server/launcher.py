@@ -7,6 +7,12 @@ requests get 503 at once, in-flight requests run on for up to `shutdown_timeout`
 end with a clear 503 error (an SSE error event on a stream); the process then exits with status 0.
 If the engine's step loop dies (an unrecoverable device error) the server shuts down as well and
 the status is 1, so that an orchestrator restarts it.
+
+Connections (server/connection.py): uvicorn closes its listening socket as the shutdown starts, so
+new connections are refused from then on; a request arriving on a keep-alive connection already
+open is answered 503 ``shutting_down`` (for up to uvicorn's keep-alive timeout, 5 s) and that
+connection then closed. Request heads and bodies that arrive too slowly (`header_timeout`,
+`body_timeout`) and clients that stop reading their response (`stream_stall_timeout`) are cut off.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from types import FrameType
 import uvicorn
 
 from specserve.server.app import begin_shutdown
+from specserve.server.connection import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                         DEFAULT_STREAM_STALL_TIMEOUT_S, ConnectionLimits, guarded_protocol)
 
 logger = logging.getLogger("specserve.server")
 
@@ -42,11 +50,16 @@ class SpecserveServer(uvicorn.Server):
 
 
 def build_server(app, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float | None = 25.0,
-                 log_level: str = "info") -> SpecserveServer:
-    """A server for `app` whose graceful shutdown lasts `shutdown_timeout` seconds (None: unbounded)."""
+                 log_level: str = "info", header_timeout: float | None = DEFAULT_HEADER_TIMEOUT_S,
+                 body_timeout: float | None = DEFAULT_BODY_TIMEOUT_S,
+                 stream_stall_timeout: float | None = DEFAULT_STREAM_STALL_TIMEOUT_S) -> SpecserveServer:
+    """A server for `app` whose graceful shutdown lasts `shutdown_timeout` seconds (None: unbounded);
+    the three timeouts (seconds, None: off) are server/connection.py's."""
     grace = None if shutdown_timeout is None else shutdown_timeout + CLOSE_GRACE_S
+    limits = ConnectionLimits(header_timeout=header_timeout, body_timeout=body_timeout,
+                              stall_timeout=stream_stall_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=grace)
+                            timeout_graceful_shutdown=grace, http=guarded_protocol(limits))
     return SpecserveServer(config, shutdown_timeout)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -43,6 +44,39 @@ DEFAULT_MODEL_ALIAS = "default"  # always names the served model, whatever its n
 TOKENIZER_THREADS = 4            # chat templating and tokenization run on these, never on the event loop
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MAX_ECHO_CHARS = 256             # a client's string echoed in an error message is cut to this many characters
+LONG_MESSAGE_CHARS = 1024        # an error message longer than this has its long quoted runs / words clipped
+# the `code` of an error raised without one, by status: every error body carries a code
+DEFAULT_ERROR_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
+                       405: "method_not_allowed", 408: "request_timeout", 409: "conflict",
+                       413: "request_too_large", 415: "unsupported_media_type", 422: "invalid_request",
+                       429: "rate_limit_exceeded", 499: "client_closed_request", 500: "internal_error",
+                       501: "not_implemented", 503: "service_unavailable"}
+_LONG_RUN = re.compile(r"'[^'\n]{%d,}'|\"[^\"\n]{%d,}\"|`[^`\n]{%d,}`|\S{%d,}" % ((MAX_ECHO_CHARS + 3,) * 4))
+
+
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """`text` cut to `limit` characters plus a marker saying how much was cut, when longer: how a
+    client-supplied string (a model name, a drafter or option name, a path) is echoed in an error."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...[{len(text) - limit} more characters]"
+
+
+def clip_message(message: str) -> str:
+    """A long error message with each over-long quoted run or word clipped (`clip`): the net under
+    the places that clip what they echo, for messages built elsewhere (the engine, the drafters)."""
+    if len(message) <= LONG_MESSAGE_CHARS:
+        return message
+
+    def clipped(match: re.Match) -> str:
+        run = match.group()
+        if run[0] in "'\"`" and run[-1] == run[0]:
+            return run[0] + clip(run[1:-1]) + run[-1]
+        return clip(run)
+
+    return _LONG_RUN.sub(clipped, message)
 
 
 class OpenAIError(Exception):
@@ -52,7 +86,10 @@ class OpenAIError(Exception):
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status_code = status_code
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        if code is None:
+            code = DEFAULT_ERROR_CODES.get(status_code, "invalid_request" if status_code < 500 else "internal_error")
+        self.info = ErrorInfo(message=clip_message(message), type=type,
+                              param=None if param is None else clip(param), code=code)
         self.headers = dict(headers or {})   # sent with the error (e.g. Retry-After on a 429)
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -66,7 +103,14 @@ def engine_error(exc: EngineError, prompt_param: str | None = None) -> OpenAIErr
         param = exc.param
         if param in ("messages", "prompt") and prompt_param is not None:
             param = prompt_param
-        code = "context_length_exceeded" if "context length" in str(exc) else None
+        code = getattr(exc, "code", None)
+        if code is None:
+            if "context length" in str(exc):
+                code = "context_length_exceeded"
+            elif param == "speculative.drafter":
+                code = "drafter_not_loaded"
+            else:
+                code = "invalid_value" if param else "invalid_request"
         return OpenAIError(400, str(exc), param=param, code=code)
     if isinstance(exc, QueueFullError):
         retry = {"Retry-After": str(max(1, int(exc.retry_after)))} if exc.retry_after is not None else None
@@ -77,7 +121,7 @@ def engine_error(exc: EngineError, prompt_param: str | None = None) -> OpenAIErr
         return OpenAIError(503, str(exc), type="service_unavailable_error", code="shutting_down")
     if isinstance(exc, RequestFailedError):
         return OpenAIError(500, str(exc), type="server_error", code="request_failed")
-    return OpenAIError(500, f"engine error: {exc}", type="server_error")
+    return OpenAIError(500, f"engine error: {exc}", type="server_error", code="internal_error")
 
 
 # ---- token strings for logprobs ---------------------------------------------------------------
@@ -233,7 +277,7 @@ def _check_accepting(state: ServerState) -> None:
 
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in state.model_aliases:
-        raise OpenAIError(404, f"The model `{model}` does not exist. This server serves `{state.model_name}`.",
+        raise OpenAIError(404, f"The model `{clip(model)}` does not exist. This server serves `{state.model_name}`.",
                           param="model", code="model_not_found")
 
 
@@ -249,14 +293,14 @@ def _drafter_args(state: ServerState, spec: SpeculativeOptions | None) -> dict:
         return {}
     loaded = state.loaded_drafters
     if spec.drafter and spec.wants_drafter and spec.drafter not in loaded:
-        raise OpenAIError(400, f"no drafter {spec.drafter!r} is loaded; loaded drafters: {loaded} "
+        raise OpenAIError(400, f"no drafter {clip(spec.drafter)!r} is loaded; loaded drafters: {loaded} "
                                "(\"none\" = plain decoding is always available)",
                           param="speculative.drafter", code="drafter_not_loaded")
     if not hasattr(state.engine, "drafter_names"):     # an engine without speculation: "none" is all there is
         if options:
             key = next(iter(options))
-            raise OpenAIError(400, f"this server decodes without drafters; speculative option {key!r} is not "
-                                   "accepted (valid options: none)", param=f"speculative.{key}")
+            raise OpenAIError(400, f"this server decodes without drafters; speculative option {clip(key)!r} is not "
+                                   "accepted (valid options: none)", param=f"speculative.{key}", code="unknown_parameter")
         return {}
     args: dict = {"drafter": spec.drafter} if spec.drafter else {}
     if options:
@@ -280,12 +324,13 @@ def _chat_prompt_ids(state: ServerState, messages: list[ChatMessage]) -> list[in
     tokenizer = state.engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise OpenAIError(400, "this model has no chat template; use /v1/completions with a plain prompt",
-                          param="messages")
+                          param="messages", code="chat_template_missing")
     conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
     try:
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation (e.g. role order) is a 400
-        raise OpenAIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+        raise OpenAIError(400, f"the chat template rejected the messages: {exc}", param="messages",
+                          code="invalid_value") from exc
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -295,8 +340,26 @@ def _completion_prompt_ids(state: ServerState, prompt: str | list[int]) -> list[
     return list(prompt)
 
 
+def _vocab_size(engine) -> int | None:
+    """The target's vocabulary size (the token ids it can produce), when the engine tells it."""
+    size = getattr(engine, "vocab_size", None)
+    if size is None:
+        size = getattr(getattr(getattr(engine, "engine", None), "model_config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def _check_stop_token_ids(state: ServerState, ids: list[int] | None) -> None:
+    vocab = _vocab_size(state.engine)
+    for i, token in enumerate(ids or ()):
+        if vocab is not None and not 0 <= token < vocab:
+            raise OpenAIError(400, f"Invalid value for 'stop_token_ids.{i}': token id {token} is outside this "
+                                   f"model's vocabulary [0, {vocab}).", param=f"stop_token_ids.{i}",
+                              code="invalid_value")
+
+
 def _sampling_params(state: ServerState, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
                      logprobs: int | None, prompt_param: str) -> SamplingParams:
+    _check_stop_token_ids(state, body.stop_token_ids)
     max_model_len = state.engine.max_model_len
     room = max_model_len - num_prompt_tokens
     if num_prompt_tokens and (room < 1 or (max_tokens is not None and max_tokens > room)):

@@ -147,6 +147,15 @@ class SpeculativeOptions(BaseModel):
 
     drafter: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_number_options(cls, data: Any) -> Any:
+        """``"max_depth": 4.0`` -> ``4``, as the top-level integer fields take it (`WholeNumber`); the
+        drafter then checks the option (``4.5`` is refused, naming ``speculative.max_depth``)."""
+        if isinstance(data, dict):
+            return {key: value if key == "drafter" else _whole_number(value) for key, value in data.items()}
+        return data
+
     @property
     def wants_drafter(self) -> bool:
         return self.drafter not in (None, "", "none")

@@ -140,9 +140,11 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(engine, *, shutdown_timeout: float | None = 5.0, **app_kwargs) -> Iterator[LiveServer]:
+def live_server(engine, *, shutdown_timeout: float | None = 5.0, server_options: dict | None = None,
+                **app_kwargs) -> Iterator[LiveServer]:
     """Serve `engine` through `create_app(engine, **app_kwargs)` with the launcher `specserve serve` uses
-    (graceful shutdown bounded by `shutdown_timeout`) until the block ends."""
+    (graceful shutdown bounded by `shutdown_timeout`; `server_options`: more `build_server` keywords, e.g.
+    the connection timeouts) until the block ends."""
     from specserve.server.app import create_app
     from specserve.server.launcher import build_server, run_server
 
@@ -151,7 +153,7 @@ def live_server(engine, *, shutdown_timeout: float | None = 5.0, **app_kwargs) -
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = build_server(app, shutdown_timeout=shutdown_timeout, log_level="warning")
+    server = build_server(app, shutdown_timeout=shutdown_timeout, log_level="warning", **(server_options or {}))
     status: list = []
     thread = threading.Thread(target=lambda: status.append(run_server(server, engine, sockets=[sock])),
                               name=f"uvicorn-{port}", daemon=True)
