@@ -40,6 +40,8 @@ ERRORS: dict[int, tuple[str, str]] = {
     401: ("Unauthorized", "The server has an API key and the request did not send it as "
                           "`Authorization: Bearer <key>`."),
     404: ("NotFound", "No such model: this server serves one model (`code: model_not_found`)."),
+    408: ("RequestTimeout", "The request body did not arrive whole within the server's body timeout "
+                            "(`code: request_timeout`); the connection is closed."),
     413: ("ContentTooLarge", "The request body is larger than the server's limit (`code: request_too_large`)."),
     429: ("TooManyRequests", "The engine's queue is full (`code: queue_full`): more requests wait beyond the free "
                              "sequence slots than the server queues; retry after the `Retry-After` header's seconds."),
@@ -47,7 +49,7 @@ ERRORS: dict[int, tuple[str, str]] = {
     503: ("ServiceUnavailable", "The engine is not running (`code: engine_dead`) or the server is shutting down "
                                 "(`code: shutting_down`); retry on another replica."),
 }
-COMPLETION_ERRORS = (400, 401, 404, 413, 429, 500, 503)
+COMPLETION_ERRORS = (400, 401, 404, 408, 413, 429, 500, 503)
 
 
 class Operation(NamedTuple):

@@ -42,7 +42,7 @@ MIN_CASES = 500   # this configuration makes ~1000 cases: far fewer means it bro
 CASES: collections.Counter = collections.Counter()   # (operation, phase, mode) -> cases sent
 
 COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
-COMPLETION_ERRORS = {"400", "401", "404", "413", "429", "500", "503"}
+COMPLETION_ERRORS = {"400", "401", "404", "408", "413", "429", "500", "503"}
 
 
 @pytest.fixture(scope="module")
