@@ -19,8 +19,8 @@ ends), and each method's batch is compared with plain decoding at the same momen
 between the plain runs just before and after it (`anchored`), so a drift that is not linear over
 a batch of many methods (a slow stretch of a shared machine) is not read as a drafter's loss. Every method
 generates exactly --max-tokens tokens per prompt (EOS ignored; transformers gets `min_new_tokens`);
-sampling is seeded per prompt. Time is wall-clock from adding a batch to its last token, prefill
-included. With `--admission continuous` a dataset's prompts are one batch: all submitted at once, the
+sampling is seeded per prompt (keyed draws; `--unseeded`: no seeds, rejection-sampling
+verification). Time is wall-clock from adding a batch to its last token, prefill included. With `--admission continuous` a dataset's prompts are one batch: all submitted at once, the
 engine keeping --batch-size of them in flight (a finished request's slot goes to the next prompt, as
 in a server under load), and methods alternate per dataset. The transformers baselines run one prompt
 at a time (its assisted generation supports batch 1 only).
@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="float32 makes the greedy check exact (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i (default: %(default)s)")
+    ap.add_argument("--unseeded", action="store_true",
+                    help="sampled requests carry no seed (rejection-sampling verification; by default each is "
+                         "seeded, so its draws are keyed and its text is plain decoding's whatever the drafter)")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baselines")
     ap.add_argument("--out", default=str(DEFAULT_OUT), metavar="PREFIX",
                     help="writes PREFIX.json, PREFIX.md and PREFIX.png (default: bench/results/spec_decode)")
@@ -426,7 +429,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     def params_for(temperature: float, seeds: list[int], max_tokens: int) -> list:
         return [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
-                               seed=s if temperature > 0 else None) for s in seeds]
+                               seed=s if temperature > 0 and not args.unseeded else None) for s in seeds]
 
     # warm-up: every method on the first batch, short, at every temperature
     first = next(iter(prompts.values()))[:args.batch_size]

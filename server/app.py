@@ -29,12 +29,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve.engine.errors import EngineError, ShuttingDownError
 from specserve.server.metrics import ServerMetrics
 from specserve.server.openapi import install_openapi
+from specserve.server.prompt_guard import default_body_limit
 from specserve.server.openai_routes import OpenAIError, ServerState, clip, engine_error, get_state, router
 
 logger = logging.getLogger("specserve.server")
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 2**20   # a 128k-token prompt is ~0.5-1 MB of JSON
+FALLBACK_MAX_REQUEST_BODY_BYTES = 8 * 2**20   # the "auto" limit when the tokenizer gives no prompt bound
 DRAIN_LIMIT_FACTOR = 8   # an oversized body is read (and dropped) up to this many limits, so the client gets its 413
 # endpoints whose rejections count in specserve_requests_total{status="rejected"|"error"}
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -42,12 +43,13 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def create_app(engine, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+               max_request_body_bytes: int | str | None = "auto") -> FastAPI:
     """An OpenAI-compatible app serving `engine` (an `AsyncEngine`, not yet started).
 
     `served_model_name` defaults to the engine's model name (``"default"`` is always accepted too);
     `api_key` (or ``$SPECSERVE_API_KEY``) turns on the Bearer check for ``/v1/*``; a request body over
-    `max_request_body_bytes` (None: no limit) is answered 413 before it is parsed.
+    `max_request_body_bytes` (None: no limit; "auto": derived from the context length, see
+    `prompt_guard.default_body_limit`) is answered 413 before it is parsed.
     """
 
     @asynccontextmanager
@@ -58,7 +60,7 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
         finally:
             app.state.specserve.draining = True
             await asyncio.to_thread(engine.shutdown)
-            app.state.specserve.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            app.state.specserve.lanes.shutdown()
 
     app = FastAPI(title="specserve", summary="OpenAI-compatible inference with speculative decoding",
                   lifespan=lifespan)
@@ -74,8 +76,13 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
 
     _install_error_handlers(app)
     install_openapi(app)
+    if max_request_body_bytes == "auto":
+        bound = app.state.specserve.bound
+        max_request_body_bytes = (default_body_limit(engine.max_model_len, bound) if bound is not None
+                                  else FALLBACK_MAX_REQUEST_BODY_BYTES)
     if max_request_body_bytes is not None:
-        app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+        app.add_middleware(BodySizeLimit, max_bytes=int(max_request_body_bytes))
+    app.state.max_request_body_bytes = max_request_body_bytes
     return app
 
 

@@ -225,8 +225,10 @@ def _add_serve(sub) -> None:
                    help="on SIGTERM/SIGINT, stop taking requests at once (/health turns 503) and give those in "
                         "flight this long to finish; then they end with a 503 error and the server exits 0 "
                         "(default: %(default)s)")
-    p.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20, metavar="N",
-                   help="larger request bodies are answered 413 without being parsed (default: %(default)s)")
+    p.add_argument("--max-request-body-bytes", type=int, default=None, metavar="N",
+                   help="larger request bodies are answered 413 without being parsed; 0 = no limit (default: "
+                        "derived from the context length: 4 x max-model-len x the most bytes one token stands "
+                        "for, at least 1 MiB -- 2.6 MiB for the default model at 8,192 tokens)")
     c = p.add_argument_group("connections", "slow or stalled clients (0 switches a timeout off)")
     c.add_argument("--header-timeout", type=float, default=20.0, metavar="SECONDS",
                    help="a request's line and headers must arrive whole within this time of the connection "
@@ -252,7 +254,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     engine = _load_engine(args)
     app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                     max_request_body_bytes=args.max_request_body_bytes)
+                     max_request_body_bytes=("auto" if args.max_request_body_bytes is None
+                                             else args.max_request_body_bytes or None))
     server = build_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
                           log_level=args.log_level, header_timeout=args.header_timeout or None,
                           body_timeout=args.body_timeout or None,

@@ -18,7 +18,6 @@ import re
 import secrets
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, TypeVar
 
@@ -30,6 +29,7 @@ from specserve.engine.errors import (EngineDeadError, EngineError, InvalidReques
 from specserve.engine.outputs import RequestOutput, TokenLogprob
 from specserve.engine.sampling_params import SamplingParams
 from specserve.server.metrics import RequestTracker, ServerMetrics
+from specserve.server.prompt_guard import LaneFull, PromptBound, TokenizerLanes, text_bytes
 from specserve.server.protocol import (ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChoice,
                                        ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                        ChatMessage, ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
@@ -41,7 +41,6 @@ logger = logging.getLogger("specserve.server")
 
 MIN_LOGPROB = -9999.0          # stands in for -inf, which JSON cannot carry (vLLM does the same)
 DEFAULT_MODEL_ALIAS = "default"  # always names the served model, whatever its name
-TOKENIZER_THREADS = 4            # chat templating and tokenization run on these, never on the event loop
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_ECHO_CHARS = 256             # a client's string echoed in an error message is cut to this many characters
@@ -225,17 +224,40 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     renderer: TokenRenderer | None = None
     draining: bool = False               # shutting down: readiness fails, new requests get 503
-    tokenizer_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specserve-tokenize"))
+    lanes: TokenizerLanes = field(default_factory=TokenizerLanes)
+    bound: PromptBound | None = None     # the least tokens a prompt text can become (server/prompt_guard.py)
 
     def __post_init__(self) -> None:
         if self.renderer is None:
             self.renderer = TokenRenderer(self.engine.tokenizer)
+        if self.bound is None:
+            try:
+                self.bound = PromptBound(self.engine.tokenizer, lambda i: self.renderer.render(i)[1])
+            except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary to read: no bound
+                logger.warning("no prompt-size bound for this tokenizer; long prompts are tokenized to be measured")
 
-    async def off_loop(self, fn: Callable[..., T], *args) -> T:
-        """`fn(*args)` on the tokenizer threads: templating and tokenizing a long prompt take seconds
-        (the tokenizer releases the GIL), during which /health and every stream must keep going."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+    async def off_loop(self, fn: Callable[..., T], *args, size: int = 0) -> T:
+        """`fn(*args)` on the tokenizer threads of the lane for a prompt of `size` bytes of text:
+        templating and tokenizing a long prompt take seconds (the tokenizer releases the GIL), during
+        which /health, every stream and every small prompt must keep going. A full large lane is a
+        429 `tokenizer_busy`."""
+        try:
+            return await self.lanes.run(size, fn, *args)
+        except LaneFull as exc:
+            raise OpenAIError(429, f"The server is busy tokenizing other large prompts ({exc}); retry later.",
+                              type="rate_limit_error", code="tokenizer_busy", headers={"Retry-After": "1"}) from exc
+
+    def check_prompt_size(self, size: int, param: str) -> None:
+        """400 `context_length_exceeded` when a prompt of `size` bytes of text cannot fit the context
+        whatever its tokens: without templating or tokenizing it."""
+        max_model_len = self.engine.max_model_len
+        least = self.bound.min_tokens(size) if self.bound is not None else 0
+        if least >= max_model_len:
+            raise OpenAIError(
+                400, f"This model's maximum context length is {max_model_len} tokens. However, your {param} "
+                     f"has {size} bytes of text, which is at least {least} tokens (no token covers more than "
+                     f"{self.bound.max_token_bytes} bytes). Please reduce the length of the {param}.",
+                param=param, code="context_length_exceeded")
 
     @property
     def model_aliases(self) -> set[str]:
@@ -471,7 +493,9 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Respons
     _check_accepting(state)
     _check_model(state, body.model)
     drafter_args = _drafter_args(state, body.speculative)
-    prompt_ids = await state.off_loop(_chat_prompt_ids, state, body.messages)
+    size = text_bytes(m.text for m in body.messages)
+    state.check_prompt_size(size, "messages")
+    prompt_ids = await state.off_loop(_chat_prompt_ids, state, body.messages, size=size)
     params = _sampling_params(state, body, len(prompt_ids), body.requested_max_tokens, body.num_logprobs,
                               "messages")
     call = EngineCall(state, raw, _new_id("chatcmpl"), prompt_ids, params, "messages", drafter_args)
@@ -587,7 +611,9 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     _check_accepting(state)
     _check_model(state, body.model)
     drafter_args = _drafter_args(state, body.speculative)
-    prompt_ids = await state.off_loop(_completion_prompt_ids, state, body.single_prompt)
+    size = text_bytes([body.single_prompt]) if isinstance(body.single_prompt, str) else 0
+    state.check_prompt_size(size, "prompt")
+    prompt_ids = await state.off_loop(_completion_prompt_ids, state, body.single_prompt, size=size)
     params = _sampling_params(state, body, len(prompt_ids), body.max_tokens, body.logprobs, "prompt")
     call = EngineCall(state, raw, _new_id("cmpl"), prompt_ids, params, "prompt", drafter_args)
     if body.stream:
