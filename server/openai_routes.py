@@ -322,7 +322,8 @@ def _drafter_args(state: ServerState, spec: SpeculativeOptions | None) -> dict:
         if options:
             key = next(iter(options))
             raise OpenAIError(400, f"this server decodes without drafters; speculative option {clip(key)!r} is not "
-                                   "accepted (valid options: none)", param=f"speculative.{key}", code="unknown_parameter")
+                                   "accepted (valid options: none)", param=f"speculative.{key}",
+                              code="unknown_parameter")
         return {}
     args: dict = {"drafter": spec.drafter} if spec.drafter else {}
     if options:
