@@ -467,22 +467,42 @@ def _rows_of(st: SamplingTensors, ix: torch.Tensor) -> SamplingTensors:
                            st.any_top_p, None, st.max_top_k)
 
 
-def keyed_node_samples(packed: PackedTrees, target_logits: torch.Tensor, sampling: SamplingTensors,
-                       positions: Sequence[int]) -> torch.Tensor:
-    """[K, N] the keyed sample of the target at every node of the K keyed trees
-    (`sampling.keyed_rows`): argmax over v of processed_p(node)[v] / E[v], E the keyed Exp(1)
-    draws of (the tree's key, positions[t] + the node's depth). positions[t]: the output position
-    of the token drawn at tree t's root."""
-    rows = torch.tensor(sampling.keyed_rows, dtype=torch.int64, device=target_logits.device)
+def keyed_choices(packed: PackedTrees, target_logits: torch.Tensor, sampling: SamplingTensors,
+                  positions: Sequence[int], compact: bool) -> torch.Tensor:
+    """[K, N] for the K keyed trees (`sampling.keyed_rows`): the target's keyed sample at every node
+    of its match walk, -1 elsewhere. The walk starts at the root; at a node of depth d the keyed
+    sample is argmax over v of processed_p(node)[v] / E[v], E the keyed Exp(1) draws of (the tree's
+    key, positions[t] + d); the walk moves into the first child carrying that token, and stops when
+    none does. `verify_greedy_batched` on these choices then accepts exactly that walk (a node whose
+    choice is -1 has no matching child), so only the (accepted + 1) nodes of each walk are sampled.
+    compact: work on the walks still going only (a host read of their count: the CPU's path), or on
+    all K rows with finished ones frozen (no host sync: the CUDA path)."""
+    dev = target_logits.device
     K, (N, V), D = len(sampling.keyed_rows), target_logits.shape[1:], packed.max_depth
-    logits = target_logits.index_select(0, rows).float()                       # [K, N, V]
-    node_rows = _rows_of(sampling, rows.repeat_interleave(N))                 # the settings of each node row
-    probs = processed_probs(logits.view(K * N, V), node_rows).view(K, N, V)
-    base = torch.tensor([int(positions[t]) for t in sampling.keyed_rows], dtype=torch.int64, device=rows.device)
-    levels = base[:, None] + torch.arange(D + 1, device=rows.device)[None, :]   # [K, D+1]
-    noise = keyed_exponentials(sampling.keys.repeat_interleave(D + 1), levels.reshape(-1), V).view(K, D + 1, V)
-    depth = packed.depths.index_select(0, rows).clamp(0, D)                    # [K, N]
-    return (probs / noise.gather(1, depth[:, :, None].expand(K, N, V))).argmax(dim=-1)
+    rows = torch.tensor(sampling.keyed_rows, dtype=torch.int64, device=dev)
+    st = _rows_of(sampling, rows)
+    base = torch.tensor([int(positions[t]) for t in sampling.keyed_rows], dtype=torch.int64, device=dev)
+    keys = sampling.keys
+    cur = torch.zeros(K, dtype=torch.int64, device=dev)
+    alive = torch.ones(K, dtype=torch.bool, device=dev)
+    choice = torch.full((K, N), -1, dtype=torch.int64, device=dev)
+    k_all = torch.arange(K, device=dev)
+    for depth in range(D + 1):
+        ix = alive.nonzero().squeeze(1) if compact else k_all
+        if compact and ix.numel() == 0:
+            break
+        node = cur[ix]
+        probs = processed_probs(target_logits[rows[ix], node], _rows_of(st, ix))
+        sampled = (probs / keyed_exponentials(keys[ix], base[ix] + depth, V)).argmax(dim=-1)
+        live = alive[ix]
+        choice[ix, node] = torch.where(live, sampled, choice[ix, node])
+        kids = packed.children[rows[ix], node]                                  # [k, C], -1: none
+        match = (kids >= 0) & (packed.tokens[rows[ix, None], kids.clamp_min(0)] == sampled[:, None])
+        found = match.any(dim=-1) & live
+        nxt = kids.gather(1, match.to(torch.int64).argmax(dim=-1, keepdim=True)).squeeze(1)
+        cur[ix] = torch.where(found, nxt, node)
+        alive[ix] = found
+    return choice
 
 
 def verify_batched(packed: PackedTrees, target_logits: torch.Tensor, sampling: SamplingTensors,
@@ -495,7 +515,7 @@ def verify_batched(packed: PackedTrees, target_logits: torch.Tensor, sampling: S
     its root (needed when `sampling` has keyed rows).
 
     Keyed trees (seeded random rows) are verified by matching their keyed samples
-    (`keyed_node_samples`, the module docstring) on the greedy walk.
+    (`keyed_choices`, the module docstring) on the greedy walk.
 
     Greedy trees (temperature 0) take `verify_greedy_batched` on the argmax of the raw logits, the
     others the walk of `verify_sampling_batched` on `processed_probs` of the logits (temperature,
@@ -515,7 +535,8 @@ def verify_batched(packed: PackedTrees, target_logits: torch.Tensor, sampling: S
         if keyed:
             assert positions is not None, "keyed rows need the positions of their roots"
             ix = torch.tensor(keyed, dtype=torch.int64, device=dev)
-            matched = matched.index_copy(0, ix, keyed_node_samples(packed, target_logits, sampling, positions))
+            matched = matched.index_copy(0, ix, keyed_choices(packed, target_logits, sampling, positions,
+                                                              dev.type == "cpu" if compact is None else compact))
         greedy_res = verify_greedy_batched(packed, matched)
         if sampling.all_greedy or sampling.all_matched:
             return greedy_res
