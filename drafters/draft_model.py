@@ -8,8 +8,8 @@ the target's. Each step, per sequence:
 2. grow the tree level by level with a k-configuration (k1, k2, ...): every node of level d-1
    gets k_d children, drawn **without replacement** from the draft distribution q at that node
    (Gumbel-top-k, so the residual rule of verification stays exact) — or the top-k_d tokens for
-   greedy requests and with `deterministic=True` (deterministic drafts: one-hot q, lossless under
-   sampling too). A chain (SpS) is the k-configuration (1, 1, ..., 1).
+   greedy and seeded requests and with `deterministic=True` (deterministic drafts: one-hot q,
+   lossless under sampling too). A chain (SpS) is the k-configuration (1, 1, ..., 1).
    All sequences of the batch advance one level per draft forward, each level attending to the
    prefix plus its own ancestors (tree mask over the tree so far);
 3. after verification keep only the accepted path's KV.
@@ -67,7 +67,7 @@ from specserve.drafters.draft_vocab import DraftVocab
 from specserve.engine.config import ModelConfig
 from specserve.engine.kv_cache import PagedDraftKV
 from specserve.engine.model import LlamaModel
-from specserve.engine.sampler import SamplingTensors, keyed_exponentials, processed_probs
+from specserve.engine.sampler import SamplingTensors, processed_probs
 from specserve.engine.tree import TokenTree, TreeTemplate, num_roots, tree_depths, tree_topology
 
 DEFAULT_DECISION_THRESHOLD = 0.4   # MCSD+'s β
@@ -236,12 +236,11 @@ class DraftModelDrafter(Drafter):
         roots = [num_roots(p) for p in parents]
         tokens = [[s.token_ids[-1], *s.extra_roots[:r - 1]] for s, r in zip(seqs, roots)]
         probs: list[list[torch.Tensor | None]] = [[None] * r for r in roots]
-        # top-k children, one-hot q (deterministic drafts) for greedy requests or when asked for;
-        # otherwise children drawn from q without replacement (stochastic drafts)
-        top_k = [self.deterministic or s.params.greedy for s in seqs]
-        # seeded requests draw their children with the keyed noise of their position; their trees
-        # carry no q (keyed verification matches the target's own keyed samples)
-        keyed = [s.sample_key is not None and not t for s, t in zip(seqs, top_k)]
+        # top-k children, one-hot q (deterministic drafts) for greedy and seeded requests or when asked
+        # for; otherwise children drawn from q without replacement (stochastic drafts). A seeded
+        # request's verification accepts a draft x with probability p(x) whatever q: the most likely
+        # tokens of q serve it best (measured against drafts coupled to its keyed draws: docs/sampling.md)
+        top_k = [self.deterministic or s.params.greedy or s.sample_key is not None for s in seqs]
 
         # 1. catch up on committed tokens (the root last): logits at the root
         starts = [st.draft_len for st in states]
@@ -299,11 +298,7 @@ class DraftModelDrafter(Drafter):
                     q = None
                 else:
                     q = processed_probs(logits_b, SamplingTensors.from_params([seq.params] * n_front, self.device))
-                    if seq.sample_key is None:
-                        gumbel = torch.empty_like(q).exponential_().clamp_min_(1e-20)
-                    else:   # coupled with the target's keyed sample at the children's output position
-                        pos = torch.full((n_front,), seq.num_output_tokens + depth - 1, device=self.device)
-                        gumbel = keyed_exponentials(torch.full_like(pos, seq.sample_key), pos, q.shape[1])
+                    gumbel = torch.empty_like(q).exponential_().clamp_min_(1e-20)
                     picks = (q / gumbel).topk(k, dim=-1).indices   # k draws without replacement from q
                 picks = picks.tolist()
                 for node in level:
@@ -332,7 +327,7 @@ class DraftModelDrafter(Drafter):
         for b, i in enumerate(live):
             if len(tokens[b]) > 1:
                 dp = None
-                if not top_k[b] and not keyed[b]:
+                if not top_k[b]:
                     rows = [p if p is not None else torch.zeros(self.vocab_size, device=self.device) for p in probs[b]]
                     dp = torch.stack(rows)
                 next_roots = 1

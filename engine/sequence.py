@@ -28,9 +28,9 @@ class DraftRequest:
     `num_committed` tokens are final. `extra_roots` are the target's other samples for the root's
     position (MCSD target-initialised roots, a lossy opt-in; empty otherwise); `options` the
     request's own options for this drafter. `sample_key` is the key of a seeded sequence's keyed
-    randomness (`engine.sampler`), None when unseeded: a drafter that samples its drafts should draw
-    them with `keyed_exponentials(key, output position)` — the draws the target's own sample at that
-    position uses — so that its drafts match that sample as often as they can."""
+    randomness (`engine.sampler`), None when unseeded: a seeded sequence's drafts are accepted
+    exactly when they equal the target's keyed sample, with probability p(x) for a draft x, so a
+    drafter serves it best with its most likely tokens rather than samples."""
 
     seq_id: int
     token_ids: tuple[int, ...]

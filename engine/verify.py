@@ -28,8 +28,8 @@ position; the walk is the greedy one on those tokens (a child is accepted iff it
 parent's keyed sample, the bonus is the keyed sample at the end). The committed tokens are then
 exactly those plain decoding with the same seed draws, whatever the tree. A deterministic draft x
 is accepted with probability p(x) either way; a stochastic draft (q a distribution) is accepted
-with probability sum_x q(x) p(x) under independent draws instead of sum_x min(p(x), q(x)) —
-drafters that sample close that gap by drawing their drafts with the same keyed noise (coupling).
+with probability sum_x q(x) p(x) instead of sum_x min(p(x), q(x)); drafting the most likely
+tokens of q instead (what the draft model does for seeded requests) gives sum over the drafts of p(x).
 
 Batched (the engine's path): `verify_batched` / `verify_greedy_batched` / `verify_sampling_batched`
 verify all trees of a step at once on the device (`tree.pack_trees` layout) with no host sync and
