@@ -12,7 +12,7 @@ from specserve.engine.sequence import Request, Sequence, SeqStatus
 
 def make_seq(prompt_len: int, rid: str = "r", max_tokens: int = 100) -> Sequence:
     req = Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), RequestMetrics(0.0))
-    seq = Sequence(req, 0, req.prompt_token_ids, detokenizer=None, generator=None)
+    seq = Sequence(req, 0, req.prompt_token_ids, detokenizer=None)
     req.seqs.append(seq)
     return seq
 

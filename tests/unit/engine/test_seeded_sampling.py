@@ -88,19 +88,21 @@ def test_seeded_request_gives_plain_decodings_text_with_every_drafter(engine, pr
     assert stats.num_fallbacks == 0
 
 
-def test_a_seeded_request_gets_no_target_initialised_roots(engine, prompts):
+def test_a_seeded_request_gets_no_target_initialised_roots(default_model, prompts):
     """The MCSD draft model is configured for forests: an unseeded sampled request gets them (its
     last sampled token is held back until the next verification picks among the roots), a seeded
-    one never (its text is plain decoding's, which a forest's root choice would change)."""
-    def held_back_steps(params) -> int:
-        rid = f"forest{run.count}"
-        run.count += 1
-        engine.add_request(rid, prompts[0], params, drafter="draft_model")
+    one never (its text is plain decoding's, which a forest's root choice would change). The fixed
+    budget drafts every step, so the unseeded request's forests are sure to come."""
+    engine = make_llm_engine("default", ["draft_model"], {"draft_model": DRAFTERS["draft_model"]},
+                             loaded=default_model, **{**ENGINE, "draft_budget": "fixed"})
+
+    def held_back_steps(rid: str, params) -> int:
+        engine.add_request(rid, prompts[0], params)
         seq, held = engine.requests[rid].seqs[0], 0
         while engine.has_unfinished_requests():
             engine.step()
             held += seq.held_back
         return held
 
-    assert held_back_steps(PARAMS) == 0
-    assert held_back_steps(SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True)) > 0
+    assert held_back_steps("seeded", PARAMS) == 0
+    assert held_back_steps("unseeded", SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True)) > 0
