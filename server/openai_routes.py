@@ -254,8 +254,8 @@ class ServerState:
         least = self.bound.min_tokens(size) if self.bound is not None else 0
         if least >= max_model_len:
             raise OpenAIError(
-                400, f"This model's maximum context length is {max_model_len} tokens. However, your {param} "
-                     f"has {size} bytes of text, which is at least {least} tokens (no token covers more than "
+                400, f"This model's maximum context length is {max_model_len} tokens. However, the {size} bytes "
+                     f"of text in the {param} make at least {least} tokens (no token covers more than "
                      f"{self.bound.max_token_bytes} bytes). Please reduce the length of the {param}.",
                 param=param, code="context_length_exceeded")
 
