@@ -10,7 +10,8 @@ when it loads tests/conftest.py (the default "prepend" import mode; the folder i
 * Sampling losslessness: `exact_first_two_law` is the target's exact joint law of the first two
   generated tokens (computed with transformers), `empirical_first_two_law` the law observed over many
   requests through an engine with one drafter, `total_variation` the distance between two such laws.
-* Servers: `sse_events(lines)` parses a streamed response's SSE lines.
+* Servers: `sse_events(lines)` parses a streamed response's SSE lines; `slow_steps(async_engine, s)`
+  makes every engine step take s seconds longer.
 * Composite drafters: `two_part_drafter()` registers (once) and names a drafter whose trees carry
   provenance (`TokenTree.sources`) over two parts, `ngram` and `echo`.
 * Devices: `DEVICES` parametrizes a test over ``"cpu"`` and ``"cuda"``; the CUDA case is marked
@@ -130,6 +131,20 @@ def empirical_first_two_law(target_dir, drafter: str, options: dict, prompt: lis
 def total_variation(a: dict, b: dict) -> float:
     """Total variation distance between two laws given as outcome -> probability (missing: 0)."""
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+def slow_steps(async_engine, seconds: float) -> None:
+    """Make every engine step of `async_engine` take `seconds` longer (requests stay in flight)."""
+    import time
+
+    runner = async_engine.engine.runner
+    execute = runner.execute
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return execute(*args, **kwargs)
+
+    runner.execute = slow
 
 
 def sse_events(lines) -> list:

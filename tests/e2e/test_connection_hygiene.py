@@ -17,6 +17,7 @@ import time
 import httpx
 import openai
 import pytest
+from helpers import slow_steps
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -124,17 +125,6 @@ def test_a_body_sent_too_slowly_is_a_408_and_the_connection_closes(serve, make_t
         assert _chat_ok(server)
 
 
-def _slow_steps(async_engine, seconds: float):
-    runner = async_engine.engine.runner
-    execute = runner.execute
-
-    def slow(*args, **kwargs):
-        time.sleep(seconds)
-        return execute(*args, **kwargs)
-
-    runner.execute = slow
-
-
 def _metric(server, sample: str) -> float:
     for line in httpx.get(server.base_url + "/metrics").text.splitlines():
         if line.startswith(sample + " "):
@@ -148,7 +138,7 @@ def test_a_client_that_stops_reading_is_reset_and_its_request_aborted(serve, mak
     (1 s) resets the connection and the engine aborts the request, freeing its KV, with most of its
     tokens never generated."""
     engine = make_tiny_engine(max_num_seqs=16)
-    _slow_steps(engine, 0.02)
+    slow_steps(engine, 0.02)
     with serve(engine, served_model_name="tiny", server_options={"stream_stall_timeout": 1.0}) as server:
         sock = _connect(server, rcvbuf=4096)
         body = json.dumps({"prompt": "Hello", "max_tokens": 450, "ignore_eos": True, "stream": True, "n": 16,

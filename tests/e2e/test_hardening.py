@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from helpers import sse_events
+from helpers import slow_steps, sse_events
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 MARK = [3, 3, 3, 3, 3, 3, 3]          # prompt token ids of the request a fault is injected into
@@ -222,22 +222,11 @@ async def _one_stream(base_url, body):
 # ---- shutdown -------------------------------------------------------------------------------------
 
 
-def _slow_steps(async_engine, seconds: float):
-    runner = async_engine.engine.runner
-    execute = runner.execute
-
-    def slow(*args, **kwargs):
-        time.sleep(seconds)
-        return execute(*args, **kwargs)
-
-    runner.execute = slow
-
-
 def test_draining_refuses_new_requests_and_lets_running_ones_finish(serve, make_tiny_engine):
     from specserve.server.app import begin_shutdown
 
     engine = make_tiny_engine()
-    _slow_steps(engine, 0.01)
+    slow_steps(engine, 0.01)
     with serve(engine) as server, httpx.Client(base_url=server.base_url, timeout=60) as c:
         body = {"prompt": "Hello", "max_tokens": 50, "ignore_eos": True, "stream": True}
         with c.stream("POST", "/v1/completions", json=body) as r:
@@ -254,7 +243,7 @@ def test_draining_refuses_new_requests_and_lets_running_ones_finish(serve, make_
 
 def test_shutdown_ends_a_stream_outliving_the_timeout_with_an_error_and_exits_0(serve, make_tiny_engine, idle):
     engine = make_tiny_engine()
-    _slow_steps(engine, 0.05)                       # 400 tokens: 20 s, far past the 1 s timeout
+    slow_steps(engine, 0.05)                       # 400 tokens: 20 s, far past the 1 s timeout
     with serve(engine, shutdown_timeout=1.0) as server:
         body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=server.base_url, timeout=60) as c, c.stream("POST", "/v1/completions",

@@ -37,10 +37,10 @@ def check_bound(tokenizer):
     return bound, tight
 
 
-def test_the_bound_holds_for_the_tiny_tokenizer():
-    from conftest import make_tiny_tokenizer
+def test_the_bound_holds_for_the_tiny_tokenizer(tiny_llama_dir):
+    from transformers import AutoTokenizer
 
-    bound, _ = check_bound(make_tiny_tokenizer())
+    bound, _ = check_bound(AutoTokenizer.from_pretrained(tiny_llama_dir))
     assert default_body_limit(512, bound) == 2**20          # small contexts: the 1 MiB floor
 
 
