@@ -91,7 +91,6 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self.dead = threading.Event()    # set when the step loop has died (an unrecoverable device error)
-        self._num_pending = 0          # added but not yet seen by the loop
         self._lock = threading.Lock()
         self._stats = engine.get_stats()
         # admission (see `add_request`): what is left for requests not yet running once those ahead of
@@ -153,7 +152,6 @@ class AsyncEngine:
                                      f"{self.max_num_seqs} sequence slots; retry later",
                                      retry_after=self.retry_after())
             self._pending[request_id] = (num_seqs, num_blocks)
-            self._num_pending += 1
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._inbox.put(("add", request_id, list(prompt_token_ids), params, time.monotonic(), drafter,
@@ -251,7 +249,6 @@ class AsyncEngine:
             if msg[0] == "add":
                 _, request_id, prompt, params, arrival, drafter, drafter_options = msg
                 with self._lock:   # its room stays counted until `_refresh_admission` finds it in the scheduler
-                    self._num_pending -= 1
                     self._pending.pop(request_id, None)
                 stream = self._streams.get(request_id)
                 if stream is None or stream.finished:   # closed before it started

@@ -28,9 +28,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.engine.errors import EngineError, ShuttingDownError
 from specserve.server.metrics import ServerMetrics
+from specserve.server.openai_routes import OpenAIError, ServerState, clip, engine_error, get_state, router
 from specserve.server.openapi import install_openapi
 from specserve.server.prompt_guard import default_body_limit
-from specserve.server.openai_routes import OpenAIError, ServerState, clip, engine_error, get_state, router
 
 logger = logging.getLogger("specserve.server")
 
@@ -82,7 +82,6 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
                                   else FALLBACK_MAX_REQUEST_BODY_BYTES)
     if max_request_body_bytes is not None:
         app.add_middleware(BodySizeLimit, max_bytes=int(max_request_body_bytes))
-    app.state.max_request_body_bytes = max_request_body_bytes
     return app
 
 

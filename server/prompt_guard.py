@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -80,7 +79,8 @@ class LaneFull(Exception):
 
 
 class TokenizerLanes:
-    """Two thread pools for templating and tokenization, by prompt size (module docstring)."""
+    """Two thread pools for templating and tokenization, by prompt size (module docstring). Used
+    from the server's event loop only, so its count of large prompts needs no lock."""
 
     def __init__(self, small_threads: int = SMALL_LANE_THREADS, large_threads: int = LARGE_LANE_THREADS,
                  large_depth: int = LARGE_LANE_DEPTH, small_bytes: int = SMALL_PROMPT_BYTES):
@@ -89,7 +89,6 @@ class TokenizerLanes:
         self.large_depth = large_depth
         self.small_bytes = small_bytes
         self._large_in = 0
-        self._lock = threading.Lock()
 
     async def run(self, size: int, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` on the lane for a prompt of `size` bytes of text; LaneFull when that is the
@@ -97,15 +96,13 @@ class TokenizerLanes:
         loop = asyncio.get_running_loop()
         if size <= self.small_bytes:
             return await loop.run_in_executor(self.small, fn, *args)
-        with self._lock:
-            if self._large_in >= self.large_depth:
-                raise LaneFull(f"{self._large_in} large prompts are being tokenized")
-            self._large_in += 1
+        if self._large_in >= self.large_depth:
+            raise LaneFull(f"{self._large_in} large prompts are being tokenized")
+        self._large_in += 1
         try:
             return await loop.run_in_executor(self.large, fn, *args)
         finally:
-            with self._lock:
-                self._large_in -= 1
+            self._large_in -= 1
 
     def shutdown(self) -> None:
         for pool in (self.small, self.large):

@@ -9,6 +9,8 @@ step times of this machine, so the draft sizes differ between runs: that is the 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from helpers import make_llm_engine, step_and_collect
 
@@ -55,20 +57,18 @@ def engine(default_model, tmp_path_factory):
     return make_llm_engine("default", list(DRAFTERS), options, loaded=default_model, **ENGINE)
 
 
+_request_ids = itertools.count()
+
+
 def run(engine, requests) -> list[list[int]]:
     """Add (prompt, params, drafter) requests at once and step until all finish: their tokens."""
-    base = len(engine.requests) + run.count
-    run.count += len(requests)
-    ids = [f"q{base + i}" for i in range(len(requests))]
+    ids = [f"q{next(_request_ids)}" for _ in requests]
     for rid, (prompt, params, drafter) in zip(ids, requests):
         engine.add_request(rid, prompt, params, drafter=drafter)
     got: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         step_and_collect(engine, got)
     return [got[rid] for rid in ids]
-
-
-run.count = 0
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))

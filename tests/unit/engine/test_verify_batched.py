@@ -311,6 +311,16 @@ def mixed_batch(rng: random.Random, T: int, vocab: int, max_nodes: int = 14):
     return trees
 
 
+def favour_drafts(logits: torch.Tensor, trees: list[TokenTree], rng: random.Random, chance: float) -> torch.Tensor:
+    """`logits` [T, N, V] with each drafted token raised by 3 at its parent, with probability
+    `chance` per node: a target that often likes the drafts, so walks go deeper."""
+    for t, tr in enumerate(trees):
+        for i, par in enumerate(tr.parents):
+            if par != NO_PARENT and rng.random() < chance:
+                logits[t, par, tr.tokens[i]] += 3
+    return logits
+
+
 def test_verify_batched_greedy_rows_equal_the_reference_and_random_rows_are_valid():
     rng = random.Random(7)
     vocab = 5
@@ -378,11 +388,7 @@ def test_keyed_trees_commit_what_keyed_plain_sampling_draws_along_the_path():
         for tr in trees:
             tr.next_roots = 1
         packed = pack_trees(trees)
-        logits = torch.randn(T, packed.max_nodes, vocab) * 2
-        for t, tr in enumerate(trees):        # a target that often likes the drafts: deeper walks
-            for i, par in enumerate(tr.parents):
-                if par != NO_PARENT and rng.random() < 0.6:
-                    logits[t, par, tr.tokens[i]] += 3
+        logits = favour_drafts(torch.randn(T, packed.max_nodes, vocab) * 2, trees, rng, 0.6)
         kinds = [rng.choice(["greedy", "keyed", "keyed", "random"]) for _ in range(T)]
         params = [SamplingParams(temperature=0.0) if k == "greedy" else SamplingParams(temperature=0.9, top_p=0.95)
                   for k in kinds]
@@ -476,11 +482,7 @@ def test_compacting_and_masked_paths_give_the_same_results():
         T = rng.randint(1, 10)
         trees = mixed_batch(rng, T, vocab, max_nodes=10)
         packed = pack_trees(trees)
-        logits = torch.randn(T, packed.max_nodes, vocab) * 2
-        for t, tr in enumerate(trees):        # make the target like the first child: deeper walks
-            for i, par in enumerate(tr.parents):
-                if par != NO_PARENT and rng.random() < 0.7:
-                    logits[t, par, tr.tokens[i]] += 3
+        logits = favour_drafts(torch.randn(T, packed.max_nodes, vocab) * 2, trees, rng, 0.7)
         params = [SamplingParams(temperature=0.0) if t % 4 == 0 else SamplingParams(temperature=0.9, top_p=0.9)
                   for t in range(T)]
         st = SamplingTensors.from_params(params, "cpu")
