@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -172,6 +173,33 @@ def replay(policy: str, drafter_name: str, accept: list[_Acceptance], costs: dic
     return {"policy": policy, **summarise(steps_of, costs), "steps": steps_of}
 
 
+def markdown(result: dict) -> str:
+    """The table of a run's JSON: each drafter x dataset, the simulated speedup of every policy."""
+    meta, rows = result["meta"], result["results"]
+    policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    drafters = list(dict.fromkeys(r["drafter"] for r in rows))
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    recorded = meta.get("max_tokens") or re.search(r"--max-tokens (\d+)", meta["invocation"])   # older runs: the flag
+    tokens = f", {recorded if isinstance(recorded, int) else recorded[1]} tokens per prompt" if recorded else ""
+    lines = [f"## Draft-budget policies replayed (batch 1, cpu{tokens})", "",
+             f"{meta['date']}; `{meta['invocation']}`", "",
+             "| drafter | dataset | " + " | ".join(policies) + " |", "|---|---|" + "---|" * len(policies)]
+    for name in drafters:
+        for ds in datasets:
+            cells = [next((r for r in rows if (r["drafter"], r["dataset"], r["policy"]) == (name, ds, p)), None)
+                     for p in policies]
+            if not any(cells):
+                continue
+            lines.append(f"| {name} | {ds} | " + " | ".join(
+                f"{c['speedup']:.2f}× ({c['trees']} trees, {c['accepted']} accepted)" if c else "–"
+                for c in cells) + " |")
+    lines += ["", "Simulated seconds from the step cost table measured in the recording (seconds of a "
+              "decode step by its tokens): " + "; ".join(
+                  f"{name}: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in t.items())
+                  for name, t in meta["step_seconds"].items())]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specserve bench replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
@@ -219,23 +247,12 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info("cpu"),
             "invocation": "python -m specserve.bench.budget_replay " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "step_seconds": tables}
+            "max_tokens": args.max_tokens, "step_seconds": tables}
     if args.out:
         out = Path(args.out)
-        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-        lines = [f"## Draft-budget policies replayed (batch 1, cpu, {args.max_tokens} tokens per prompt)", "",
-                 f"{meta['date']}; `{meta['invocation']}`", "",
-                 "| drafter | dataset | " + " | ".join(POLICIES) + " |", "|---|---|" + "---|" * len(POLICIES)]
-        for name in args.drafters:
-            for ds in args.datasets:
-                cells = [next(r for r in rows if (r["drafter"], r["dataset"], r["policy"]) == (name, ds, p))
-                         for p in POLICIES]
-                lines.append(f"| {name} | {ds} | " + " | ".join(
-                    f"{c['speedup']:.2f}× ({c['trees']} trees, {c['accepted']} accepted)" for c in cells) + " |")
-        lines += ["", "Simulated seconds from the step cost table measured in the recording (seconds of a "
-                  "decode step by its tokens): " + "; ".join(
-                      f"{name}: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in t.items()) for name, t in tables.items())]
-        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        result = {"benchmark": "budget_replay", "meta": meta, "results": rows}
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        out.with_suffix(".md").write_text(markdown(result))
     return 0
 
 

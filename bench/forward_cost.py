@@ -38,6 +38,26 @@ def _put_packed(model, copies: dict) -> None:
             p._specserve_packed = copies[name]
 
 
+def markdown(result: dict) -> str:
+    """The table of a run's JSON: milliseconds per forward by new tokens, unpacked and prepacked weights."""
+    m, ms = result["machine"], result["forward_ms"]
+    tokens = sorted(ms["unpacked"], key=int)
+    lines = [f"## Target forward + LM head by new tokens: {result['model']} (cpu, {result['dtype']})", "",
+             f"{result['date']}; {m['platform']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch threads; torch "
+             f"{result['torch']}; prefix {result['prefix']} tokens; median of {result['repeats']}, variants "
+             "interleaved.", ""]
+    if result.get("command"):
+        lines += [f"`{result['command']}`", ""]
+    lines += ["| new tokens | unpacked ms | prepacked ms | prepacked / unpacked | unpacked vs 1 token | "
+              "prepacked vs 1 token |", "|---|---|---|---|---|---|"]
+    base = {v: ms[v][tokens[0]] for v in ms}
+    for n in tokens:
+        u, p = ms["unpacked"][n], ms["prepacked"][n]
+        lines.append(f"| {n} | {u:.1f} | {p:.1f} | {p / u:.2f} | {u / base['unpacked']:.2f} | "
+                     f"{p / base['prepacked']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -105,24 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         print("forward_cost: this torch/CPU cannot prepack weights; both columns are unpacked", file=sys.stderr)
     ms = {v: {n: 1000 * statistics.median(times[v][n]) for n in args.tokens} for v in variants}
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    result = {"date": stamp, "machine": machine_info("cpu"), "torch": torch.__version__,
-              "transformers": transformers.__version__, "model": loaded.name, "dtype": "float32",
-              "prefix": args.prefix, "repeats": args.repeats, "weights_packed": packed,
-              "forward_ms": {v: {str(n): round(t, 2) for n, t in ms[v].items()} for v in variants}}
     cmd = "python -m specserve.bench.forward_cost " + " ".join(sys.argv[1:] if argv is None else argv)
-    m = result["machine"]
-    lines = [f"## Target forward + LM head by new tokens: {loaded.name} (cpu, float32)", "",
-             f"{stamp}; {m['platform']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch threads; torch "
-             f"{torch.__version__}; prefix {args.prefix} tokens; median of {args.repeats}, variants interleaved.", "",
-             f"`{cmd.strip()}`", "",
-             "| new tokens | unpacked ms | prepacked ms | prepacked / unpacked | unpacked vs 1 token | "
-             "prepacked vs 1 token |", "|---|---|---|---|---|---|"]
-    base = {v: ms[v][min(args.tokens)] for v in variants}
-    for n in args.tokens:
-        u, p = ms["unpacked"][n], ms["prepacked"][n]
-        lines.append(f"| {n} | {u:.1f} | {p:.1f} | {p / u:.2f} | {u / base['unpacked']:.2f} | "
-                     f"{p / base['prepacked']:.2f} |")
-    text = "\n".join(lines) + "\n"
+    result = {"benchmark": "forward_cost", "command": cmd.strip(), "date": stamp, "machine": machine_info("cpu"),
+              "torch": torch.__version__, "transformers": transformers.__version__, "model": loaded.name,
+              "dtype": "float32", "prefix": args.prefix, "repeats": args.repeats, "weights_packed": packed,
+              "forward_ms": {v: {str(n): round(t, 2) for n, t in ms[v].items()} for v in variants}}
+    text = markdown(result)
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -460,7 +460,7 @@ def readme_block(result: dict) -> str:
     meta = result["meta"]
     return "\n".join([MARK_START, "", f"`{meta['command_line']}` ({meta['date']}, {meta['model']}, "
                       f"{meta['num_prompts']} prompts × {meta['max_tokens']} tokens per dataset; full table and "
-                      "configurations in `bench/results/parity.md`):", "", *claims_table(result["claims"]), "",
+                      "configurations in `docs/results.md`):", "", *claims_table(result["claims"]), "",
                       *[f"* {r['id']}: {r['note']}" for r in result["claims"] if r.get("note")], "", MARK_END])
 
 
@@ -535,6 +535,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     metas = [r["meta"] for r in runs if "meta" in r]
     now = datetime.now().astimezone()
     result = {
+        "benchmark": "parity",
         "meta": {"date": now.date().isoformat(), "datetime": now.isoformat(timespec="seconds"),
                  "command_line": shlex.join(["specserve", "bench", "parity", *argv]),
                  "machine": metas[0]["machine"] if metas else None, "torch": torch.__version__,

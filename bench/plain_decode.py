@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     hf_n, hf_t, hf_out = run_hf(hf, prompts, args.max_tokens)
     same = sum(a == b for a, b in zip(ours_out, hf_out))
     result = {
+        "benchmark": "plain_decode",
+        "command": "python -m specserve.bench.plain_decode " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": date.today().isoformat(), "machine": f"{platform.machine()} {torch.get_num_threads()} threads, CPU",
         "model": loaded.name, "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
         "ours_tok_s": ours_n / ours_t, "hf_tok_s": hf_n / hf_t, "speedup_vs_hf": (ours_n / ours_t) / (hf_n / hf_t),
@@ -71,10 +74,19 @@ def main(argv: list[str] | None = None) -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print("| engine | tokens/s (batch 1, fp32) |\n|---|---|")
-    print(f"| specserve plain decoding | {result['ours_tok_s']:.1f} |")
-    print(f"| transformers generate | {result['hf_tok_s']:.1f} |")
-    print(f"\nspeed-up {result['speedup_vs_hf']:.2f}x, identical greedy outputs {result['identical_outputs']}, {result['machine']}, {result['date']}")
+    print(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    """The table of a run's JSON: batch-1 greedy tokens/s of our plain decoding and of transformers."""
+    return "\n".join([
+        f"## Plain decoding: {result['model']} (batch 1, fp32, {result['num_prompts']} {result['dataset']} prompts "
+        f"× {result['max_tokens']} tokens)", "",
+        "| engine | tokens/s (batch 1, fp32) |", "|---|---|",
+        f"| specserve plain decoding | {result['ours_tok_s']:.1f} |",
+        f"| transformers generate | {result['hf_tok_s']:.1f} |", "",
+        f"speed-up {result['speedup_vs_hf']:.2f}x, identical greedy outputs {result['identical_outputs']}, "
+        f"{result['machine']}, {result['date']}; torch {result['torch']}, transformers {result['transformers']}."]) + "\n"
 
 
 if __name__ == "__main__":

@@ -1095,7 +1095,7 @@ def main(argv: list[str] | None = None) -> int:
     if result["passed"] and server is not None and not server.log_tail().strip():
         shutil.rmtree(server.log_path.parent, ignore_errors=True)   # an empty log of a clean run
         result["server"]["log"] = None
-    result = {"meta": result.pop("meta"), **result}
+    result = {"benchmark": "reliability", "meta": result.pop("meta"), **result}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = (out.with_name(out.name + ext) for ext in (".json", ".md"))

@@ -12,6 +12,7 @@ import asyncio
 import json
 import platform
 import socket
+import sys
 import threading
 import time
 from datetime import date
@@ -91,15 +92,25 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(run_level(base, prompts, 1, 8))  # warm-up
     levels = [asyncio.run(run_level(base, prompts, c, args.max_tokens)) for c in args.concurrency]
     server.should_exit = True
-    single = levels[0]["tok_s"]
-    result = {"date": date.today().isoformat(), "machine": f"{platform.machine()} {torch.get_num_threads()} threads, CPU",
+    result = {"benchmark": "serve_throughput",
+              "command": "python -m specserve.bench.serve_throughput " + " ".join(sys.argv[1:] if argv is None else argv),
+              "date": date.today().isoformat(), "machine": f"{platform.machine()} {torch.get_num_threads()} threads, CPU",
               "model": engine.model_name, "max_tokens": args.max_tokens, "levels": levels}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print("| concurrent streams | generated tokens/s | × single stream | mean TTFT (s) |\n|---|---|---|---|")
+    print(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    """The table of a run's JSON: generated tokens/s by concurrent streams."""
+    levels = result["levels"]
+    single = levels[0]["tok_s"]
+    lines = [f"## Server throughput: {result['model']} (cpu, fp32, {result['max_tokens']} tokens per stream)", "",
+             "| concurrent streams | generated tokens/s | × single stream | mean TTFT (s) |", "|---|---|---|---|"]
     for lv in levels:
-        print(f"| {lv['concurrency']} | {lv['tok_s']:.1f} | {lv['tok_s'] / single:.2f} | {lv['mean_ttft_s']:.2f} |")
-    print(f"\n{result['machine']}, {result['date']}")
+        lines.append(f"| {lv['concurrency']} | {lv['tok_s']:.1f} | {lv['tok_s'] / single:.2f} | {lv['mean_ttft_s']:.2f} |")
+    lines += ["", f"{result['machine']}, {result['date']}"]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

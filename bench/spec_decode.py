@@ -531,6 +531,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     now = datetime.now().astimezone()
     result = {
+        "benchmark": "spec_decode",
         "meta": {
             "date": now.date().isoformat(), "datetime": now.isoformat(timespec="seconds"),
             "machine": machine_info(engine.device),

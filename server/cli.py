@@ -367,6 +367,7 @@ BENCHMARKS = {   # name -> (module with main(argv), what it measures)
     "serve": ("specserve.bench.serve_throughput", "server throughput with concurrent streaming clients"),
     "parity": ("specserve.bench.parity", "the papers' orderings (claim, paper, ours, holds) on the shipped drafters"),
     "reliability": ("specserve.bench.reliability", "soak, disconnect storm and back-to-idle checks of a live server"),
+    "report": ("specserve.bench.report", "no measurement: regenerate docs/results.md from bench/results/*.json"),
 }
 
 
@@ -386,15 +387,14 @@ def _add_bench(sub) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    try:
-        module = importlib.import_module(BENCHMARKS[args.benchmark][0])
-    except ModuleNotFoundError as exc:   # a package of an extra, not of the plain install
+    try:   # the import, and the imports a benchmark (or the report's renderers) makes when it runs
+        return int(importlib.import_module(BENCHMARKS[args.benchmark][0]).main(args.args) or 0)
+    except ModuleNotFoundError as exc:   # a package of the [bench] extra, not of the plain install
         if exc.name is None or exc.name.split(".")[0] == "specserve":
             raise
         print(f"specserve bench {args.benchmark}: needs the Python package {exc.name!r}, which a plain install "
-              f"lacks: pip install 'specserve[dev]' (or pip install {exc.name.split('.')[0]})", file=sys.stderr)
+              f"lacks: pip install 'specserve[bench]' (or pip install {exc.name.split('.')[0]})", file=sys.stderr)
         return 2
-    return int(module.main(args.args) or 0)
 
 
 TRAIN_DEFAULTS = dict(model="default", data="default", epochs=None, lr=None, batch_tokens=8192, max_examples=4000,
