@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from deploy_files import RULES, dashboard_exprs, rule_list, speculative_traffic
 
-from specserve.bench.dashboard import (dashboard_variables, load_dashboard, local_prometheus, panel_queries,
-                                       substitute)
+# scripts/dashboard.py: a repository tool beside the package, not in it
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from dashboard import dashboard_variables, load_dashboard, local_prometheus, panel_queries, substitute  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="no `prometheus` on PATH (Debian: apt-get install prometheus)")

@@ -1,17 +1,20 @@
 """The Grafana dashboard without Grafana: evaluate its panels on a Prometheus and draw them with matplotlib.
 
-``deploy/grafana/specserve.json`` is the dashboard; Grafana itself is not needed to see it. This module reads
+``deploy/grafana/specserve.json`` is the dashboard; Grafana itself is not needed to see it. This script reads
 the JSON, substitutes the template variables (``$drafter``, ``$__rate_interval``, ``$__range``), queries a
 Prometheus for every panel over a time range and lays the panels out on their grid in one PNG::
 
     # an existing Prometheus that scrapes a specserve server
-    python -m specserve.bench.dashboard render --prometheus http://127.0.0.1:9090 --last 15m --out docs/dashboard.png
+    python scripts/dashboard.py render --prometheus http://127.0.0.1:9090 --last 15m --out docs/dashboard.png
 
     # all in one: serve a model with the none/ngram/mag drafters, run a local Prometheus (the `prometheus`
     # binary, e.g. Debian's package) with deploy/prometheus/rules.yml, send traffic, render (docs/dashboard.png)
-    python -m specserve.bench.dashboard demo --model default --duration 600 --out docs/dashboard.png
+    python scripts/dashboard.py demo --model default --duration 600 --out docs/dashboard.png
 
 The same helpers (`panel_queries`, `local_prometheus`, `Prometheus`) back tests/deploy/test_prometheus.py.
+
+A repository tool, not part of the installed package: run it from a checkout with specserve installed with the
+bench extra (``pip install -e '.[bench]'``: matplotlib, httpx) and pyyaml.
 """
 
 from __future__ import annotations
