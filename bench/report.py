@@ -118,10 +118,14 @@ class Result:
         return str(m.get("datetime") or m.get("date") or d.get("datetime") or d.get("date") or "")
 
     @property
-    def command(self) -> str | None:
+    def recorded_command(self) -> str | None:
         m, d = self.meta, self.data
         return d.get("command") or m.get("invocation") or m.get("command_line") or m.get("command") \
-            or d.get("invocation") or d.get("command_line") or _reconstructed_command(self.benchmark, d)
+            or d.get("invocation") or d.get("command_line")
+
+    @property
+    def command(self) -> str | None:
+        return self.recorded_command or _reconstructed_command(self.benchmark, self.data)
 
     @property
     def machine(self) -> str:
@@ -254,6 +258,9 @@ def render_page(results_dir: Path | str = DEFAULT_RESULTS, out: Path | str = DEF
             lines += [f"### `{r.path.name}` ({date[:10] or date})", ""]
             command = r.command
             lines += ["```bash", command, "```", ""] if command else ["Command: not recorded.", ""]
+            if command and not r.recorded_command:
+                lines += ["(The file records the run's settings but not its command line: the command above is "
+                          "rebuilt from them.)", ""]
             lines += [f"* **Machine:** {r.machine}", f"* **Date:** {date}",
                       f"* **File:** [`{r.path.name}`]({link_dir}/{r.path.name})", ""]
             png = r.path.with_suffix(".png")
