@@ -7,17 +7,11 @@ The files are third-party data and are read in place, never copied into the proj
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from specserve.engine.data_dir import data_dir  # noqa: F401  (re-exported for the benchmarks)
+
 DATASETS = {"mt_bench": "mt_bench.jsonl", "humaneval": "humaneval.jsonl", "gsm8k": "gsm8k.jsonl"}
-
-
-def data_dir() -> Path:
-    env = os.environ.get("SPECSERVE_DATA")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
 
 def dataset_label(name_or_path: str) -> str:

@@ -9,14 +9,16 @@ engine falls back to plain decoding for those sequences for that step and counts
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
+import pkgutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence as Seq
+from typing import Any, Callable, ClassVar, Sequence as Seq
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+import specserve.drafters as drafters_package
 from specserve.engine.sequence import DraftRequest  # noqa: F401  (re-exported for drafters)
 from specserve.engine.tree import TokenTree
 from specserve.engine.verify import VerifyResult
@@ -64,6 +66,9 @@ class Drafter(ABC):
                 raise DrafterOptionError(unknown_option_message(f"drafter {cls.name!r} (per request)", key,
                                                                 cls.request_options))
         return dict(options)
+
+    def __init__(self, ctx: DrafterContext | None = None) -> None:
+        """`ctx`: the engine's `DrafterContext`; a drafter's own options follow it as keywords."""
 
     def start(self, seq) -> None:
         """A sequence joins (after its prompt is known)."""
@@ -142,8 +147,6 @@ class DrafterContext:
     features: Any = None
 
     def __post_init__(self) -> None:
-        import torch
-
         object.__setattr__(self, "device", torch.device(self.device))
         if self.dtype is None:
             object.__setattr__(self, "dtype", torch.float32)
@@ -174,16 +177,6 @@ def drafter_class(name: str) -> DrafterFactory:
     if name not in _REGISTRY:
         raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
-
-
-def _takes_context(factory) -> bool:
-    """New-style drafters take the context as their first positional parameter `ctx`."""
-    try:
-        params = list(inspect.signature(factory).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    return bool(params) and params[0].name == "ctx" and params[0].kind in (
-        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def drafter_options(factory) -> dict[str, Any]:
@@ -229,9 +222,8 @@ def make_drafter(name: str, ctx: DrafterContext | None = None, /, **kwargs) -> D
 
     `kwargs` are options, plus (for callers without a `DrafterContext`) context fields by name
     (`tokenizer=`, `target=`, ...). An option the drafter does not declare raises
-    DrafterOptionError naming the valid ones. A drafter constructor either takes `ctx` first and
-    its options as keywords (`__init__(self, ctx, *, max_ngram=4)`), or, the older form, the context
-    fields themselves as keywords; both are validated the same way."""
+    DrafterOptionError naming the valid ones. A drafter constructor takes `ctx` first and its
+    options as keywords (`__init__(self, ctx, *, max_ngram=4)`)."""
     factory = drafter_class(name)
     context = {k: kwargs.pop(k) for k in CONTEXT_FIELDS if k in kwargs}
     if ctx is None:
@@ -239,13 +231,7 @@ def make_drafter(name: str, ctx: DrafterContext | None = None, /, **kwargs) -> D
     elif context:
         ctx = replace(ctx, **context)
     check_options(name, factory, kwargs)
-    if _takes_context(factory):
-        return factory(ctx, **kwargs)
-    # the older form: context fields as keywords, as many as the constructor takes
-    params = inspect.signature(factory).parameters
-    open_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    given = {k: getattr(ctx, k) for k in CONTEXT_FIELDS if open_kw or k in params}
-    return factory(**given, **kwargs)
+    return factory(ctx, **kwargs)
 
 
 def parse_option_value(text: str):
@@ -276,17 +262,12 @@ def parse_drafter_options(items: Seq[str]) -> dict[str, dict]:
     return options
 
 
-_NOT_DRAFTERS = {"base", "draft_vocab"}
+_NOT_DRAFTERS = {"base", "draft_vocab", "features"}
 
 
 def _import_builtin() -> None:
     """Import every drafter module of this package (each registers itself): adding a drafter is
     adding its file."""
-    import importlib
-    import pkgutil
-
-    import specserve.drafters as package
-
-    for info in pkgutil.iter_modules(package.__path__):
+    for info in pkgutil.iter_modules(drafters_package.__path__):
         if not info.ispkg and info.name not in _NOT_DRAFTERS and not info.name.startswith("_"):
-            importlib.import_module(f"{package.__name__}.{info.name}")
+            importlib.import_module(f"{drafters_package.__name__}.{info.name}")

@@ -81,6 +81,7 @@ import math
 from typing import Sequence as Seq
 
 from specserve.drafters.base import Drafter, DrafterContext, drafter_class, make_drafter, register
+from specserve.drafters.draft_model import DraftModelDrafter
 from specserve.engine.tree import TokenTree
 
 BOTTOM = "mag"
@@ -192,8 +193,6 @@ class CascadeDrafter(Drafter):
     name = "cascade"
 
     def __init__(self, ctx: DrafterContext, *, levels="student,mag", k=None, leniency=1.0, level_options=None):
-        from specserve.drafters.draft_model import DraftModelDrafter
-
         self.level_names = parse_levels(levels)
         self.part_names = part_names_of(self.level_names)
         n = len(self.level_names)

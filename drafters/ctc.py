@@ -60,22 +60,18 @@ LM-head rows it multiplies, the draft vocabulary's rows x hidden size) / the tar
 
 from __future__ import annotations
 
-import copy
-import logging
 from functools import lru_cache
 from itertools import product
 from typing import Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, DrafterContext, param_count, register
+from specserve.drafters.base import DrafterContext, register
 from specserve.drafters.draft_vocab import DraftVocab
+from specserve.drafters.features import FeatureDrafter, FeatureState
 from specserve.drafters.nets.ctc import DEFAULT_SLOTS, CTCDraftNet, load_net, shipped_checkpoint
-from specserve.engine.features import FeatureStore
 from specserve.engine.model import rope_tables
 from specserve.engine.tree import NO_PARENT, TokenTree
-
-logger = logging.getLogger("specserve")
 
 BLANK = -1                 # the blank in token tensors and lists
 DEFAULT_TOP_K = 4
@@ -210,18 +206,18 @@ def draft_trees(roots: Seq[int], top_logp: torch.Tensor, top_ids: torch.Tensor, 
 
 # ---- the drafter ----------------------------------------------------------------------------------------------------
 
-class _SeqState:
-    __slots__ = ("kv_len", "keys", "values", "last_row")
+class _SeqState(FeatureState):
+    __slots__ = ("keys", "values", "last_row")
 
     def __init__(self):
-        self.kv_len = 0                               # rows 0..kv_len-1 have keys/values
+        super().__init__()                            # rows 0..kv_len-1 have keys/values
         self.keys: torch.Tensor | None = None         # [capacity, kv_heads, D]
         self.values: torch.Tensor | None = None
         self.last_row: torch.Tensor | None = None     # r_{kv_len-1}: the slots' base when kv_len == N-1
 
 
 @register("ctc")
-class CTCDrafter(Drafter):
+class CTCDrafter(FeatureDrafter):
     """See the module docstring. The target's features are read from the engine's feature store
     (`ctx.features`, engine/features.py); built outside an engine, the drafter keeps its own store,
     fed by `observe`.
@@ -234,35 +230,24 @@ class CTCDrafter(Drafter):
     attention (slots that see the rows but not each other) for no saving."""
 
     name = "ctc"
-    needs_features = True
+    State = _SeqState
 
     def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, top_k: int | None = None,
                  candidates: int | None = None, draft_vocab: int | None = None, random_init: bool = False,
                  num_slots: int = DEFAULT_SLOTS, seed: int = 0, net: CTCDraftNet | None = None):
-        target, model_config, device, dtype = ctx.target, ctx.model_config, ctx.device, ctx.dtype
-        self.target = target                       # its embedding and LM head are used by reference
-        self.device, self.dtype = torch.device(device), dtype
-        self.checkpoint_meta = None
+        super().__init__(ctx)
+        target, model_config = ctx.target, ctx.model_config
         trained_vocab, tuned = None, {}
         if net is None:
             if random_init:
                 net = CTCDraftNet.from_target(model_config, target, num_slots=int(num_slots), seed=int(seed))
             else:
-                path = checkpoint or shipped_checkpoint(model_config, target)
-                if path is None:
-                    raise ValueError("ctc: no checkpoint for this target. Train one with `specserve train ctc "
-                                     "--model MODEL --out DIR` and load it with --drafter-option ctc.checkpoint=DIR "
-                                     "(or ctc.random_init=true for an untrained net, for tests only)")
-                net, meta = load_net(path, model_config=model_config, target=target)
-                self.checkpoint_meta = meta
-                trained_vocab = meta.hyperparams.get("vocab")
-                tuned = meta.hyperparams.get("selection") or {}
-                logger.info("ctc: checkpoint %s (trained for %s, tau %s)", path, meta.target_name, meta.tau)
-        else:   # an in-memory net is read by reference (a trainer's evals see its latest weights) ...
-            p = next(net.parameters())
-            if p.device != self.device or p.dtype != dtype:   # ... unless it must be converted
-                net = copy.deepcopy(net)
-        self.net = net.to(device=self.device, dtype=dtype).eval()
+                net = self.load_trained(checkpoint, model_config, shipped_checkpoint, load_net, what="net")
+                trained_vocab = self.checkpoint_meta.hyperparams.get("vocab")
+                tuned = self.checkpoint_meta.hyperparams.get("selection") or {}
+        else:
+            net = self.in_memory(net)
+        self.net = net.to(device=self.device, dtype=self.dtype).eval()
         self.num_slots = self.net.num_slots
         self.top_k = int(top_k if top_k is not None else tuned.get("top_k", DEFAULT_TOP_K))
         self.num_candidates = int(candidates if candidates is not None else tuned.get("candidates", DEFAULT_CANDIDATES))
@@ -274,44 +259,15 @@ class CTCDrafter(Drafter):
         self.vocab = DraftVocab(target.lm_head_weight, self.net.vocab_rank, draft_vocab, drafter="ctc",
                                 full_logits=target.compute_logits)
         cos, sin = rope_tables(model_config, ctx.max_model_len + self.num_slots + 2, self.device)
-        self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
-        self.state: dict[int, _SeqState] = {}
-        self.num_runs = 0
-        rows = self.vocab.size or self.vocab.vocab_size
-        self.cost = (param_count(self.net) + rows * model_config.hidden_size) / param_count(target)
-        # the target's features: the engine's store, or (built outside an engine) one fed by `observe`
-        self._own_features = ctx.features is None
-        self.features = ctx.features
-        if self.features is None:
-            self.features = FeatureStore(model_config.hidden_size, dtype, self.device)
-
-    def model_runs(self) -> dict[str, tuple[int, float]]:
-        return {self.name: (self.num_runs, self.cost)}
+        self.rope_cos, self.rope_sin = cos.to(self.dtype), sin.to(self.dtype)
+        self.count_cost(self.net)
 
     # ---- protocol ---------------------------------------------------------------------------------------------------
 
-    def start(self, seq) -> None:
-        self.state[seq.seq_id] = _SeqState()
-
-    def finish(self, seq) -> None:
-        self.state.pop(seq.seq_id, None)
-        if self._own_features:
-            self.features.free(seq.seq_id)
-
-    def observe(self, seqs: Seq, features: Seq[tuple[int, torch.Tensor]]) -> None:
-        """The features themselves are read from the feature store; here only: features again for
-        rows already computed (preemption: recomputed from 0) mean those rows are redone."""
-        for seq, (start, hidden) in zip(seqs, features):
-            st = self.state.setdefault(seq.seq_id, _SeqState())
-            start = int(start)
-            if self._own_features:
-                try:
-                    self.features.write(seq.seq_id, start, hidden.detach().to(self.dtype))
-                except ValueError:   # a gap: the features in between never came; no draft until they do
-                    logger.warning("ctc: features of sequence %d jump from %d to %d", seq.seq_id,
-                                   self.features.length(seq.seq_id), start)
-            if start < st.kv_len:
-                st.kv_len, st.last_row = start, None
+    def rewind(self, seq_id: int, st: _SeqState, start: int) -> None:
+        if start < st.kv_len:
+            st.last_row = None
+        super().rewind(seq_id, st, start)
 
     # ---- rows -------------------------------------------------------------------------------------------------------
 
@@ -335,7 +291,7 @@ class CTCDrafter(Drafter):
         be drafted for (False while the features right before the root are missing)."""
         ready, todo = [], []
         for seq in seqs:
-            st = self.state.setdefault(seq.seq_id, _SeqState())
+            st = self.state.setdefault(seq.seq_id, self.State())
             n = len(seq.token_ids)
             missing = n - 1 - st.kv_len                      # rows kv_len .. n-2
             ok = n >= 2 and missing >= 0 and self.features.length(seq.seq_id) >= n - 1
@@ -373,14 +329,10 @@ class CTCDrafter(Drafter):
                                      [st.keys[:st.kv_len] for st in states], [st.values[:st.kv_len] for st in states])
         return self.net.log_probs_from_logits(out, self.vocab.logits(out))
 
-    @torch.inference_mode()
-    def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
+    def draft(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
         trees: list[TokenTree | None] = [None] * len(seqs)
-        live = [i for i, b in enumerate(budgets) if b > 0]
-        if not live:
-            return trees
-        ready = self.catch_up([seqs[i] for i in live])
-        act = [i for i, ok in zip(live, ready) if ok]
+        ready = self.catch_up(seqs)
+        act = [i for i, ok in enumerate(ready) if ok]
         if not act:
             return trees
         logp = self.slot_log_probs([seqs[i] for i in act])               # [N, T, V' + 1]

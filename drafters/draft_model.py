@@ -58,14 +58,18 @@ A draft vocabulary does not lower c (the paper's MS cost counts a model's parame
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence as Seq
 
 import torch
 
 from specserve.drafters.base import Drafter, DrafterContext, param_count, register
 from specserve.drafters.draft_vocab import DraftVocab
+from specserve.drafters.nets.checkpoint import target_fingerprint
+from specserve.drafters.nets.mcsd_decision import load_decision, shipped_decision
 from specserve.engine.config import ModelConfig
 from specserve.engine.kv_cache import PagedDraftKV
+from specserve.engine.loader import load_model
 from specserve.engine.model import LlamaModel
 from specserve.engine.sampler import SamplingTensors, processed_probs
 from specserve.engine.tree import TokenTree, TreeTemplate, num_roots, tree_depths, tree_topology
@@ -138,8 +142,6 @@ class DraftModelDrafter(Drafter):
         if prebuilt is not None:          # a subclass's own model (e.g. a distilled student)
             self.model, cfg = prebuilt, prebuilt.cfg
         elif draft_model:
-            from specserve.engine.loader import load_model
-
             loaded = load_model(draft_model)
             if loaded.hf_config.vocab_size != model_config.vocab_size:
                 raise ValueError(f"draft model {draft_model!r} has vocabulary {loaded.hf_config.vocab_size}, "
@@ -179,11 +181,6 @@ class DraftModelDrafter(Drafter):
     def _load_decision(self, path: str, ctx: DrafterContext):
         """`decision=DIR` (a checkpoint folder), or `type1` / `type2`: the shipped one of that type
         for this target (and, type 1, this draft model) when no folder of that name exists."""
-        from pathlib import Path
-
-        from specserve.drafters.nets.checkpoint import target_fingerprint
-        from specserve.drafters.nets.mcsd_decision import load_decision, shipped_decision
-
         fingerprint = target_fingerprint(ctx.model_config, ctx.target) if ctx.target is not None else None
         draft_fingerprint = self.draft_fingerprint()
         if str(path) in ("type1", "type2") and not Path(path).exists():
@@ -197,8 +194,6 @@ class DraftModelDrafter(Drafter):
 
     def draft_fingerprint(self) -> str:
         """The draft model's own fingerprint (type-1 decision models are tied to its hidden states)."""
-        from specserve.drafters.nets.checkpoint import target_fingerprint
-
         return target_fingerprint(self.model.cfg, self.model)
 
     @property

@@ -46,29 +46,22 @@ GEMM and is not counted.
 
 from __future__ import annotations
 
-import copy
-import logging
 from typing import Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, DrafterContext, param_count, register
+from specserve.drafters.base import DrafterContext, register
 from specserve.drafters.draft_vocab import DraftVocab
+from specserve.drafters.features import FeatureDrafter, FeatureState
 from specserve.drafters.nets.eagle import EagleHead, load_head, shipped_checkpoint
-from specserve.engine.config import ModelConfig
-from specserve.engine.features import FeatureStore
-from specserve.engine.kv_cache import PagedDraftKV
-from specserve.engine.model import LlamaModel, rope_at, rope_tables
+from specserve.engine.model import rope_tables
 from specserve.engine.tree import NO_PARENT, TokenTree, ancestor_mask
 
-logger = logging.getLogger("specserve")
-
-
-class _SeqState:
-    __slots__ = ("kv_len", "root_feat")
+class _SeqState(FeatureState):
+    __slots__ = ("root_feat",)
 
     def __init__(self):
-        self.kv_len = 0                              # L: rows 0..L-1 (real features) are in the drafter's cache
+        super().__init__()                           # kv_len L: rows 0..L-1 (real features) are in the drafter's cache
         self.root_feat: torch.Tensor | None = None   # output of row L-1 (f̂ at the root), valid while L == N-1
 
 
@@ -82,7 +75,7 @@ class _Node:
 
 
 @register("eagle")
-class EagleDrafter(Drafter):
+class EagleDrafter(FeatureDrafter):
     """Options: `checkpoint=PATH` (an eagle checkpoint folder; default: the shipped one for this
     target), `depth` (max tree depth, 6), `top_k` (children per expanded node, 4), `width` (nodes
     expanded per level, 4), `draft_vocab` (N > 0: draft from the N most frequent target tokens
@@ -91,107 +84,38 @@ class EagleDrafter(Drafter):
     decoder layer copied from the target's last one) or `head=` an in-memory EagleHead."""
 
     name = "eagle"
-    needs_features = True
+    State = _SeqState
 
     def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, random_init: bool = False,
                  init: str = "random", head: EagleHead | None = None, depth: int = 6, top_k: int = 4, width: int = 4,
                  draft_vocab: int | None = None, block_size: int = 16, num_blocks: int | None = None):
-        target, model_config, device, dtype = ctx.target, ctx.model_config, ctx.device, ctx.dtype
-        max_model_len, max_num_seqs = ctx.max_model_len, ctx.max_num_seqs
+        super().__init__(ctx)
+        target, model_config = ctx.target, ctx.model_config
         if min(depth, top_k, width) < 1:
             raise ValueError(f"eagle: depth, top_k and width must be >= 1 (got {depth}, {top_k}, {width})")
         self.depth, self.top_k, self.width = int(depth), int(top_k), int(width)
-        self.target = target
-        self.device, self.dtype = torch.device(device), dtype
-        self.checkpoint_meta = None
         if head is None:
-            head = self._load_head(target, model_config, checkpoint, random_init, init)
-        else:   # an in-memory head is read by reference (a trainer's evals see its latest weights) ...
-            p = next(head.parameters())
-            if p.device != self.device or p.dtype != dtype:   # ... unless it must be converted
-                head = copy.deepcopy(head)
-        self.head = head.to(device=self.device, dtype=dtype).eval()
+            if random_init:
+                head = EagleHead.from_target(model_config, target, init=init)
+            else:
+                head = self.load_trained(checkpoint, model_config, shipped_checkpoint, load_head)
+        else:
+            head = self.in_memory(head)
+        self.head = head.to(device=self.device, dtype=self.dtype).eval()
         # draft tokens come from the checkpoint's most frequent target tokens (see drafters.draft_vocab)
         self.vocab = DraftVocab(target.lm_head_weight, self.head.vocab_rank, draft_vocab, drafter="eagle",
                                 full_logits=target.compute_logits)
-        self.max_rows = max_model_len + self.depth + 1
+        self.max_rows = ctx.max_model_len + self.depth + 1
         self.rope_cos, self.rope_sin = rope_tables(model_config, self.max_rows, self.device)
         self.max_tree_rows = self.width * max(0, self.depth - 1)
-        self.kv = PagedDraftKV(1, model_config.num_kv_heads, model_config.head_dim, dtype, self.device,
-                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                               extra_tokens=self.max_tree_rows, block_size=block_size, num_blocks=num_blocks)
-        self.blocks, self.cache = self.kv.blocks, self.kv.cache
-        self.state: dict[int, _SeqState] = {}
-        self.num_runs = 0
-        rows = self.vocab.size or self.vocab.vocab_size
-        self.cost = (param_count(self.head) + rows * model_config.hidden_size) / param_count(target)
-        # the target's features: the engine's store, or (built outside an engine) one fed by `observe`
-        self._own_features = ctx.features is None
-        self.features = ctx.features
-        if self.features is None:
-            self.features = FeatureStore(model_config.hidden_size, dtype, self.device)
+        self.paged_kv(ctx, self.max_tree_rows, block_size, num_blocks)
+        self.count_cost(self.head)
 
-    def model_runs(self) -> dict[str, tuple[int, float]]:
-        return {self.name: (self.num_runs, self.cost)}
-
-    def _load_head(self, target, model_config, checkpoint, random_init, init) -> EagleHead:
-        if random_init:
-            return EagleHead.from_target(model_config, target, init=init)
-        path = checkpoint or shipped_checkpoint(model_config, target)
-        if path is None:
-            raise ValueError("eagle: no checkpoint for this target. Train one with `specserve train eagle "
-                             "--model MODEL --out DIR` and load it with --drafter-option eagle.checkpoint=DIR "
-                             "(or eagle.random_init=true for an untrained head, for tests only)")
-        head, meta = load_head(path, model_config=model_config, target=target)
-        self.checkpoint_meta = meta
-        logger.info("eagle: checkpoint %s (trained for %s, tau %s)", path, meta.target_name, meta.tau)
-        return head
-
-    # ---- protocol ---------------------------------------------------------------------------
-
-    def start(self, seq) -> None:
-        self.state[seq.seq_id] = _SeqState()
-
-    def finish(self, seq) -> None:
-        self.state.pop(seq.seq_id, None)
-        self.kv.free(seq.seq_id)
-        if self._own_features:
-            self.features.free(seq.seq_id)
-
-    def observe(self, seqs: Seq, features: Seq[tuple[int, torch.Tensor]]) -> None:
-        """The features themselves are read from the feature store; here only: features again for
-        rows already computed (preemption: recomputed from 0) mean those rows are redone."""
-        for seq, (start, hidden) in zip(seqs, features):
-            st = self.state.setdefault(seq.seq_id, _SeqState())
-            if self._own_features:
-                self._write_own(seq.seq_id, int(start), hidden)
-            if start < st.kv_len:
-                st.kv_len = start
-                self.kv.shrink(seq.seq_id, start)
-            st.root_feat = None
-
-    def _write_own(self, seq_id: int, start: int, hidden: torch.Tensor) -> None:
-        try:
-            self.features.write(seq_id, start, hidden.to(self.dtype))
-        except ValueError:   # a gap: the features in between never came; no draft until they do
-            logger.warning("eagle: features of sequence %d jump to %d", seq_id, start)
-
-    def accept(self, seqs: Seq, results: Seq) -> None:
-        """The tree rows are never kept: release their blocks (the accepted path's real features
-        came through `observe` and become rows at the next catch-up)."""
-        for seq in seqs:
-            st = self.state.get(seq.seq_id)
-            if st is not None:
-                self.kv.shrink(seq.seq_id, st.kv_len)
+    def rewind(self, seq_id: int, st: _SeqState, start: int) -> None:
+        super().rewind(seq_id, st, start)
+        st.root_feat = None
 
     # ---- catch-up -----------------------------------------------------------------------------
-
-    def _rows(self, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """Rows (feature, token) at `positions` through the head, KV written per `meta` -> f̂."""
-        h = self.head.fuse(feats, self.target.embed(ids))
-        rope = rope_at(self.rope_cos, self.rope_sin, positions, h.dtype)
-        k_cache, v_cache = self.cache.layer(0)
-        return self.head.out(self.head.layer(h, rope, k_cache, v_cache, meta))
 
     @torch.inference_mode()
     def catch_up(self, seqs: Seq, extra_rows: Seq[int] | None = None) -> list[bool]:
@@ -201,13 +125,11 @@ class EagleDrafter(Drafter):
         extra_rows = extra_rows or [0] * len(seqs)
         ready, todo = [], []
         for b, seq in enumerate(seqs):
-            st = self.state.setdefault(seq.seq_id, _SeqState())
+            st = self.state.setdefault(seq.seq_id, self.State())
             n_rows = len(seq.token_ids) - 1 - st.kv_len     # rows L .. N-2
             ok = n_rows >= 0 and self.features.length(seq.seq_id) >= len(seq.token_ids) - 1
             ok = ok and (n_rows > 0 or st.root_feat is not None) and len(seq.token_ids) - 1 > 0
-            if ok and not self.kv.grow(seq.seq_id, len(seq.token_ids) - 1 + extra_rows[b]):
-                logger.warning("eagle: draft KV pool exhausted; no draft for sequence %d", seq.seq_id)
-                ok = False
+            ok = ok and self.grow(seq.seq_id, len(seq.token_ids) - 1 + extra_rows[b])
             ready.append(ok)
             if ok and n_rows > 0:
                 todo.append((b, n_rows))
@@ -221,7 +143,8 @@ class EagleDrafter(Drafter):
             feats.append(self.features.view(seq.seq_id, st.kv_len, st.kv_len + n_rows))
             ids.extend(seq.token_ids[st.kv_len + 1:st.kv_len + 1 + n_rows])
         positions, meta = self.kv.metadata([seqs[b].seq_id for b, _ in todo], starts, qlens)
-        out = self._rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.cat(feats), positions, meta)
+        out = self.head_rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.cat(feats), positions,
+                             meta)
         for (b, n_rows), end in zip(todo, meta.cu_query_lens[1:]):
             st = self.state[seqs[b].seq_id]
             st.kv_len += n_rows
@@ -235,14 +158,8 @@ class EagleDrafter(Drafter):
         top = self.vocab.logits(feats).log_softmax(-1).topk(k, dim=-1)
         return top.values.tolist(), self.vocab.token_ids(top.indices).tolist()
 
-    @torch.inference_mode()
-    def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
+    def draft(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
         trees: list[TokenTree | None] = [None] * len(seqs)
-        live = [i for i, b in enumerate(budgets) if b > 0]
-        if not live:
-            return trees
-        seqs = [seqs[i] for i in live]
-        budgets = [int(budgets[i]) for i in live]
         depth = [min(self.depth, b) for b in budgets]
         width = [min(self.width, b) for b in budgets]
         top_k = [min(self.top_k, b) for b in budgets]
@@ -292,7 +209,7 @@ class EagleDrafter(Drafter):
                 ids.extend(node.token for node in new)
                 feats.extend(st.root_feat if node.parent < 0 else nodes[b][node.parent].feat for node in new)
             _, meta = self.kv.metadata([seqs[b].seq_id for b in order], starts, qlens, masks)
-            out = self._rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.stack(feats),
+            out = self.head_rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.stack(feats),
                              torch.tensor(pos, dtype=torch.int64, device=self.device), meta)
             kmax = max(top_k[b] for b in order)
             scores, toks = self._children(out, kmax)
@@ -306,7 +223,7 @@ class EagleDrafter(Drafter):
                         nodes[b].append(_Node(toks[r][rank], i, d + 1, parent.score + scores[r][rank], rank))
                     r += 1
         for b in act:
-            trees[live[b]] = self._select(seqs[b].token_ids[-1], nodes[b], budgets[b])
+            trees[b] = self._select(seqs[b].token_ids[-1], nodes[b], budgets[b])
         return trees
 
     @staticmethod

@@ -70,13 +70,13 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, DrafterContext, param_count, register
+from specserve.drafters.base import DrafterContext, register
 from specserve.drafters.draft_vocab import DraftVocab
+from specserve.drafters.features import FeatureDrafter, FeatureState
 from specserve.drafters.nets.falcon import (DEFAULT_K, FalconHead, head_for, load_head, root_block_mask,
                                             shipped_checkpoint)
-from specserve.engine.features import FeatureStore
-from specserve.engine.kv_cache import PagedDraftKV
-from specserve.engine.model import rope_at, rope_tables
+from specserve.engine.data_dir import data_dir
+from specserve.engine.model import rope_tables
 from specserve.engine.tree import NO_PARENT, TokenTree, TreeTemplate, ancestor_mask, tree_depths
 
 logger = logging.getLogger("specserve")
@@ -112,11 +112,9 @@ def closed_paths(paths: Seq[Seq[int]]) -> list[list[int]]:
 
 
 def load_tree(name: str) -> list[list[int]] | None:
-    """A tree of the shared data folder's trees.json (`specserve.bench.datasets.data_dir()`,
+    """A tree of the shared data folder's trees.json (`specserve.engine.data_dir.data_dir()`,
     $SPECSERVE_DATA), duplicates dropped; None when the file or the tree is not there."""
     try:
-        from specserve.bench.datasets import data_dir
-
         trees = json.loads((data_dir() / "trees.json").read_text(encoding="utf-8"))
         return dedup_paths(trees[name]["paths"])
     except (OSError, KeyError, ValueError, TypeError):
@@ -310,37 +308,38 @@ class SarPlan:
 
 # ---- the drafter -------------------------------------------------------------------------------------------------
 
-class _SeqState:
-    __slots__ = ("kv_len", "root_out", "root_n")
+class _SeqState(FeatureState):
+    __slots__ = ("root_out", "root_n")
 
     def __init__(self):
-        self.kv_len = 0                              # L: rows 0..L-1 (real features) are in the drafter's cache
+        super().__init__()                           # kv_len L: rows 0..L-1 (real features) are in the drafter's cache
         self.root_out: torch.Tensor | None = None    # [k, H] the root block's outputs, valid while N == root_n
         self.root_n = -1
 
 
 @register("falcon")
-class FalconDrafter(Drafter):
+class FalconDrafter(FeatureDrafter):
     """See the module docstring. The target's features are read from the engine's feature store
     (`ctx.features`, engine/features.py); built outside an engine, the drafter keeps its own store,
     fed by `observe`. Its rows live in a `PagedDraftKV` (one layer)."""
 
     name = "falcon"
-    needs_features = True
+    State = _SeqState
 
     def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, tree=None, top_k: int = 2,
                  depth: int = 8, draft_vocab: int | None = None, random_init: bool = False, init: str = "identity",
                  seed: int = 0, k: int = DEFAULT_K, head: FalconHead | None = None, block_size: int = 16,
                  num_blocks: int | None = None):
-        target, model_config, device, dtype = ctx.target, ctx.model_config, ctx.device, ctx.dtype
+        super().__init__(ctx)
+        target, model_config = ctx.target, ctx.model_config
         if min(int(top_k), int(depth)) < 1:
             raise ValueError(f"falcon: top_k and depth must be >= 1 (got {top_k}, {depth})")
-        self.target = target
-        self.device, self.dtype = torch.device(device), dtype
-        self.checkpoint_meta = None
         if head is None:
-            head = self._load_head(target, model_config, checkpoint, random_init, init, seed, k)
-        self.head = head_for(head, self.device, dtype).eval()
+            if random_init:
+                head = FalconHead.from_target(model_config, target, k=int(k), init=init, seed=int(seed))
+            else:
+                head = self.load_trained(checkpoint, model_config, shipped_checkpoint, load_head)
+        self.head = head_for(head, self.device, self.dtype).eval()
         self.k = self.head.k
         self.vocab = DraftVocab(target.lm_head_weight, self.head.vocab_rank, draft_vocab, drafter="falcon",
                                 full_logits=target.compute_logits)
@@ -351,35 +350,8 @@ class FalconDrafter(Drafter):
         max_depth = max(full.depths)
         self.rope_cos, self.rope_sin = rope_tables(model_config, ctx.max_model_len + max_depth + self.k + 1,
                                                    self.device)
-        self.kv = PagedDraftKV(1, model_config.num_kv_heads, model_config.head_dim, dtype, self.device,
-                               max_model_len=ctx.max_model_len, max_num_seqs=ctx.max_num_seqs,
-                               extra_tokens=self.max_tree_rows, block_size=block_size, num_blocks=num_blocks)
-        self.blocks, self.cache = self.kv.blocks, self.kv.cache
-        self.state: dict[int, _SeqState] = {}
-        self.num_runs = 0
-        rows = self.vocab.size or self.vocab.vocab_size
-        self.cost = (param_count(self.head) + rows * model_config.hidden_size) / param_count(target)
-        # the target's features: the engine's store, or (built outside an engine) one fed by `observe`
-        self._own_features = ctx.features is None
-        self.features = ctx.features
-        if self.features is None:
-            self.features = FeatureStore(model_config.hidden_size, dtype, self.device)
-
-    def model_runs(self) -> dict[str, tuple[int, float]]:
-        return {self.name: (self.num_runs, self.cost)}
-
-    def _load_head(self, target, model_config, checkpoint, random_init, init, seed, k) -> FalconHead:
-        if random_init:
-            return FalconHead.from_target(model_config, target, k=int(k), init=init, seed=int(seed))
-        path = checkpoint or shipped_checkpoint(model_config, target)
-        if path is None:
-            raise ValueError("falcon: no checkpoint for this target. Train one with `specserve train falcon "
-                             "--model MODEL --out DIR` and load it with --drafter-option falcon.checkpoint=DIR "
-                             "(or falcon.random_init=true for an untrained head, for tests only)")
-        head, meta = load_head(path, model_config=model_config, target=target)
-        self.checkpoint_meta = meta
-        logger.info("falcon: checkpoint %s (trained for %s, tau %s)", path, meta.target_name, meta.tau)
-        return head
+        self.paged_kv(ctx, self.max_tree_rows, block_size, num_blocks)
+        self.count_cost(self.head)
 
     # ---- the tree -----------------------------------------------------------------------------------------------
 
@@ -431,49 +403,12 @@ class FalconDrafter(Drafter):
 
     # ---- protocol -----------------------------------------------------------------------------------------------
 
-    def start(self, seq) -> None:
-        self.state[seq.seq_id] = _SeqState()
-
-    def finish(self, seq) -> None:
-        self.state.pop(seq.seq_id, None)
-        self.kv.free(seq.seq_id)
-        if self._own_features:
-            self.features.free(seq.seq_id)
-
-    def observe(self, seqs: Seq, features: Seq[tuple[int, torch.Tensor]]) -> None:
-        """The features themselves are read from the feature store; here only: features again for
-        rows already computed (preemption: recomputed from 0) mean those rows are redone, and any
-        new feature makes the root block's outputs stale."""
-        for seq, (start, hidden) in zip(seqs, features):
-            st = self.state.setdefault(seq.seq_id, _SeqState())
-            start = int(start)
-            if self._own_features:
-                try:
-                    self.features.write(seq.seq_id, start, hidden.detach().to(self.dtype))
-                except ValueError:   # a gap: the features in between never came; no draft until they do
-                    logger.warning("falcon: features of sequence %d jump from %d to %d", seq.seq_id,
-                                   self.features.length(seq.seq_id), start)
-            if start < st.kv_len:
-                st.kv_len = start
-                self.kv.shrink(seq.seq_id, start)
-            st.root_out, st.root_n = None, -1
-
-    def accept(self, seqs: Seq, results: Seq) -> None:
-        """The tree rows are never kept: release their blocks (the accepted path's real features
-        came through `observe` and become rows at the next catch-up)."""
-        for seq in seqs:
-            st = self.state.get(seq.seq_id)
-            if st is not None:
-                self.kv.shrink(seq.seq_id, st.kv_len)
+    def rewind(self, seq_id: int, st: _SeqState, start: int) -> None:
+        """Also: any new feature makes the root block's outputs stale."""
+        super().rewind(seq_id, st, start)
+        st.root_out, st.root_n = None, -1
 
     # ---- forwards -----------------------------------------------------------------------------------------------
-
-    def _rows(self, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """Rows (feature, token) at `positions` through the head, KV written per `meta` -> f̂."""
-        h = self.head.fuse(feats, self.target.embed(ids))
-        rope = rope_at(self.rope_cos, self.rope_sin, positions, h.dtype)
-        k_cache, v_cache = self.cache.layer(0)
-        return self.head.out(self.head.layer(h, rope, k_cache, v_cache, meta))
 
     @torch.inference_mode()
     def catch_up(self, seqs: Seq, extra_rows: Seq[int] | None = None) -> list[bool]:
@@ -487,7 +422,7 @@ class FalconDrafter(Drafter):
         extra_rows = extra_rows or [0] * len(seqs)
         ready, todo = [], []
         for b, seq in enumerate(seqs):
-            st = self.state.setdefault(seq.seq_id, _SeqState())
+            st = self.state.setdefault(seq.seq_id, self.State())
             n = len(seq.token_ids)
             if st.root_n == n and st.root_out is not None:
                 ok = self.kv.grow(seq.seq_id, n - 1 + extra_rows[b])
@@ -495,9 +430,7 @@ class FalconDrafter(Drafter):
                 continue
             first = min(st.kv_len, n - 1 - k)                   # the chunk: rows first .. N-2
             ok = first >= 0 and st.kv_len <= n - 1 and self.features.length(seq.seq_id) >= n - 1
-            if ok and not self.kv.grow(seq.seq_id, n - 1 + extra_rows[b]):
-                logger.warning("falcon: draft KV pool exhausted; no draft for sequence %d", seq.seq_id)
-                ok = False
+            ok = ok and self.grow(seq.seq_id, n - 1 + extra_rows[b])
             ready.append(ok)
             if ok:
                 todo.append((b, first))
@@ -513,7 +446,7 @@ class FalconDrafter(Drafter):
             feats.append(self.features.view(seq.seq_id, first, n - 1))
             ids.extend(seq.token_ids[first + 1:n])
         positions, meta = self.kv.metadata([seqs[b].seq_id for b, _ in todo], starts, qlens, masks)
-        out = self._rows(torch.tensor(ids, dtype=torch.int64, device=self.device),
+        out = self.head_rows(torch.tensor(ids, dtype=torch.int64, device=self.device),
                          torch.cat(feats).to(device=self.device, dtype=self.dtype), positions, meta)
         for (b, _), end in zip(todo, meta.cu_query_lens[1:]):
             seq = seqs[b]
@@ -527,14 +460,9 @@ class FalconDrafter(Drafter):
         logits = self.vocab.logits(feats)
         return self.vocab.token_ids(logits.topk(r, dim=-1).indices).tolist()
 
-    @torch.inference_mode()
-    def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
+    def draft(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
         trees: list[TokenTree | None] = [None] * len(seqs)
-        live = [i for i, b in enumerate(budgets) if b > 0]
-        if not live:
-            return trees
-        seqs = [seqs[i] for i in live]
-        plans = [self.plan(budgets[i]) for i in live]
+        plans = [self.plan(b) for b in budgets]
         ready = self.catch_up(seqs, [p.num_tree_rows for p in plans])
         act = [b for b in range(len(seqs)) if ready[b]]
         if not act:
@@ -564,7 +492,7 @@ class FalconDrafter(Drafter):
                     masks.append(plan.level_mask(level))
                 _, meta = self.kv.metadata([seqs[b].seq_id for b in act if plans[b].level(level)], starts, qlens,
                                            masks)
-                out = self._rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.cat(feats),
+                out = self.head_rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.cat(feats),
                                  torch.tensor(pos, dtype=torch.int64, device=self.device), meta)
                 self.num_runs += len(starts)   # one block forward for each sequence with expansions here
                 for j, key in enumerate(order):
@@ -587,7 +515,7 @@ class FalconDrafter(Drafter):
                 for i in plan.level_nodes(level):
                     tokens[b][i] = top[index[(b, plan.node_exp[i], plan.node_row[i])]][plan.template.ranks[i]]
         for b in act:
-            trees[live[b]] = TokenTree(tokens[b], list(plans[b].template.parents))
+            trees[b] = TokenTree(tokens[b], list(plans[b].template.parents))
         return trees
 
 

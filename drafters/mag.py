@@ -36,6 +36,8 @@ from typing import Iterable, Sequence as Seq
 import numpy as np
 
 from specserve.drafters.base import Drafter, DrafterContext, register
+from specserve.engine.data_dir import data_dir
+from specserve.engine.loader import _cache_root
 from specserve.engine.tree import TokenTree
 
 logger = logging.getLogger("specserve")
@@ -169,7 +171,6 @@ def tokenize_corpus(tokenizer, texts: list[str], batch: int = 4096) -> Iterable[
 
 
 def default_corpus() -> Path:
-    from specserve.bench.datasets import data_dir   # SPECSERVE_DATA, else ../shared/data
     return data_dir() / DEFAULT_CORPUS
 
 
@@ -189,8 +190,6 @@ def load_bigram_table(tokenizer, vocab_size: int, corpus: str | os.PathLike | No
     """The bigram table of `corpus` (default: the shared training prompts) under `tokenizer`, read
     from `<cache>/mag/bigram-<key>.npy` or built and written there atomically. None, with a
     warning, when the corpus is missing or cannot be read: MaG then runs without the fallback."""
-    from specserve.engine.loader import _cache_root
-
     try:
         path = Path(corpus).expanduser() if corpus is not None else default_corpus()
         if not path.is_file():

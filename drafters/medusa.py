@@ -49,6 +49,9 @@ import torch
 
 from specserve.drafters.base import Drafter, DrafterContext, param_count, register
 from specserve.drafters.draft_vocab import DraftVocab
+from specserve.drafters.nets.checkpoint import load_checkpoint, resolve_checkpoint, target_fingerprint
+from specserve.drafters.nets.medusa import DEFAULT_NUM_HEADS, MedusaHeads, load_template
+from specserve.drafters.nets.tree_tuning import greedy_tree_order
 from specserve.engine.features import FeatureStore
 from specserve.engine.tree import TokenTree, TreeTemplate, cartesian_fill, preference_prefix, tree_depths
 
@@ -60,8 +63,6 @@ CHECKPOINTS_DIR = Path(__file__).resolve().parent / "checkpoints"
 def _prior_order(num_heads: int, nodes: int = 64) -> list[list[int]]:
     """A fallback tree order from a generic prior: top-1 right 60 % of the time at depth 1, less
     deeper, rank r about half as likely as rank r-1."""
-    from specserve.drafters.nets.tree_tuning import greedy_tree_order
-
     acc = [[0.6 * 0.85 ** d * 0.45 ** r for r in range(10)] for d in range(num_heads)]
     return greedy_tree_order(acc, nodes)
 
@@ -81,7 +82,6 @@ def parse_tree_option(value, num_heads: int, drafter: str = "medusa") -> list[li
     path = Path(text).expanduser()
     if path.is_file():
         return [list(map(int, p)) for p in json.loads(path.read_text(encoding="utf-8"))]
-    from specserve.drafters.nets.medusa import load_template
 
     paths = load_template(text)
     if paths is None:
@@ -99,7 +99,6 @@ class MedusaDrafter(Drafter):
                  num_heads: int | None = None, random_init: bool = False, init_std: float = 0.0, seed: int = 0,
                  draft_vocab: int | None = None, heads=None, module=None):
         target, model_config, device, dtype = ctx.target, ctx.model_config, ctx.device, ctx.dtype
-        from specserve.drafters.nets.medusa import DEFAULT_NUM_HEADS, MedusaHeads, load_template
 
         self.target = target                     # its LM head is used by reference, never copied
         self.device, self.dtype = device, dtype
@@ -113,8 +112,6 @@ class MedusaDrafter(Drafter):
                 self.heads.randomize_(float(init_std), int(seed))
             self.heads = self.heads.to(device=device, dtype=dtype)
         else:
-            from specserve.drafters.nets.checkpoint import load_checkpoint, resolve_checkpoint, target_fingerprint
-
             fingerprint = target_fingerprint(model_config, target)
             checkpoint = resolve_checkpoint("medusa", fingerprint, checkpoint, CHECKPOINTS_DIR)
             tensors, meta = load_checkpoint(checkpoint, kind="medusa", fingerprint=fingerprint)

@@ -54,10 +54,13 @@ from typing import Sequence as Seq
 
 import torch
 
-from specserve.drafters.base import Drafter, DrafterContext, param_count, register
+from specserve.drafters.base import DrafterContext, register
 from specserve.drafters.draft_vocab import DraftVocab
-from specserve.engine.features import FeatureStore
-from specserve.engine.kv_cache import PagedDraftKV
+from specserve.drafters.features import FeatureDrafter, FeatureState
+from specserve.drafters.medusa import parse_tree_option
+from specserve.drafters.nets.checkpoint import resolve_checkpoint, target_fingerprint
+from specserve.drafters.nets.medusa import load_template
+from specserve.drafters.nets.parallelspec import ParallelSpecModule, load_module
 from specserve.engine.tree import TokenTree, TreeTemplate, cartesian_fill, preference_prefix
 
 
@@ -67,42 +70,27 @@ MAX_RANK = 10
 
 
 def _trees_json_paths(name: str) -> list[list[int]] | None:
-    from specserve.drafters.nets.medusa import load_template
-
     return load_template(name)
 
 
 def parse_tree(value, depth: int) -> list[list[int]] | None:
     """The `tree` option as rank paths in preference order, or None for "auto"."""
-    from specserve.drafters.medusa import parse_tree_option
-
     return parse_tree_option(value, depth, "parallelspec")
 
 
 prefix_tree = preference_prefix   # the first `budget` nodes of a preference order (engine.tree)
 
 
-class _SeqState:
-    __slots__ = ("kv_len",)
-
-    def __init__(self):
-        self.kv_len = 0                          # real positions 0..kv_len-1 are final in the drafter's KV
-
-
 @register("parallelspec")
-class ParallelSpecDrafter(Drafter):
+class ParallelSpecDrafter(FeatureDrafter):
     name = "parallelspec"
-    needs_features = True
 
     def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, tree=None, random_init: bool = False,
                  k: int = 4, seed: int = 0, module=None, draft_vocab: int | None = None, block_size: int = 16,
                  num_blocks: int | None = None):
-        target, model_config, device, dtype = ctx.target, ctx.model_config, ctx.device, ctx.dtype
-        max_model_len, max_num_seqs = ctx.max_model_len, ctx.max_num_seqs
-        from specserve.drafters.nets.parallelspec import ParallelSpecModule, load_module
-
-        self.device, self.dtype = torch.device(device), dtype
-        max_positions = max_model_len + 64
+        super().__init__(ctx)
+        target, model_config, dtype = ctx.target, ctx.model_config, self.dtype
+        max_positions = ctx.max_model_len + 64
         tuned = None
         if module is not None:                   # an in-memory module (tests, the trainer's evaluation)
             self.module = module
@@ -110,8 +98,6 @@ class ParallelSpecDrafter(Drafter):
             self.module = ParallelSpecModule.random(target, model_config, k=int(k), max_positions=max_positions,
                                                     seed=int(seed))
         else:
-            from specserve.drafters.nets.checkpoint import resolve_checkpoint, target_fingerprint
-
             fingerprint = target_fingerprint(model_config, target)
             checkpoint = resolve_checkpoint("parallelspec", fingerprint, checkpoint, CHECKPOINTS_DIR)
             self.module, meta = load_module(checkpoint, target, model_config, fingerprint=fingerprint,
@@ -130,20 +116,8 @@ class ParallelSpecDrafter(Drafter):
             raise ValueError("the parallelspec tree has no node within depth k+1 and rank < 10")
         self.order = order
         self._templates: dict[int, TreeTemplate] = {}
-        cfg = model_config
-        self.num_runs = 0
-        rows = self.vocab.size or self.vocab.vocab_size
-        self.cost = (param_count(self.module) + rows * cfg.hidden_size) / param_count(target)
-        self.kv = PagedDraftKV(1, cfg.num_kv_heads, cfg.head_dim, dtype, self.device, max_model_len=max_model_len,
-                               max_num_seqs=max_num_seqs, extra_tokens=self.k + 1, block_size=block_size,
-                               num_blocks=num_blocks)
-        self.blocks, self.cache = self.kv.blocks, self.kv.cache
-        self.state: dict[int, _SeqState] = {}
-        # the target's features: the engine's store, or (built outside an engine) one fed by `observe`
-        self._own_features = ctx.features is None
-        self.features = ctx.features
-        if self.features is None:
-            self.features = FeatureStore(model_config.hidden_size, dtype, self.device)
+        self.count_cost(self.module)
+        self.paged_kv(ctx, self.k + 1, block_size, num_blocks)
 
     # ---- tree shape ---------------------------------------------------------------------------
 
@@ -156,32 +130,13 @@ class ParallelSpecDrafter(Drafter):
 
     # ---- protocol -----------------------------------------------------------------------------
 
-    def start(self, seq) -> None:
-        self.state[seq.seq_id] = _SeqState()
+    def rewind(self, seq_id: int, st: FeatureState, start: int) -> None:
+        """Features again for positions it has rows of (a preemption recomputes them) change
+        nothing: the rows of the same tokens stay."""
 
-    def finish(self, seq) -> None:
-        self.state.pop(seq.seq_id, None)
-        self.kv.free(seq.seq_id)
-        if self._own_features:
-            self.features.free(seq.seq_id)
-
-    def observe(self, seqs: Seq, features: Seq) -> None:
-        """Features are read from the feature store; built outside an engine, `observe` fills its own."""
-        if not self._own_features:
-            return
-        for seq, (start, hidden) in zip(seqs, features):
-            self.state.setdefault(seq.seq_id, _SeqState())
-            try:
-                self.features.write(seq.seq_id, int(start), hidden)
-            except ValueError:   # a gap: the features in between never came; no draft until they do
-                pass
-
-    def accept(self, seqs: Seq, results: Seq) -> None:
-        """Nothing of a tree is in the drafter's KV; return the blocks the masks borrowed."""
-        for seq in seqs:
-            st = self.state.get(seq.seq_id)
-            if st is not None:
-                self.kv.shrink(seq.seq_id, st.kv_len + 1)
+    def kept_rows(self, st: FeatureState) -> int:
+        """Nothing of a tree is in the drafter's KV; the blocks the masks borrowed past the root go."""
+        return st.kv_len + 1
 
     @torch.inference_mode()
     def draft_logits(self, seqs: Seq) -> tuple[list[int], torch.Tensor | None]:
@@ -192,7 +147,7 @@ class ParallelSpecDrafter(Drafter):
         idx, starts, ids, prevs, qlens = [], [], [], [], []
         H = mod.cfg.hidden_size
         for i, seq in enumerate(seqs):
-            st = self.state.setdefault(seq.seq_id, _SeqState())
+            st = self.state.setdefault(seq.seq_id, self.State())
             n = len(seq.token_ids)
             start = min(st.kv_len, n - 1)        # the root is always fed again
             lo = max(start - 1, 0)
@@ -233,22 +188,15 @@ class ParallelSpecDrafter(Drafter):
             st.kv_len = len(seq.token_ids) - 1
         return idx, logits
 
-    def model_runs(self) -> dict[str, tuple[int, float]]:
-        return {self.name: (self.num_runs, self.cost)}
-
-    def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
+    def draft(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
         trees: list[TokenTree | None] = [None] * len(seqs)
-        live = [i for i, b in enumerate(budgets) if b > 0]
-        if not live:
-            return trees
-        got, logits = self.draft_logits([seqs[i] for i in live])
+        got, logits = self.draft_logits(seqs)
         if logits is None:
             return trees
         max_rank = min(MAX_RANK, logits.shape[-1])
         top = self.vocab.token_ids(logits.topk(max_rank, dim=-1).indices).tolist()   # [B, k+1, R]
-        for j, g in enumerate(got):
-            i = live[g]
-            tree = cartesian_fill(self.template(int(budgets[i])), seqs[i].token_ids[-1], top[j])
+        for j, i in enumerate(got):
+            tree = cartesian_fill(self.template(budgets[i]), seqs[i].token_ids[-1], top[j])
             if tree.num_nodes > 1:
                 trees[i] = tree
         return trees

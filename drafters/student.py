@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from specserve.drafters.base import DrafterContext, register
 from specserve.drafters.draft_model import DraftModelDrafter
+from specserve.drafters.nets.student import StudentModel, load_student, shipped_checkpoint
 
 
 @register("student")
@@ -29,8 +30,6 @@ class StudentDrafter(DraftModelDrafter):
                  random_init: bool = False, k_config="chain:4", deterministic: bool = False, target_init_width: int = 1,
                  draft_vocab: int | None = None, block_size: int = 16, num_blocks: int | None = None,
                  decision: str | None = None, decision_threshold: float | None = None):
-        from specserve.drafters.nets.student import StudentModel, load_student, shipped_checkpoint
-
         target, model_config = ctx.target, ctx.model_config
         self.meta = None
         if random_init:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.drafters.draft_vocab import check_rank
+
 
 class RankedDraftNet(nn.Module):
     """An nn.Module with `self.cfg` (the target's ModelConfig) and a `vocab_rank` buffer
@@ -18,7 +20,6 @@ class RankedDraftNet(nn.Module):
         if rank is None:
             self.vocab_rank = None
             return
-        from specserve.drafters.draft_vocab import check_rank
 
         self.vocab_rank = check_rank(rank.detach().cpu(), self.cfg.vocab_size)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from safetensors.torch import load_file, save_file
 
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
@@ -127,8 +128,6 @@ def save_checkpoint(directory: str | os.PathLike, tensors: Mapping[str, torch.Te
     """Write `tensors` (floating ones cast to `dtype`; None keeps them as they are) and `meta` to
     `directory` (created if needed). Each file is written to a temporary name and renamed, so an
     interrupted save never leaves a half-written file under the final name. Returns the folder."""
-    from safetensors.torch import save_file
-
     meta = meta if isinstance(meta, CheckpointMeta) else CheckpointMeta.from_dict(meta)
     if not meta.created:
         meta.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -170,8 +169,6 @@ def load_checkpoint(directory: str | os.PathLike, *, kind: str | None = None, fi
     `kind` and `fingerprint` (of the target it is loaded for) are checked before any weight is read:
     a mismatch raises `CheckpointMismatchError` naming both sides. Floating tensors are cast to
     `dtype` when given."""
-    from safetensors.torch import load_file
-
     meta = read_meta(directory)
     if meta.format_version > FORMAT_VERSION:
         raise CheckpointMismatchError(

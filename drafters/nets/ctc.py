@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.drafters.nets.base import RankedDraftNet
+from specserve.drafters.nets.checkpoint import find_shipped, load_checkpoint, target_fingerprint
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import DecoderLayer, apply_rope, rms_norm
 
@@ -221,16 +222,12 @@ class CTCDraftNet(RankedDraftNet):
 def load_net(directory, *, model_config: ModelConfig, target) -> tuple[CTCDraftNet, Any]:
     """(net in fp32 on the CPU, meta) of the ctc checkpoint in `directory`; CheckpointMismatchError
     when it was made for another target or is not a ctc checkpoint."""
-    from specserve.drafters.nets.checkpoint import load_checkpoint, target_fingerprint
-
     tensors, meta = load_checkpoint(directory, kind=KIND, fingerprint=target_fingerprint(model_config, target))
     return CTCDraftNet.from_tensors(model_config, tensors), meta
 
 
 def shipped_checkpoint(model_config: ModelConfig, target, root: Path | None = None) -> Path | None:
     """The ctc checkpoint under drafters/checkpoints/ (any sub-folder) made for this target, if one is shipped."""
-    from specserve.drafters.nets.checkpoint import find_shipped, target_fingerprint
-
     found = find_shipped(KIND, target_fingerprint(model_config, target), CHECKPOINTS_DIR if root is None else root)
     return found[0][1] if found else None
 

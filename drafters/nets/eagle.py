@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.drafters.nets.base import RankedDraftNet
+from specserve.drafters.nets.checkpoint import (CheckpointMeta, find_shipped, load_checkpoint, save_checkpoint,
+                                                target_fingerprint)
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import DecoderLayer, rms_norm, rope_tables
 
@@ -153,8 +155,6 @@ class EagleHead(RankedDraftNet):
 def save_head(directory, head: EagleHead, *, model_config: ModelConfig, target, target_name: str = "",
               **meta_fields) -> Path:
     """Write `head` as an eagle checkpoint for `target` (fingerprinted)."""
-    from specserve.drafters.nets.checkpoint import CheckpointMeta, save_checkpoint, target_fingerprint
-
     meta = CheckpointMeta(kind=KIND, target_name=target_name or getattr(target, "name", "") or "target",
                           target_fingerprint=target_fingerprint(model_config, target),
                           hyperparams=head.hyperparams(), **meta_fields)
@@ -164,8 +164,6 @@ def save_head(directory, head: EagleHead, *, model_config: ModelConfig, target, 
 def load_head(directory, *, model_config: ModelConfig, target) -> tuple[EagleHead, Any]:
     """(head in fp32 on the CPU, meta) of the eagle checkpoint in `directory`; raises
     CheckpointMismatchError when it was made for another target or is not an eagle checkpoint."""
-    from specserve.drafters.nets.checkpoint import load_checkpoint, target_fingerprint
-
     tensors, meta = load_checkpoint(directory, kind=KIND, fingerprint=target_fingerprint(model_config, target))
     return EagleHead.from_tensors(model_config, tensors), meta
 
@@ -175,7 +173,5 @@ CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 def shipped_checkpoint(model_config: ModelConfig, target, root: Path | None = None) -> Path | None:
     """The eagle checkpoint under drafters/checkpoints/ (any sub-folder) made for this target, if one is shipped."""
-    from specserve.drafters.nets.checkpoint import find_shipped, target_fingerprint
-
     found = find_shipped(KIND, target_fingerprint(model_config, target), CHECKPOINTS_DIR if root is None else root)
     return found[0][1] if found else None

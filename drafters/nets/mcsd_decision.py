@@ -34,6 +34,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specserve.drafters.nets.checkpoint import (CheckpointMeta, CheckpointMismatchError, SHIPPED_DIR, load_checkpoint,
+                                                read_meta, save_checkpoint)
+
 KIND = "mcsd-decision"
 DEFAULT_TOP_K = 8
 DEFAULT_HIDDEN = 64
@@ -92,8 +95,6 @@ def save_decision(directory: str | os.PathLike, model: DecisionModel, *, target_
                   draft: dict | None = None, data: dict | None = None, extra: dict | None = None) -> Path:
     """Write `model` (fp32) to `directory`; `draft` describes the draft model it was trained on
     (`{"drafter": ..., "fingerprint": ...}`), `data` the logged steps, `extra` held-back figures."""
-    from specserve.drafters.nets.checkpoint import CheckpointMeta, save_checkpoint
-
     meta = CheckpointMeta(kind=KIND, target_name=target_name, target_fingerprint=target_fingerprint,
                           hyperparams={**model.hyperparams(), "draft": draft or {}}, data=data or {},
                           extra=extra or {})
@@ -106,8 +107,6 @@ def load_decision(directory: str | os.PathLike, *, target_fingerprint: str | Non
                   device: str | torch.device = "cpu") -> DecisionModel:
     """A decision model from its checkpoint folder, refused (CheckpointMismatchError) for another
     target, and for type 1 for another draft model (fingerprint or hidden size)."""
-    from specserve.drafters.nets.checkpoint import CheckpointMismatchError, load_checkpoint
-
     directory = Path(directory)
     if not (directory / "meta.json").is_file():
         subs = sorted(p.parent.name for p in directory.glob("*/meta.json")) if directory.is_dir() else []
@@ -134,8 +133,6 @@ def shipped_decision(decision_type: int, target_fingerprint: str, draft_fingerpr
                      root: str | os.PathLike | None = None) -> Path | None:
     """The shipped `typeN` decision checkpoint (drafters/checkpoints/*/typeN/) for this target — for
     type 1 also trained on this draft model — or None."""
-    from specserve.drafters.nets.checkpoint import SHIPPED_DIR, read_meta
-
     root = SHIPPED_DIR if root is None else Path(root)
     for meta_file in sorted(root.glob(f"*/type{decision_type}/meta.json")) if root.is_dir() else ():
         try:

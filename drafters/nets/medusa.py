@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
-import torch.nn.functional as F
-
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from specserve.engine.data_dir import data_dir
+from specserve.engine.model import linear  # oneDNN for the few-row serving case
 
 KIND = "medusa"
 DEFAULT_NUM_HEADS = 4
@@ -40,7 +42,6 @@ class MedusaHeads(nn.Module):
         if torch.is_grad_enabled():
             y = F.linear(h, w, b)
         else:
-            from specserve.engine.model import linear   # oneDNN for the few-row serving case
             y = linear(h, w, b)
         return h.unsqueeze(1) + F.silu(y.view(h.shape[0], k, H))
 
@@ -75,9 +76,7 @@ class MedusaHeads(nn.Module):
 def load_template(name: str = DEFAULT_TREE) -> list[list[int]] | None:
     """A tree of ../shared/data/trees.json (SPECSERVE_DATA), or None when the file is not there."""
     try:
-        from specserve.bench.datasets import data_dir
-
         trees = json.loads((data_dir() / "trees.json").read_text(encoding="utf-8"))
         return [list(p) for p in trees[name]["paths"]]
-    except (OSError, KeyError, ValueError, ImportError):
+    except (OSError, KeyError, ValueError):
         return None

@@ -11,7 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.drafters.nets.checkpoint import load_checkpoint
+from specserve.engine.attention import build_attn_metadata
 from specserve.engine.config import ModelConfig
+from specserve.engine.kv_cache import KVCache
 from specserve.engine.model import DecoderLayer, rms_norm, rope_at, rope_tables
 
 KIND = "parallelspec"
@@ -24,9 +27,6 @@ KIND = "parallelspec"
 def last_layer_input_rms(target, num_tokens: int = 64) -> float:
     """Median RMS of the residual stream entering the target's last layer over a probe sequence
     of spread-out token ids (position 0, often an attention sink, left out)."""
-    from specserve.engine.attention import build_attn_metadata
-    from specserve.engine.kv_cache import KVCache
-
     cfg = target.cfg
     dev = target.embed.weight.device
     num_tokens = max(2, min(num_tokens, target.rope_cos.shape[0]))
@@ -201,8 +201,6 @@ class ParallelSpecModule(nn.Module):
 def load_module(checkpoint_dir, target, cfg: ModelConfig, *, fingerprint: str | None, max_positions: int,
                 device=None, dtype=None) -> tuple[ParallelSpecModule, Any]:
     """(module, meta) from a checkpoint folder; refuses one made for another target."""
-    from specserve.drafters.nets.checkpoint import load_checkpoint
-
     tensors, meta = load_checkpoint(checkpoint_dir, kind=KIND, fingerprint=fingerprint)
     rank = tensors.pop("vocab_rank", None)
     hp = meta.hyperparams

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.drafters.nets.checkpoint import find_shipped, load_checkpoint, target_fingerprint
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import DecoderLayer, LlamaModel, rms_norm
 
@@ -110,8 +111,6 @@ def _dense_layer(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: t
 def shipped_checkpoint(model_config: ModelConfig, target, num_layers: int | None = None) -> Path | None:
     """A student checkpoint under drafters/checkpoints/ made for this target (the given size, or the
     largest shipped)."""
-    from specserve.drafters.nets.checkpoint import find_shipped, target_fingerprint
-
     sizes = [(int(meta.hyperparams.get("num_layers", 0)), path)
              for meta, path in find_shipped(KIND, target_fingerprint(model_config, target))]
     sizes = [(n, path) for n, path in sizes if num_layers is None or n == int(num_layers)]
@@ -119,7 +118,5 @@ def shipped_checkpoint(model_config: ModelConfig, target, num_layers: int | None
 
 
 def load_student(directory, *, model_config: ModelConfig, target) -> tuple[StudentModel, Any]:
-    from specserve.drafters.nets.checkpoint import load_checkpoint, target_fingerprint
-
     tensors, meta = load_checkpoint(directory, kind=KIND, fingerprint=target_fingerprint(model_config, target))
     return StudentModel.from_tensors(model_config, tensors), meta

@@ -1,9 +1,9 @@
 """Training infrastructure for trained drafters, and the registry of their trainers.
 
 Modules: `target` (the target as a teacher: hidden states, top-k), `data` (prompt pool, teacher
-shards, self-distillation, `ShardDataset`), `checkpoint` (the checkpoint format and the target
-fingerprint), `loop` (the one training loop), `evaluate` (τ of a drafter through the engine),
-`pipeline` (what `specserve train` runs).
+shards, self-distillation, `ShardDataset`), `loop` (the one training loop), `evaluate` (τ of a
+drafter through the engine), `pipeline` (what `specserve train` runs). The checkpoint format, the
+target fingerprint and tree tuning are shared with serving: `specserve.drafters.nets`.
 
 A trainer is a function `(options, target, data) -> checkpoint folder`:
 
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("specserve")
 
-INFRA_MODULES = {"target", "data", "checkpoint", "loop", "evaluate", "pipeline", "tree_tuning"}
+INFRA_MODULES = {"target", "data", "loop", "evaluate", "pipeline"}
 
 
 @dataclass

@@ -35,6 +35,7 @@ checkpoint's `tau` records.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
@@ -43,9 +44,13 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from specserve.drafters.ctc import BLANK, DEFAULT_CANDIDATES, DEFAULT_TOP_K, draft_trees
+from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, save_checkpoint
 from specserve.drafters.nets.ctc import DEFAULT_LABELS, DEFAULT_SLOTS, DEFAULT_VOCAB, KIND, CTCDraftNet
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
+from specserve.drafters.train.evaluate import served_tau
+from specserve.drafters.train.loop import TrainConfig, train
 from specserve.engine.model import rope_tables
 
 logger = logging.getLogger("specserve")
@@ -183,8 +188,6 @@ def held_back_slots(net: CTCDraftNet, batches: Iterable[dict], *, embed, vocab_w
     """Every held-back answer position's slot top-k (what the serving drafter computes) and its
     greedy continuation: {"logp" [N, T, k], "ids" [N, T, k] (BLANK for the blank), "roots" [N],
     "continuations" (lists), "rows" [(sequence, position)]}."""
-    from specserve.drafters.ctc import BLANK
-
     logps, idss, roots, conts, rows = [], [], [], [], []
     left = max_positions
     cos, sin = rope
@@ -228,8 +231,6 @@ def held_back_slots(net: CTCDraftNet, batches: Iterable[dict], *, embed, vocab_w
 
 def accepted_lengths(slots: dict[str, Any], *, top_k: int, candidates: int, budget: int) -> list[int]:
     """Greedy accepted drafts at every held-back position for one selection and budget."""
-    from specserve.drafters.ctc import draft_trees
-
     out = []
     n = len(slots["roots"])
     for a in range(0, n, 1024):
@@ -256,8 +257,6 @@ def evaluate(net: CTCDraftNet, batches: list[dict], *, embed, vocab_weight, voca
     """Held-back figures: τ of the default selection at each budget; the selection (top_k,
     candidates) tuned at `budget` on half of the sequences with its τ on the other half; the
     selection tuned on all of them (what a checkpoint keeps)."""
-    from specserve.drafters.ctc import DEFAULT_CANDIDATES, DEFAULT_TOP_K
-
     kmax = max(max(k for k, _ in selections), DEFAULT_TOP_K)
     slots = held_back_slots(net, batches, embed=embed, vocab_weight=vocab_weight, vocab_ids=vocab_ids, rope=rope,
                             k=kmax, max_positions=max_positions)
@@ -301,9 +300,6 @@ def fit_ctc(target_model, train_batches, eval_batches: list | None, *, config, r
     (`config`: a loop.TrainConfig). `rank` orders the vocabulary (the first `vocab` tokens are the
     output classes; None = the whole vocabulary in id order); `eval_batches` (held-back, in
     memory) give the loop's τ: the default selection's greedy decoding walk at budget 8."""
-    from specserve.drafters.ctc import DEFAULT_CANDIDATES, DEFAULT_TOP_K
-    from specserve.drafters.train.loop import train
-
     cfg = target_model.cfg
     device = torch.device(config.device)
     if label_len < 1 or label_len > num_slots:
@@ -338,29 +334,6 @@ def fit_ctc(target_model, train_batches, eval_batches: list | None, *, config, r
 
 # ---- the trainer ----------------------------------------------------------------------------------------------------
 
-def served_tau(target, net: CTCDraftNet, prompts, *, selection: dict | None = None, vocab: int | None = None,
-               max_tokens: int = 64, budget: int = EVAL_BUDGET, max_len: int = 512) -> dict[str, Any]:
-    """τ of the drafter around `net` (a copy) through our engine: greedy, held-back prompts, a
-    fixed draft budget."""
-    import copy
-
-    from specserve.drafters.train.evaluate import measure_tau
-    from specserve.engine.config import EngineConfig
-    from specserve.engine.core import LLMEngine
-
-    import specserve.drafters.ctc  # noqa: F401  (registers the drafter)
-
-    options = {"net": copy.deepcopy(net), "draft_vocab": vocab, **(selection or {})}
-    engine = LLMEngine(EngineConfig(model=str(target.name), device=str(target.device),
-                                    dtype=str(target.dtype).removeprefix("torch."),
-                                    max_model_len=min(max_len + max_tokens, target.model_config.max_position_embeddings),
-                                    max_num_seqs=max(1, len(prompts)), max_num_batched_tokens=2048,
-                                    drafters=(KIND,), drafter_options={KIND: options},
-                                    num_speculative_tokens=budget, max_draft_tokens_per_step=budget * max(1, len(prompts)),
-                                    draft_budget="fixed"), loaded=target.loaded)
-    return measure_tau(engine, prompts, drafter=KIND, max_tokens=max_tokens)
-
-
 @register_trainer(KIND)
 def train_ctc(options: dict, target, data) -> Path:
     """`specserve train ctc`: the network trained with the CTC loss on the teacher shards' train
@@ -371,9 +344,6 @@ def train_ctc(options: dict, target, data) -> Path:
     batch's positions trained), eval_positions (2048 per loop eval), final_positions (4096),
     engine_tau_prompts (8 held-back prompts through the engine at the end; 0 = offline τ only),
     engine_tau_max_tokens (64)."""
-    from specserve.drafters.train.checkpoint import CheckpointMeta, describe_device, save_checkpoint
-    from specserve.drafters.train.loop import TrainConfig
-
     if not options.get("out"):
         raise ValueError("ctc trainer: no output folder (--out)")
     start = time.time()
@@ -419,7 +389,8 @@ def train_ctc(options: dict, target, data) -> Path:
     n_prompts = int(_opt(options, "engine_tau_prompts", 8))
     if n_prompts > 0:
         try:
-            served = served_tau(target, net, data.held_back_examples()[:n_prompts], selection=selection, vocab=vocab,
+            served = served_tau(target, KIND, {"net": copy.deepcopy(net), "draft_vocab": vocab, **(selection or {})},
+                                data.held_back_examples()[:n_prompts], budget=EVAL_BUDGET,
                                 max_tokens=int(_opt(options, "engine_tau_max_tokens", 64)), max_len=max_len)
             tau = served["tau"]
             logger.info("ctc: held-back engine tau %.3f (budget %d, %d prompts)", tau, EVAL_BUDGET,
@@ -444,4 +415,4 @@ def train_ctc(options: dict, target, data) -> Path:
 
 
 __all__ = ["ctc_targets", "ctc_loss", "class_table", "evaluate", "fit_ctc", "train_ctc", "walk_tau",
-           "accepted_in_tree", "served_tau"]
+           "accepted_in_tree"]

@@ -38,6 +38,14 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence as Seq
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from specserve.drafters.nets.checkpoint import target_fingerprint
+from specserve.drafters.train.target import FeatureExtractor, target_topk
+from specserve.engine.data_dir import data_dir as shared_data_dir   # SPECSERVE_DATA, else ../shared/data
+from specserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("specserve")
 
@@ -88,7 +96,6 @@ def default_pool_path(data_dir: str | os.PathLike | None = None) -> Path:
     """`train_prompts.jsonl` in `data_dir`, else in $SPECSERVE_DATA, else in ../shared/data beside the project."""
     if data_dir is not None:
         return Path(data_dir).expanduser() / DEFAULT_POOL
-    from specserve.bench.datasets import data_dir as shared_data_dir   # SPECSERVE_DATA, else ../shared/data
     return shared_data_dir() / DEFAULT_POOL
 
 
@@ -221,8 +228,6 @@ def _hash(obj: Any) -> str:
 
 def _shard_is_complete(path: Path, shard_key: str) -> dict[str, str] | None:
     """The metadata of the shard at `path` when it is a whole safetensors file written for `shard_key`."""
-    from safetensors import safe_open
-
     if not path.is_file():
         return None
     try:
@@ -236,8 +241,6 @@ def _shard_is_complete(path: Path, shard_key: str) -> dict[str, str] | None:
 def teacher_build_config(model, tokenizer, *, max_len: int, top_k: int, hidden_dtype: torch.dtype,
                          eos_token_id: int | None) -> dict[str, Any]:
     """What the content of teacher shards depends on besides the examples."""
-    from specserve.drafters.train.checkpoint import target_fingerprint
-
     template = getattr(tokenizer, "chat_template", None) or ""
     return {"format_version": SHARD_FORMAT_VERSION, "target_fingerprint": target_fingerprint(model.cfg, model),
             "max_len": max_len, "top_k": top_k, "hidden_dtype": str(hidden_dtype).removeprefix("torch."),
@@ -259,10 +262,6 @@ def build_teacher_shards(model, tokenizer, examples: Seq[Example], out_dir: str 
     examples is kept; any other (missing, half-written, stale) is rebuilt. Files are written under a
     temporary name and renamed, so a killed build leaves only whole shards. `batch_tokens` bounds the
     tokens of one target forward."""
-    from tqdm.auto import tqdm
-
-    from specserve.drafters.train.target import FeatureExtractor
-
     start_time = time.time()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -322,10 +321,6 @@ def _write_shard(path: Path, group: list[Example], shard_key: str, model, tokeni
                  top_k: int, hidden_dtype: torch.dtype, eos_token_id: int | None, batch_tokens: int,
                  bar) -> dict[str, str]:
     """Teacher-force one shard's examples and write it (temporary name, then rename); returns its metadata."""
-    from safetensors.torch import save_file
-
-    from specserve.drafters.train.target import target_topk
-
     rendered, kept = [], []
     for ex in group:
         r = render_example(tokenizer, ex, max_len=max_len, eos_token_id=eos_token_id)
@@ -392,10 +387,6 @@ def self_distill_examples(engine, prompts: Seq[Example], *, max_tokens: int = 25
 
     `cache_path`: a JSONL file the finished answers are appended to as they come; answers already
     there for the same prompt and settings are reused, so an interrupted run goes on where it stopped."""
-    from tqdm.auto import tqdm
-
-    from specserve.engine.sampling_params import SamplingParams
-
     tokenizer = engine.tokenizer
     settings = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "model": engine.model_name,
                 "vocab": engine.model_config.vocab_size}
@@ -506,8 +497,6 @@ class ShardDataset:
 
     def __init__(self, shard_dir: str | os.PathLike, *, split: str = "all", eval_examples: int | None = None,
                  eval_fraction: float | None = None, split_seed: int = 0):
-        from safetensors import safe_open
-
         if split not in ("all", "train", "eval"):
             raise ValueError(f"split must be all, train or eval, got {split!r}")
         self.dir = Path(shard_dir)
@@ -553,8 +542,6 @@ class ShardDataset:
         return sum(it.length for it in self.items)
 
     def _file(self, shard: int):
-        from safetensors import safe_open
-
         handle = self._handles.get(shard)
         if handle is None:
             handle = self._handles[shard] = safe_open(str(self._files[shard]), framework="pt")

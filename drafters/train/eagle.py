@@ -58,10 +58,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, save_checkpoint
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
+from specserve.drafters.train.evaluate import served_tau
 from specserve.drafters.nets.eagle import (CHECKPOINTS_DIR, INITS, EagleHead, load_head,  # noqa: F401  (re-exported)
                                            save_head, shipped_checkpoint)
+from specserve.drafters.train.loop import TrainConfig, train
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import DecoderLayer, rms_norm, rope_tables
 
@@ -257,8 +260,6 @@ def fit_eagle(target_model, train_batches: Callable[[int], Iterable] | Iterable,
               head: EagleHead | None = None, cls_weight: float = CLS_WEIGHT, init: str = "random") -> EagleFit:
     """Train an EagleHead (`EagleHead.from_target(init=...)` unless `head` is given) with the
     shared loop (`config`: a loop.TrainConfig); `eval_batches` (held-back, in memory) give its τ."""
-    from specserve.drafters.train.loop import train
-
     cfg = target_model.cfg
     device = torch.device(config.device)
     head = (head or EagleHead.from_target(cfg, target_model, init=init, seed=seed)).to(device=device,
@@ -293,9 +294,6 @@ def train_eagle(options: dict, target, data) -> Path:
     `full_vocab=true` for the exact softmax), tau_steps (5), eval_chains (2048 per loop eval),
     final_chains (8192), engine_tau_prompts (0: how many held-back prompts to also run through
     the engine with the trained drafter, for the served τ)."""
-    from specserve.drafters.train.checkpoint import CheckpointMeta, describe_device, save_checkpoint
-    from specserve.drafters.train.loop import TrainConfig
-
     if not options.get("out"):
         raise ValueError("eagle trainer: no output folder (--out)")
     start = time.time()
@@ -337,7 +335,7 @@ def train_eagle(options: dict, target, data) -> Path:
     served = None
     n_prompts = int(_opt(options, "engine_tau_prompts", 0))
     if n_prompts > 0:
-        served = served_tau(target, head, data.held_back_examples()[:n_prompts])
+        served = served_tau(target, KIND, {"head": head}, data.held_back_examples()[:n_prompts])
         logger.info("eagle: served tau %.3f on %d held-back prompts", served["tau"], served["num_prompts"])
     meta = CheckpointMeta(
         kind=KIND, target_name=target.name, target_fingerprint=target.fingerprint,
@@ -353,19 +351,3 @@ def train_eagle(options: dict, target, data) -> Path:
                      **report, "served": served, "loop_evals": result.eval_history,
                      "draft_vocab_coverage": coverage})
     return Path(save_checkpoint(options["out"], head.tensors(), meta))
-
-
-def served_tau(target, head: EagleHead, prompts, *, max_tokens: int = 64, budget: int = 8) -> dict[str, Any]:
-    """τ of the drafter around `head` through our engine (greedy, held-back prompts)."""
-    from specserve.drafters.train.evaluate import measure_tau
-    from specserve.engine.config import EngineConfig
-    from specserve.engine.core import LLMEngine
-
-    import specserve.drafters.eagle  # noqa: F401  (registers the drafter)
-
-    engine = LLMEngine(EngineConfig(model=target.name, device=str(target.device),
-                                    dtype=str(target.dtype).removeprefix("torch."), max_model_len=1024,
-                                    max_num_seqs=16, drafters=(KIND,), drafter_options={KIND: {"head": head}},
-                                    num_speculative_tokens=budget, adaptive_draft_length=False),
-                       loaded=target.loaded)
-    return measure_tau(engine, prompts, drafter=KIND, max_tokens=max_tokens)

@@ -3,7 +3,8 @@
 A trainer builds one engine with its drafter loaded around the module being trained (e.g.
 ``EngineConfig(drafters=("medusa",), drafter_options={"medusa": {"module": heads}})``, the drafter
 reading the module by reference) and calls `measure_tau` from its `eval_fn`: the module's weights
-change in place between evals, the engine stays.
+change in place between evals, the engine stays. `served_tau` is the one-off figure a trainer
+records in its checkpoint: an engine built for it, then `measure_tau`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,32 @@ from __future__ import annotations
 from typing import Any, Sequence as Seq
 
 from specserve.drafters.train.data import Example, render_prompt
+from specserve.engine.config import EngineConfig
+from specserve.engine.core import LLMEngine
+from specserve.engine.sampling_params import SamplingParams
+
+
+def served_tau(target, drafter: str, drafter_options: dict[str, Any], prompts: Seq[Example | list[int]], *,
+               budget: int = 8, max_tokens: int = 64, max_len: int | None = None, **config) -> dict[str, Any]:
+    """τ of `drafter` built with `drafter_options` (the trained module among them, e.g.
+    `{"head": head}`) through our engine: greedy, `prompts` (held-back), a fixed draft budget of
+    `budget` nodes; `measure_tau`'s figures.
+
+    The engine: 1024 tokens of context and 16 sequences; or, with `max_len` (the longest prompt
+    the trainer keeps), `max_len + max_tokens` tokens (at most the target's positions) and every
+    prompt in one batch (2048 batched tokens, `budget` draft tokens a sequence). `config`: further
+    `EngineConfig` fields (e.g. `seed`)."""
+    if max_len is None:
+        sizes = dict(max_model_len=1024, max_num_seqs=16)
+    else:
+        num_seqs = max(1, len(prompts))
+        sizes = dict(max_model_len=min(max_len + max_tokens, target.model_config.max_position_embeddings),
+                     max_num_seqs=num_seqs, max_num_batched_tokens=2048, max_draft_tokens_per_step=budget * num_seqs)
+    engine = LLMEngine(EngineConfig(model=str(target.name), device=str(target.device),
+                                    dtype=str(target.dtype).removeprefix("torch."), drafters=(drafter,),
+                                    drafter_options={drafter: drafter_options}, num_speculative_tokens=budget,
+                                    draft_budget="fixed", **sizes, **config), loaded=target.loaded)
+    return measure_tau(engine, prompts, drafter=drafter, max_tokens=max_tokens)
 
 
 def measure_tau(engine, prompts: Seq[Example | list[int]], *, drafter: str, max_tokens: int = 64,
@@ -23,8 +50,6 @@ def measure_tau(engine, prompts: Seq[Example | list[int]], *, drafter: str, max_
     alpha     accepted / drafted tokens
     accepted_per_step, num_prompts, num_tokens, num_forwards, num_draft_tokens, num_accepted_tokens
     """
-    from specserve.engine.sampling_params import SamplingParams
-
     if engine.has_unfinished_requests():
         raise RuntimeError("measure_tau needs an idle engine")
     totals = dict(num_tokens=0, num_forwards=0, num_draft_tokens=0, num_accepted_tokens=0)

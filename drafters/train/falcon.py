@@ -63,9 +63,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.drafters.falcon import (DEFAULT_TREE, TREE_NAMES, dedup_paths, empirical_probability, load_tree,
+                                       order_within)
+from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, save_checkpoint
 from specserve.drafters.nets.falcon import KIND, FalconHead, save_head
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
+from specserve.drafters.train.evaluate import served_tau
+from specserve.drafters.train.loop import TrainConfig, train
 from specserve.engine.model import rope_tables
 
 logger = logging.getLogger("specserve")
@@ -397,8 +402,6 @@ def chain_tau(ranks: torch.Tensor) -> float:
 
 def tree_tau(ranks: torch.Tensor, order: list[list[int]], budgets: Iterable[int]) -> dict[int, float]:
     """1 + expected accepted drafts of the first `budget` nodes of `order`, per budget (empirical)."""
-    from specserve.drafters.falcon import empirical_probability
-
     prob = empirical_probability(ranks)
     p = [prob(path) for path in order]
     return {b: 1.0 + sum(p[:b]) for b in budgets}
@@ -407,8 +410,6 @@ def tree_tau(ranks: torch.Tensor, order: list[list[int]], budgets: Iterable[int]
 def tree_orders(ranks: torch.Tensor, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     """{name: {"paths", "order"}} for each trees.json tree found: its nodes ordered by the
     measured path probabilities (see the module docstring)."""
-    from specserve.drafters.falcon import empirical_probability, load_tree, order_within
-
     out = {}
     prob = empirical_probability(ranks)
     for name in names:
@@ -460,8 +461,6 @@ def fit_falcon(target_model, train_batches: Callable[[int], Iterable] | Iterable
     shared loop (`config`: a loop.TrainConfig) and CSGD (`csgd=False`: λ = 0); `eval_batches`
     (held-back, in memory) give its chain τ every epoch, drafting from the `draft_vocab` most
     frequent tokens of `vocab_rank` as serving does (the whole vocabulary without a ranking)."""
-    from specserve.drafters.train.loop import train
-
     glance_lambda(0.0, lambda_schedule)   # validates the schedule's name
     cfg = target_model.cfg
     device = torch.device(config.device)
@@ -510,10 +509,6 @@ def train_falcon(options: dict, target, data) -> Path:
     (0.1), train_batch_tokens (2048), tree (the serving default: falcon_kmask2_8layer_tree),
     eval_blocks (4 drafter forwards per simulated chain), eval_chains (2048), final_chains (8192),
     draft_vocab (8192), engine_tau_prompts (0: held-back prompts to also run through the engine)."""
-    from specserve.drafters.falcon import DEFAULT_TREE, TREE_NAMES, dedup_paths, load_tree
-    from specserve.drafters.train.checkpoint import CheckpointMeta, describe_device, save_checkpoint
-    from specserve.drafters.train.loop import TrainConfig
-
     if not options.get("out"):
         raise ValueError("falcon trainer: no output folder (--out)")
     start = time.time()
@@ -579,7 +574,7 @@ def train_falcon(options: dict, target, data) -> Path:
     served = None
     n_prompts = int(_opt(options, "engine_tau_prompts", 0))
     if n_prompts > 0:
-        served = served_tau(target, head, data.held_back_examples()[:n_prompts])
+        served = served_tau(target, KIND, {"head": head}, data.held_back_examples()[:n_prompts])
         logger.info("falcon: served tau %.3f on %d held-back prompts", served["tau"], served["num_prompts"])
     hp = {**head.hyperparams(), "csgd": csgd, "lambda_schedule": schedule if csgd else None,
           "lambda": ("0.4 * (E - e) / E, e = fractional epoch (paper)" if schedule == "paper"
@@ -606,19 +601,5 @@ def train_falcon(options: dict, target, data) -> Path:
     return Path(save_checkpoint(options["out"], head.tensors(), meta))
 
 
-def served_tau(target, head: FalconHead, prompts, *, max_tokens: int = 64, budget: int = 8) -> dict[str, Any]:
-    """τ of the drafter around `head` through our engine (greedy, held-back prompts)."""
-    from specserve.drafters.train.evaluate import measure_tau
-    from specserve.engine.config import EngineConfig
-    from specserve.engine.core import LLMEngine
-
-    engine = LLMEngine(EngineConfig(model=target.name, device=str(target.device),
-                                    dtype=str(target.dtype).removeprefix("torch."), max_model_len=1024,
-                                    max_num_seqs=16, drafters=(KIND,), drafter_options={KIND: {"head": head}},
-                                    num_speculative_tokens=budget, draft_budget="fixed"),
-                       loaded=target.loaded)
-    return measure_tau(engine, prompts, drafter=KIND, max_tokens=max_tokens)
-
-
 __all__ = ["glance_lambda", "batch_rows", "glance", "falcon_loss", "distill_terms", "sar_ranks", "collect_ranks",
-           "chain_tau", "tree_tau", "tree_orders", "fit_falcon", "train_falcon", "served_tau", "Rows"]
+           "chain_tau", "tree_tau", "tree_orders", "fit_falcon", "train_falcon", "Rows"]

@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Mapping
 
+import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 
 @dataclass
@@ -83,7 +85,6 @@ def seed_everything(seed: int) -> None:
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
     try:
-        import numpy as np
         np.random.seed(seed % 2**32)
     except ImportError:
         pass
@@ -134,8 +135,6 @@ def train(module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], tup
           config: TrainConfig | None = None) -> TrainResult:
     """Train `module` in place (see the module docstring); returns a TrainResult. With `eval_fn`
     the module ends with the parameters of its best eval (by `tau`)."""
-    from tqdm.auto import tqdm
-
     config = config or TrainConfig()
     if config.grad_accum < 1:
         raise ValueError("grad_accum must be at least 1")

@@ -33,9 +33,15 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from specserve.drafters.draft_model import parse_k_config
 from specserve.drafters.nets.mcsd_decision import (DEFAULT_TOP_K, KIND, DecisionModel, save_decision,
                                                    topk_entropy_features)
 from specserve.drafters.train import register_trainer
+from specserve.drafters.train.data import load_prompt_pool, render_prompt
+from specserve.engine.config import EngineConfig
+from specserve.engine.core import LLMEngine
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.tree import TreeTemplate
 
 logger = logging.getLogger("specserve")
 
@@ -100,8 +106,6 @@ def log_outcomes(engine, drafter: str, prompts: Sequence[list[int]], *, max_toke
     """Serve `prompts` through `engine` with `drafter` recording, one request each; the log. A
     sequence's last tree (the step it finished in) is not labelled: the engine tells a drafter
     nothing about a finished sequence's verification."""
-    from specserve.engine.sampling_params import SamplingParams
-
     log = DecisionLog(top_k)
     instance = engine.drafters[drafter]
     instance.recorder = log
@@ -182,10 +186,6 @@ def drafter_options_of(options: dict) -> dict[str, Any]:
 
 @register_trainer(KIND)
 def train_mcsd_decision(options: dict, target, data=None) -> Path:
-    from specserve.drafters.train.data import load_prompt_pool, render_prompt
-    from specserve.engine.config import EngineConfig
-    from specserve.engine.core import LLMEngine
-
     o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
     types = parse_types(o["types"])
     drafter = str(o["drafter"])
@@ -198,8 +198,6 @@ def train_mcsd_decision(options: dict, target, data=None) -> Path:
     t0 = time.time()
 
     # 1. log verification outcomes of a static fork through the engine
-    from specserve.drafters.draft_model import parse_k_config
-    from specserve.engine.tree import TreeTemplate
 
     nodes = TreeTemplate.from_branching(parse_k_config(o["k_config"])).num_nodes - 1
     dopts = {"k_config": o["k_config"], **drafter_options_of(o)}

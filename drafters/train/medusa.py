@@ -39,6 +39,7 @@ other half. At the end the trainer also measures τ through the engine on held-b
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -51,9 +52,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.drafters.train import register_trainer, tree_tuning
+from specserve.drafters.nets import tree_tuning
+from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, save_checkpoint
 from specserve.drafters.nets.medusa import DEFAULT_NUM_HEADS, MedusaHeads, load_template  # noqa: F401  (re-exported)
+from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
+from specserve.drafters.train.evaluate import served_tau
+from specserve.drafters.train.loop import TrainConfig, train
 from specserve.engine.tree import preference_prefix
 
 logger = logging.getLogger("specserve")
@@ -358,8 +363,6 @@ def fit_medusa(target_model, train_examples: MedusaExamples, eval_examples: Medu
     """Train fresh heads on `train_examples`; returns (heads, TrainResult). The loop's τ (early
     stopping, best state) is the held-back τ of the template cut to `eval_budget` nodes (the
     chain τ without a template)."""
-    from specserve.drafters.train.loop import TrainConfig, train
-
     config = config or TrainConfig()
     device = torch.device(device or config.device)
     W = target_model.lm_head_weight
@@ -388,32 +391,6 @@ def fit_medusa(target_model, train_examples: MedusaExamples, eval_examples: Medu
 TRAIN_DEFAULTS = {"epochs": 2, "lr": 1e-3, "betas": (0.9, 0.999), "warmup_ratio": 0.03, "patience": 3}
 
 
-def engine_tau(target, data, heads: MedusaHeads, order, num_prompts: int, budget: int, max_tokens: int,
-               seed: int, max_len: int = 512) -> dict[str, Any]:
-    """τ as the server measures it: held-back prompts through an engine with these heads (a copy)
-    and this tree, greedy, a fixed draft budget."""
-    import copy
-
-    from specserve.drafters import medusa as _serving  # noqa: F401  (registers the drafter)
-    from specserve.drafters.train.evaluate import measure_tau
-    from specserve.engine.config import EngineConfig
-    from specserve.engine.core import LLMEngine
-
-    prompts = data.held_back_examples()[:num_prompts]
-    if not prompts:
-        raise ValueError("no held-back prompt")
-    engine = LLMEngine(EngineConfig(model=str(target.name), device=str(target.device),
-                                    dtype=str(target.dtype).removeprefix("torch."),
-                                    max_model_len=min(max_len + max_tokens,
-                                                      target.model_config.max_position_embeddings),
-                                    max_num_seqs=max(1, num_prompts), max_num_batched_tokens=2048, seed=seed,
-                                    drafters=(KIND,), drafter_options={KIND: {"heads": copy.deepcopy(heads),
-                                                                              "tree": order}},
-                                    num_speculative_tokens=budget, max_draft_tokens_per_step=budget * num_prompts,
-                                    adaptive_draft_length=False), loaded=target.loaded)
-    return measure_tau(engine, prompts, drafter=KIND, max_tokens=max_tokens)
-
-
 @register_trainer(KIND)
 def train_medusa(options: dict, target, data) -> Path:
     """`specserve train medusa`: heads trained on the teacher shards' train split, evaluated on the
@@ -424,9 +401,6 @@ def train_medusa(options: dict, target, data) -> Path:
     watches and of the engine τ), tuned_nodes (64), bf16_matmul (true: the LM-head product of the
     loss in bf16 on the CPU), engine_tau_prompts (8 held-back prompts through the engine at the end;
     0 = offline τ only), engine_tau_max_tokens (64)."""
-    from specserve.drafters.train.checkpoint import CheckpointMeta, describe_device, save_checkpoint
-    from specserve.drafters.train.loop import TrainConfig
-
     if not options.get("out"):
         raise ValueError("medusa trainer: no output folder (--out)")
     start = time.time()
@@ -465,9 +439,12 @@ def train_medusa(options: dict, target, data) -> Path:
     engine_prompts = int(_opt(options, "engine_tau_prompts", 8))
     if engine_prompts > 0:
         try:
-            report["engine"] = engine_tau(target, data, heads, order, engine_prompts, eval_budget,
-                                          int(_opt(options, "engine_tau_max_tokens", 64)), seed,
-                                          int(_opt(options, "max_len", 512)))
+            prompts = data.held_back_examples()[:engine_prompts]
+            if not prompts:
+                raise ValueError("no held-back prompt")
+            report["engine"] = served_tau(target, KIND, {"heads": copy.deepcopy(heads), "tree": order}, prompts,
+                                          budget=eval_budget, max_len=int(_opt(options, "max_len", 512)), seed=seed,
+                                          max_tokens=int(_opt(options, "engine_tau_max_tokens", 64)))
             tau = report["engine"]["tau"]
             logger.info("medusa: held-back engine tau %.3f (budget %d, %d prompts)", tau, eval_budget, engine_prompts)
         except Exception as exc:   # noqa: BLE001 - the offline figure stands in

@@ -44,22 +44,30 @@ speed. Measured figures: see the trainer's checkpoint metadata and the helper re
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.drafters.nets import tree_tuning
+from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, save_checkpoint
+from specserve.drafters.nets.medusa import DEFAULT_TREE, load_template
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
+from specserve.drafters.train.evaluate import served_tau
 from specserve.drafters.nets.parallelspec import (ParallelSpecModule, last_layer_input_rms,  # noqa: F401
                                                   load_module)
+from specserve.drafters.train.loop import TrainConfig, train
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import DecoderLayer, rms_norm, rope_tables
+from specserve.engine.tree import preference_prefix
 
 logger = logging.getLogger("specserve")
 
@@ -462,23 +470,17 @@ def chain_tau(ranks: torch.Tensor) -> float:
 
 
 def tree_tau(ranks: torch.Tensor, paths: Sequence[Sequence[int]]) -> float:
-    from specserve.drafters.train.tree_tuning import empirical_accepted_length
-
-    return 1.0 + empirical_accepted_length(ranks, paths)
+    return 1.0 + tree_tuning.empirical_accepted_length(ranks, paths)
 
 
 def prefix_order(order: Sequence[Sequence[int]], budget: int) -> list[list[int]]:
-    from specserve.engine.tree import preference_prefix as prefix_tree
-
-    return prefix_tree(order, budget)
+    return preference_prefix(order, budget)
 
 
 def rank_report(ranks: torch.Tensor, template: Sequence[Sequence[int]] | None, *, budgets=(4, 8, 16, 32, 63),
                 tuned_nodes: int = 64, seed: int = 0, max_rank: int = 10) -> dict[str, Any]:
     """Held-back figures: chain τ, per-depth top-1, τ of the template and of a tuned tree at several
     budgets (tuned on one half of the anchors, measured on the other), and the tuned order on all."""
-    from specserve.drafters.train import tree_tuning
-
     res: dict[str, Any] = {"anchors": int(ranks.shape[0]), "tau_chain": round(chain_tau(ranks), 4),
                            "top1_by_depth": [round(float((ranks[:, d] == 0).double().mean()), 4)
                                              for d in range(ranks.shape[1])] if ranks.shape[0] else []}
@@ -516,8 +518,6 @@ def fit_parallelspec(target_model, cfg: ModelConfig, train_batches, eval_batches
     """Train a fresh module (layer and norm from the target's last layer); returns (module, TrainResult).
     `train_batches`: epoch -> iterable of shard batches. The loop watches the held-back τ of
     `template` cut to `opts.eval_budget` nodes (the chain τ without a template)."""
-    from specserve.drafters.train.loop import train
-
     torch.manual_seed(config.seed)
     module = ParallelSpecModule.from_target(target_model, cfg, k=opts.k, max_positions=max_positions,
                                             seed=config.seed, fc_init=opts.fc_init)
@@ -564,13 +564,6 @@ def train_parallelspec(options: dict, target, data) -> "Path":
     the group-wise parallel layout, evaluated on the held-back split, saved with a tree order
     tuned on held-back rank statistics. Options: see `TrainOptions` (plus the command's epochs,
     lr, seed and the loop's max_seconds, eval_every, patience, warmup_ratio via --option)."""
-    from pathlib import Path
-
-    from specserve.drafters.nets.medusa import DEFAULT_TREE
-    from specserve.drafters.nets.medusa import load_template as _trees_json_paths
-    from specserve.drafters.train.checkpoint import CheckpointMeta, describe_device, save_checkpoint
-    from specserve.drafters.train.loop import TrainConfig
-
     if not options.get("out"):
         raise ValueError("parallelspec trainer: no output folder (--out)")
     start = time.time()
@@ -582,7 +575,7 @@ def train_parallelspec(options: dict, target, data) -> "Path":
     eval_batches = _load_batches(data.held_back, real_tokens, opts.eval_sequences, epoch=0, seed=config.seed,
                                  shuffle=False, device=dev)
     max_len = int(options.get("max_len") or 512)
-    template = _trees_json_paths(DEFAULT_TREE)
+    template = load_template(DEFAULT_TREE)
 
     def train_batches(epoch: int):
         return _load_batches(data.train, real_tokens, opts.max_train_sequences, epoch=epoch, seed=config.seed,
@@ -601,8 +594,8 @@ def train_parallelspec(options: dict, target, data) -> "Path":
                 report["tau_tuned"], report.get("tau_template"))
     served = None
     if opts.engine_tau_prompts > 0:
-        served = served_tau(target, module, data.held_back_examples()[:opts.engine_tau_prompts], order,
-                            budget=opts.eval_budget)
+        served = served_tau(target, KIND, {"module": module, "tree": json.dumps(order)},
+                            data.held_back_examples()[:opts.engine_tau_prompts], budget=opts.eval_budget)
         logger.info("parallelspec: served tau %.3f on %d held-back prompts (budget %d)", served["tau"],
                     served["num_prompts"], opts.eval_budget)
     meta = CheckpointMeta(
@@ -619,24 +612,3 @@ def train_parallelspec(options: dict, target, data) -> "Path":
                      "draft_vocab_coverage": coverage},
         tree={"choices": order, "order": "greedy expected accepted length on held-back ranks (each prefix is a tree)"})
     return Path(save_checkpoint(options["out"], module.own_tensors(), meta))
-
-
-def served_tau(target, module: ParallelSpecModule, prompts, order, *, max_tokens: int = 64,
-               budget: int = 16) -> dict[str, Any]:
-    """τ of the drafter around `module` through our engine (greedy, held-back prompts, tree `order`
-    cut to `budget` nodes)."""
-    import json
-
-    from specserve.drafters.train.evaluate import measure_tau
-    from specserve.engine.config import EngineConfig
-    from specserve.engine.core import LLMEngine
-
-    import specserve.drafters.parallelspec  # noqa: F401  (registers the drafter)
-
-    engine = LLMEngine(EngineConfig(model=target.name, device=str(target.device),
-                                    dtype=str(target.dtype).removeprefix("torch."), max_model_len=1024,
-                                    max_num_seqs=16, drafters=(KIND,),
-                                    drafter_options={KIND: {"module": module, "tree": json.dumps(order)}},
-                                    num_speculative_tokens=budget, adaptive_draft_length=False),
-                       loaded=target.loaded)
-    return measure_tau(engine, prompts, drafter=KIND, max_tokens=max_tokens)

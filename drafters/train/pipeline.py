@@ -20,10 +20,14 @@ from typing import Any, Mapping
 import torch
 
 from specserve.drafters.base import parse_option_value
+from specserve.drafters.nets.checkpoint import target_fingerprint
 from specserve.drafters.train import TrainData, TrainTarget, get_trainer
-from specserve.drafters.train.checkpoint import target_fingerprint
 from specserve.drafters.train.data import (ShardDataset, build_teacher_shards, load_prompt_pool,
                                            self_distill_examples)
+from specserve.engine.config import EngineConfig, ModelConfig
+from specserve.engine.core import LLMEngine
+from specserve.engine.loader import _cache_root as specserve_cache, load_model
+from specserve.engine.model import LlamaModel
 
 logger = logging.getLogger("specserve")
 
@@ -46,8 +50,6 @@ def parse_options(items) -> dict[str, Any]:
 
 
 def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
-    from specserve.engine.config import EngineConfig
-
     cfg = EngineConfig(device=device, dtype=dtype)
     resolved = cfg.resolve_device()
     return resolved, cfg.resolve_dtype(resolved)
@@ -56,10 +58,6 @@ def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[tor
 def prepare_target(model: str = "default", *, device: str = "auto", dtype: str = "auto",
                    max_positions: int = 4096, loaded=None) -> TrainTarget:
     """Load the target (or use `loaded`) as our frozen LlamaModel on `device`/`dtype`."""
-    from specserve.engine.config import ModelConfig
-    from specserve.engine.loader import load_model
-    from specserve.engine.model import LlamaModel
-
     loaded = loaded or load_model(model)
     dev, dt = resolve_device_dtype(device, dtype)
     cfg = ModelConfig.from_hf(loaded.hf_config)
@@ -76,7 +74,6 @@ def _key(obj: Any) -> str:
 def _cache_root(cache_dir) -> Path:
     if cache_dir:
         return Path(cache_dir).expanduser()
-    from specserve.engine.loader import _cache_root as specserve_cache
     return specserve_cache(None) / "train"
 
 
@@ -93,9 +90,6 @@ def prepare_data(target: TrainTarget, options: Mapping[str, Any]) -> TrainData:
     root = _cache_root(o["cache_dir"]) / f"{safe_name}-{target.fingerprint}"
     self_distill = None
     if o["self_distill"]:
-        from specserve.engine.config import EngineConfig
-        from specserve.engine.core import LLMEngine
-
         self_distill = {"max_tokens": o["self_distill_max_tokens"], "temperature": o["temperature"],
                         "seed": o["seed"]}
         engine = LLMEngine(EngineConfig(model=str(o["model"]), device=str(target.device),

@@ -30,9 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, save_checkpoint
 from specserve.drafters.train import TrainData, TrainTarget, register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
 from specserve.drafters.nets.student import StudentModel, _dense_layer, load_student, shipped_checkpoint  # noqa: F401
+from specserve.drafters.train.loop import TrainConfig, train
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import DecoderLayer, LlamaModel, rms_norm
 
@@ -110,9 +112,6 @@ def train_student(options: dict, target: TrainTarget, data: TrainData) -> Path:
     """Options: num_layers (default 4), negatives (default 2048; none = full vocabulary), gamma
     (offline τ chain length, default 4), window (tokens per training row, default 256), plus the
     loop's (epochs, lr, batch_tokens, max_seconds, ...)."""
-    from specserve.drafters.train.checkpoint import CheckpointMeta, describe_device, save_checkpoint
-    from specserve.drafters.train.loop import TrainConfig, train
-
     num_layers = int(options.get("num_layers") or 4)
     negatives = options.get("negatives", DEFAULT_NEGATIVES)
     negatives = None if negatives in (None, "none") else int(negatives)

@@ -40,8 +40,7 @@ def test_no_serving_module_imports_training_anywhere():
 
 
 def test_training_names_reach_the_same_objects():
-    from specserve.drafters.nets import checkpoint, ctc, eagle, falcon, medusa, parallelspec, student
-    from specserve.drafters.train import checkpoint as train_checkpoint
+    from specserve.drafters.nets import ctc, eagle, falcon, medusa, parallelspec, student
     from specserve.drafters.train import ctc as train_ctc
     from specserve.drafters.train import eagle as train_eagle
     from specserve.drafters.train import falcon as train_falcon
@@ -49,7 +48,6 @@ def test_training_names_reach_the_same_objects():
     from specserve.drafters.train import parallelspec as train_parallelspec
     from specserve.drafters.train import student as train_student
 
-    assert train_checkpoint is checkpoint
     assert train_eagle.EagleHead is eagle.EagleHead and train_eagle.load_head is eagle.load_head
     assert train_medusa.MedusaHeads is medusa.MedusaHeads
     assert train_parallelspec.ParallelSpecModule is parallelspec.ParallelSpecModule

@@ -26,7 +26,7 @@ def train_checkpoint(model_dir, prompts, out_dir, *, new_tokens=40, steps=20, k=
     """A drafter trained for a few steps on the target's own greedy continuations of `prompts`
     (given, or generated here), memorised, so that its drafts are often right on those prompts;
     saved as a checkpoint."""
-    from specserve.drafters.train.checkpoint import CheckpointMeta, save_checkpoint
+    from specserve.drafters.nets.checkpoint import CheckpointMeta, save_checkpoint
     from specserve.drafters.train.pipeline import prepare_target
     from specserve.drafters.train.target import target_features
     from specserve.engine.loader import load_model

@@ -71,21 +71,21 @@ def test_unknown_option_fails_engine_start_up(tiny_llama_dir):
         make_llm_engine(tiny_llama_dir, ["draft_model"], {"draft_model": {"draft_layer": 1}})
 
 
-def test_context_by_name_and_older_keyword_drafters():
-    """Callers without a DrafterContext name its fields; a drafter written in the older form
-    (context fields as keywords) is still built, and its options still validated."""
-    @register("test_platform_legacy")
-    class Legacy(Drafter):
-        def __init__(self, *, model_config=None, width: int = 1, **_):
-            self.model_config, self.width = model_config, width
+def test_context_by_name_and_options_validated():
+    """Callers without a DrafterContext name its fields; the drafter gets them in its `ctx`, and
+    its options are still validated."""
+    @register("test_platform_by_name")
+    class ByName(Drafter):
+        def __init__(self, ctx, *, width: int = 1):
+            self.model_config, self.width = ctx.model_config, width
 
         def propose(self, seqs, budgets):
             return [None] * len(seqs)
 
-    d = make_drafter("test_platform_legacy", model_config="cfg", width=3)
+    d = make_drafter("test_platform_by_name", model_config="cfg", width=3)
     assert (d.model_config, d.width) == ("cfg", 3)
     with pytest.raises(DrafterOptionError, match="did you mean 'width'"):
-        make_drafter("test_platform_legacy", widht=3)
+        make_drafter("test_platform_by_name", widht=3)
     ctx = DrafterContext(max_model_len=77)
     assert make_drafter("test_platform_echo", ctx, lookahead=5).lookahead == 5
 

@@ -1044,8 +1044,8 @@ PLAIN: dict[tuple[int, ...], list[int]] = {}    # prompt -> plain greedy continu
 class OracleChainDrafter(Drafter):
     """Drafts the plain greedy continuation as a chain, wrong at every fifth position."""
 
-    def __init__(self, model_config=None, **_):
-        self.vocab = model_config.vocab_size
+    def __init__(self, ctx):
+        self.vocab = ctx.model_config.vocab_size
 
     def propose(self, seqs, budgets):
         trees = []
@@ -1114,8 +1114,8 @@ def test_goodput_budget_is_lossless_and_drafts(tiny_llama_dir, prompts_and_plain
 
 @register("test_budget_always_wrong")
 class AlwaysWrong(Drafter):
-    def __init__(self, model_config=None, **_):
-        self.vocab = model_config.vocab_size
+    def __init__(self, ctx):
+        self.vocab = ctx.model_config.vocab_size
 
     def propose(self, seqs, budgets):
         return [TokenTree.chain(seq.token_ids[-1], [(PLAIN[tuple(seq.token_ids[:seq.num_prompt_tokens])]
@@ -1140,8 +1140,8 @@ class ContextOracle(Drafter):
     """Tells context 1 at even output positions, where it drafts the plain continuation, and 2 at
     odd ones, where it drafts a wrong chain."""
 
-    def __init__(self, model_config=None, **_):
-        self.vocab, self.told = model_config.vocab_size, 0
+    def __init__(self, ctx):
+        self.vocab, self.told = ctx.model_config.vocab_size, 0
 
     def context_of(self, seq):
         self.told += 1
@@ -1158,8 +1158,8 @@ class ContextOracle(Drafter):
 
 @register("test_budget_context_raises")
 class ContextRaises(OracleChainDrafter):
-    def __init__(self, model_config=None, **_):
-        super().__init__(model_config)
+    def __init__(self, ctx):
+        super().__init__(ctx)
         self.told = 0
 
     def context_of(self, seq):

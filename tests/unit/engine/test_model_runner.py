@@ -32,8 +32,8 @@ class RandomShapeDrafter(Drafter):
 
     truth: dict[tuple[int, ...], list[int]] = {}
 
-    def __init__(self, model_config=None, **_):
-        self.vocab = model_config.vocab_size
+    def __init__(self, ctx):
+        self.vocab = ctx.model_config.vocab_size
         self.rng = random.Random(7)
 
     def propose(self, seqs, budgets):

@@ -24,8 +24,8 @@ class OracleTreeDrafter(Drafter):
     """Knows the plain greedy continuation; hides it at a random sibling position inside a random
     tree, sometimes with a wrong token, so accepted paths have non-contiguous node indices."""
 
-    def __init__(self, vocab_size: int = 0, model_config=None, **_):
-        self.vocab = model_config.vocab_size
+    def __init__(self, ctx, *, vocab_size: int = 0):
+        self.vocab = ctx.model_config.vocab_size
         self.rng = random.Random(0)
 
     def propose(self, seqs, budgets):
@@ -55,18 +55,12 @@ class OracleTreeDrafter(Drafter):
 
 @register("test_raises")
 class RaisingDrafter(Drafter):
-    def __init__(self, **_):
-        pass
-
     def propose(self, seqs, budgets):
         raise RuntimeError("drafter bug")
 
 
 @register("test_bad_root")
 class BadRootDrafter(Drafter):
-    def __init__(self, **_):
-        pass
-
     def propose(self, seqs, budgets):
         return [TokenTree([seq.token_ids[-1] + 1, 5], [NO_PARENT, 0]) for seq in seqs]
 
@@ -168,8 +162,8 @@ def test_stop_inside_accepted_tokens_truncates(tiny_llama_dir, prompts_and_plain
 class AlwaysWrongDrafter(Drafter):
     """A chain of the full budget whose first token is never the greedy choice."""
 
-    def __init__(self, model_config=None, **_):
-        self.vocab = model_config.vocab_size
+    def __init__(self, ctx):
+        self.vocab = ctx.model_config.vocab_size
 
     def propose(self, seqs, budgets):
         trees = []

@@ -131,8 +131,8 @@ class RandomTreeDrafter(Drafter):
 
     truth: dict[tuple[int, ...], list[int]] = {}
 
-    def __init__(self, model_config=None, **_):
-        self.vocab = model_config.vocab_size
+    def __init__(self, ctx):
+        self.vocab = ctx.model_config.vocab_size
         self.rng = random.Random(1)
 
     def propose(self, seqs, budgets):

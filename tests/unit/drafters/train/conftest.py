@@ -60,7 +60,7 @@ def tiny_distill(tiny_llama_dir, tmp_path_factory):
     import torch
 
     from specserve.drafters.train import TrainData, TrainTarget
-    from specserve.drafters.train.checkpoint import target_fingerprint
+    from specserve.drafters.nets.checkpoint import target_fingerprint
     from specserve.drafters.train.data import Example, ShardDataset, build_teacher_shards, self_distill_examples
     from specserve.engine.config import EngineConfig
     from specserve.engine.core import LLMEngine

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from specserve.drafters.base import make_drafter
 from specserve.drafters.ctc import ctc_collapse
 from specserve.drafters.nets.ctc import CTCDraftNet, load_net, shipped_checkpoint
-from specserve.drafters.train.checkpoint import CheckpointMismatchError, read_meta
+from specserve.drafters.nets.checkpoint import CheckpointMismatchError, read_meta
 from specserve.drafters.train.ctc import (FIELDS, accepted_in_tree, class_table, ctc_targets, fit_ctc,
                                           held_back_slots, selection_tau, train_ctc, walk_tau)
 from specserve.drafters.train.loop import TrainConfig

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specserve.drafters.base import make_drafter
-from specserve.drafters.train.checkpoint import CheckpointMismatchError, read_meta
+from specserve.drafters.nets.checkpoint import CheckpointMismatchError, read_meta
 from specserve.drafters.train.eagle import (EagleHead, chain_matches, estimate_tau, fit_eagle, load_head, save_head,
                                             shipped_checkpoint, train_eagle)
 from specserve.drafters.train.loop import TrainConfig

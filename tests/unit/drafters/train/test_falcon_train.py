@@ -10,7 +10,7 @@ import torch
 
 from specserve.drafters.base import make_drafter
 from specserve.drafters.nets.falcon import FalconHead, load_head, shipped_checkpoint
-from specserve.drafters.train.checkpoint import CheckpointMismatchError, read_meta
+from specserve.drafters.nets.checkpoint import CheckpointMismatchError, read_meta
 from specserve.drafters.train.falcon import (FIELDS, Rows, chain_tau, distill_terms, falcon_loss, fit_falcon, glance,
                                              glance_lambda, sar_ranks, train_falcon, tree_tau)
 from specserve.drafters.train.loop import TrainConfig

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from specserve.drafters.train import tree_tuning as tt
+from specserve.drafters.nets import tree_tuning as tt
 from specserve.drafters.train.medusa import (MedusaExamples, MedusaHeads, chain_tau, fit_medusa, head_ranks,
                                              label_mask_from_answer, medusa_loss, sequence_examples, template_prefix,
                                              train_medusa, tree_tau, walk_tau)
@@ -161,7 +161,7 @@ def _prompts(n: int, seed: int = 0):
 def tiny_setup(tiny_llama_dir, tmp_path_factory):
     """Self-distilled teacher shards of the tiny Llama, and its TrainTarget."""
     from specserve.drafters.train import TrainData, TrainTarget
-    from specserve.drafters.train.checkpoint import target_fingerprint
+    from specserve.drafters.nets.checkpoint import target_fingerprint
     from specserve.drafters.train.data import ShardDataset, build_teacher_shards, self_distill_examples
     from specserve.engine.config import EngineConfig
     from specserve.engine.core import LLMEngine
@@ -203,7 +203,7 @@ def test_trainer_checkpoint_round_trip_and_refusal(tiny_setup, tmp_path, tiny_ll
     from specserve.drafters import medusa  # noqa: F401  (registers the drafter)
     from specserve.drafters.base import make_drafter
     from specserve.drafters.train import get_trainer
-    from specserve.drafters.train.checkpoint import CheckpointMismatchError, load_checkpoint
+    from specserve.drafters.nets.checkpoint import CheckpointMismatchError, load_checkpoint
     from specserve.engine.config import EngineConfig
     from specserve.engine.core import LLMEngine
 

@@ -216,8 +216,8 @@ def trained(tiny_target, pool_writer, tmp_path_factory):
 
 
 def test_trainer_writes_a_checkpoint_with_a_tuned_tree(trained, tiny_target):
-    from specserve.drafters.train.checkpoint import read_meta
-    from specserve.drafters.train.tree_tuning import is_prefix_closed
+    from specserve.drafters.nets.checkpoint import read_meta
+    from specserve.drafters.nets.tree_tuning import is_prefix_closed
 
     meta = read_meta(trained)
     assert meta.kind == "parallelspec" and meta.target_fingerprint == tiny_target.fingerprint
@@ -230,7 +230,7 @@ def test_trainer_writes_a_checkpoint_with_a_tuned_tree(trained, tiny_target):
 
 
 def test_checkpoint_round_trips_and_refuses_another_target(trained, tiny_target, tiny_model_factory, tmp_path):
-    from specserve.drafters.train.checkpoint import CheckpointMismatchError, load_checkpoint
+    from specserve.drafters.nets.checkpoint import CheckpointMismatchError, load_checkpoint
     from specserve.drafters.train.pipeline import prepare_target
     from specserve.engine.loader import load_model
 

@@ -56,7 +56,7 @@ def test_distillation_loss_falls(tiny_distill):
 def test_checkpoint_round_trip_into_the_drafter_and_refusal(tiny_distill, tmp_path, tiny_model_factory):
     from specserve.drafters.base import make_drafter
     from specserve.drafters.train import get_trainer
-    from specserve.drafters.train.checkpoint import CheckpointMismatchError, load_checkpoint
+    from specserve.drafters.nets.checkpoint import CheckpointMismatchError, load_checkpoint
     from specserve.engine.config import EngineConfig
     from specserve.engine.core import LLMEngine
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from specserve.drafters.train.checkpoint import (FORMAT_VERSION, CheckpointMeta, CheckpointMismatchError,
+from specserve.drafters.nets.checkpoint import (FORMAT_VERSION, CheckpointMeta, CheckpointMismatchError,
                                                  load_checkpoint, read_meta, resolve_checkpoint, save_checkpoint,
                                                  target_fingerprint)
 from specserve.engine.config import ModelConfig

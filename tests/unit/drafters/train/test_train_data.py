@@ -313,7 +313,7 @@ def test_self_distilled_examples_feed_the_shards(tiny_target, tmp_path):
 def test_smollm2_rendering_and_fingerprint(default_model):
     """The default target: ChatML (with its default system prompt) then the answer and <|im_end|>;
     its fingerprint is the same in fp32 and bf16."""
-    from specserve.drafters.train.checkpoint import target_fingerprint
+    from specserve.drafters.nets.checkpoint import target_fingerprint
     from specserve.engine.config import ModelConfig
     from specserve.engine.model import LlamaModel
 

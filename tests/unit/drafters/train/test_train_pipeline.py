@@ -9,7 +9,7 @@ from torch import nn
 
 from specserve.drafters.train import (TrainData, TrainTarget, UnknownTrainerError, available_trainers, get_trainer,
                                       register_trainer, unregister_trainer)
-from specserve.drafters.train.checkpoint import (CheckpointMeta, CheckpointMismatchError, describe_device,
+from specserve.drafters.nets.checkpoint import (CheckpointMeta, CheckpointMismatchError, describe_device,
                                                  load_checkpoint, save_checkpoint)
 from specserve.drafters.train.loop import TrainConfig, train
 from specserve.server import cli
