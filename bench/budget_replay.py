@@ -10,8 +10,8 @@ follows from two recordings: the output tokens, and what a tree of each budget d
 position would accept (computed by calling the drafter on the recorded prefix). Each drafter's run
 is recorded once through the engine at the fixed budget (its outputs, and the wall time of every
 decode step by its tokens: the step cost table); then each policy is replayed on it: "fixed" and
-"adaptive" with the scheduler's `draft_length` / `adapt_draft_length`, "goodput" with a
-`GoodputBudget` calibrated on the cost table and fed each simulated step as the engine feeds it,
+"adaptive" and "goodput" the engine's own policies (`engine/draft_policy/`), goodput calibrated on
+the cost table, each fed every simulated step as the scheduler feeds it,
 the drafter's context of each step included (`Drafter.context_of`), and "goodput-no-contexts" the
 same budget not told them. Each policy's state carries from one dataset to the next, as a served
 engine's does. A
@@ -82,8 +82,8 @@ def summarise(steps_of: list[list[tuple[int, int]]], costs: dict[int, float]) ->
 
 def cost_table(seconds: dict[int, list[float]], largest: int) -> dict[int, float]:
     """Median seconds of a step of n tokens for n = 1 .. largest: measured where seen, between and
-    beyond them as the goodput budget reads its calibration points (`budget._interp`)."""
-    from specserve.engine.budget import _interp
+    beyond them as the goodput policy reads its calibration points (`draft_policy.cost._interp`)."""
+    from specserve.engine.draft_policy.cost import _interp
 
     seen = sorted((n, statistics.median(v)) for n, v in seconds.items() if v)
     if not seen:
@@ -128,47 +128,38 @@ class _Acceptance:
 
 def replay(policy: str, drafter_name: str, accept: list[_Acceptance], costs: dict[int, float],
            max_tokens: int, per_seq: int) -> dict:
-    """One policy (of POLICIES) over the recorded runs in order (one budget state across them, as
-    one engine)."""
-    from specserve.engine.budget import GoodputBudget
-    from specserve.engine.scheduler import adapt_draft_length, draft_length
+    """One policy (of POLICIES) over the recorded runs in order (one policy state across them, as
+    one engine), called as the scheduler calls it: `allocate` for the step, then one `StepReport`."""
+    from specserve.engine.draft_policy import Candidate, DraftCall, StepCaps, StepReport, TreeOutcome, make_policy
 
     cost = _step_cost(costs)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     told = policy == "goodput"
-    goodput = None
-    if policy.startswith("goodput"):
-        goodput = GoodputBudget(per_seq, max(costs))
-        goodput.calibrate(lambda n: cost(n), max(costs), time_limit=math.inf)
+    engine_policy = make_policy(policy.removesuffix("-no-contexts"), per_seq, max(costs))
+    if hasattr(engine_policy, "calibrate"):
+        engine_policy.calibrate(lambda n: cost(n), max(costs), time_limit=math.inf)
     steps_of = []
     for acc_at in accept:
-        seq = SimpleNamespace(seq_id=acc_at.seq_id, drafter=drafter_name, draft_limit=None, draft_pause=0,
-                              draft_backoff=0)
+        seq = SimpleNamespace(seq_id=acc_at.seq_id, drafter=drafter_name)
         p, steps = 1, []
         while p < max_tokens:
             cap = min(per_seq, max_tokens - p - 1)
-            if goodput is not None:
-                context = acc_at.context(p) if told and cap > 0 else None
-                budget = goodput.allocate([(seq, cap)], 1, 1, per_seq,
-                                          {} if context is None else {seq.seq_id: context}).budgets[seq.seq_id] if cap > 0 else 0
-                goodput.record(seq, budget)
-            else:
-                budget = min(cap, draft_length(seq, per_seq)) if cap > 0 else 0
+            context = acc_at.context(p) if told and cap > 0 else None
+            (budget,) = engine_policy.allocate([Candidate(seq.seq_id, drafter_name, max(0, cap), context)],
+                                               StepCaps(per_seq, 1, 1, 1))
             nodes, acc, depth = acc_at(p, budget) if budget else (0, 0, 0)
             step = cost(1 + nodes)
-            if goodput is not None:
-                if budget:
-                    goodput.observe_draft(drafter_name, [seq], [budget], [nodes], 0.0)
-                if nodes:
-                    goodput.observe_acceptance(seq, acc, depth)
-                goodput.observe_step(1 + nodes, step, 1 if nodes else 0)
-            elif nodes and policy == "adaptive":
-                adapt_draft_length(seq, per_seq, acc, depth)
+            report = StepReport(granted={seq.seq_id: budget}, num_tokens=1 + nodes, num_trees=1 if nodes else 0,
+                                seconds=step)
+            if budget:
+                report.drafts.append(DraftCall(drafter_name, [seq.seq_id], [budget], [nodes], 0.0))
+            if nodes:
+                report.outcomes.append(TreeOutcome(seq, nodes, depth, acc))
+            engine_policy.observe(report)
             steps.append((nodes, acc))
             p += 1 + acc
-        if goodput is not None:
-            goodput.forget(seq)
+        engine_policy.observe(StepReport(finished=[seq.seq_id]))
         steps_of.append(steps)
     return {"policy": policy, **summarise(steps_of, costs), "steps": steps_of}
 

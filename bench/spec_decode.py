@@ -97,13 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most draft-tree nodes per sequence per step (default: %(default)s)")
     ap.add_argument("--max-draft-tokens-per-step", type=int, default=64, metavar="N",
                     help="draft nodes of the whole batch per step (default: %(default)s)")
-    ap.add_argument("--draft-budget", nargs="+", default=["goodput"], choices=DRAFT_BUDGETS, metavar="POLICY",
+    ap.add_argument("--draft-budget", nargs="+", default=["goodput"], choices=DRAFT_BUDGETS + ("goodput-legacy",), metavar="POLICY",
                     help="how draft budgets are chosen, as `specserve serve --draft-budget` (goodput, adaptive, "
                          "fixed); several run side by side in one invocation: one engine per policy from the "
                          "same model load, every drafter once per policy (methods 'eagle@adaptive', ...), "
                          "interleaved batch by batch with the one plain decoding (default: goodput)")
-    ap.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=None,
-                    help="the older switch: on = --draft-budget adaptive, off = fixed (default: unset)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="float32 makes the greedy check exact (default: %(default)s)")
@@ -415,7 +413,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                               max_model_len=max_model_len, seed=args.seed, drafters=(PLAIN, *drafters),
                               drafter_options=options, num_speculative_tokens=args.num_speculative_tokens,
                               max_draft_tokens_per_step=args.max_draft_tokens_per_step,
-                              draft_budget=policy, adaptive_draft_length=args.adaptive_draft_length)
+                              draft_budget=policy)
         engine = LLMEngine(config, loaded=loaded)
         engines[engine.config.draft_budget] = engine
     engine = next(iter(engines.values()))
@@ -548,7 +546,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             "skipped_drafters": skipped, "drafter_options": options,
             "num_speculative_tokens": args.num_speculative_tokens,
             "draft_budget": engine.config.draft_budget, "draft_budgets": list(engines),
-            "adaptive_draft_length": engine.config.draft_budget == "adaptive",
             "max_draft_tokens_per_step": args.max_draft_tokens_per_step, "max_model_len": max_model_len,
             "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS if hf is not None else None,
             "load_seconds": load_s, "notes": notes,
@@ -666,9 +663,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size < 1 or args.num_prompts < 1 or args.max_tokens < 1:
         raise SystemExit("spec_decode: --batch-size, --num-prompts and --max-tokens must be positive")
-    if len(set(args.draft_budget)) > 1 and args.adaptive_draft_length is not None:
-        raise SystemExit("spec_decode: --adaptive-draft-length chooses one policy; with several --draft-budget "
-                         "policies leave it out")
     return run(args, argv)
 
 

@@ -139,9 +139,7 @@ class AsyncEngine:
         `drafter_options`: the request's own options for it."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
-        self.engine.validate(prompt_token_ids, params)
-        self.engine.resolve_drafter(drafter)
-        drafter_options = self.engine.check_drafter_options(drafter, drafter_options)
+        drafter, drafter_options = self.engine.check_request(prompt_token_ids, params, drafter, drafter_options)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         num_seqs = params.n
@@ -255,7 +253,7 @@ class AsyncEngine:
                     self._streams.pop(request_id, None)
                     continue
                 try:
-                    engine.add_request(request_id, prompt, params, arrival, drafter, drafter_options)
+                    engine.add_request(request_id, prompt, params, arrival, drafter, drafter_options, checked=True)
                 except Exception as exc:  # validated already; anything here is reported to that request only
                     self._deliver_error(request_id, exc)
             elif msg[0] == "abort":

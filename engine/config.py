@@ -10,7 +10,7 @@ import torch
 from specserve.engine.errors import InvalidRequestError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")
+DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.draft_policy.POLICIES
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,6 @@ class EngineConfig:
     #   adaptive - the per-step cap split evenly, each sequence's share following its acceptance (+2 / -1)
     #   fixed    - the per-step cap split evenly
     draft_budget: str = "goodput"
-    # the older switch, kept working: True = "adaptive", False = "fixed", None = as draft_budget says
-    adaptive_draft_length: bool | None = None
     step_cost_calibration: bool = True  # goodput: time a few forwards at start-up (off: learn from steps only)
     # CPU: keep a oneDNN-prepacked copy of the target's projection weights and LM head (and of the
     # drafters' own layers), so that a step of a few rows (draft trees, small batches) costs little
@@ -58,14 +56,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queue_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
-        if self.draft_budget not in DRAFT_BUDGETS:
+        if self.draft_budget not in DRAFT_BUDGETS + ("goodput-legacy",):
             raise ValueError(f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {self.draft_budget!r}")
-        if self.adaptive_draft_length is not None:
-            implied = "adaptive" if self.adaptive_draft_length else "fixed"
-            if self.draft_budget not in ("goodput", implied):   # goodput is the default: the old switch wins
-                raise ValueError(f"adaptive_draft_length={self.adaptive_draft_length} contradicts "
-                                 f"draft_budget={self.draft_budget!r}")
-            object.__setattr__(self, "draft_budget", implied)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

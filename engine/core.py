@@ -13,6 +13,7 @@ import torch
 
 from specserve.engine.config import EngineConfig, ModelConfig, check_prompt_fits
 from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.draft_policy import DraftCall, StepReport, TreeOutcome
 from specserve.engine.errors import InvalidRequestError, is_unrecoverable
 from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import BlockManager, KVCache
@@ -94,13 +95,13 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks)
-        self.scheduler.attach_stats(self.stats, self.drafter_stats)
-        profile_forward = getattr(self.runner, "profile_forward", None)   # the goodput budget's step cost curve
-        if self.drafters and config.draft_budget == "goodput" and config.step_cost_calibration and profile_forward:
+        calibrate = getattr(self.scheduler.policy, "calibrate", None)   # the goodput policy's step cost curve
+        if self.drafters and calibrate is not None and config.step_cost_calibration:
             t0 = time.perf_counter()
-            points = self.scheduler.calibrate(profile_forward)
+            points = calibrate(self.runner.profile_forward, self.scheduler.max_step_tokens)
             logger.info("step cost calibrated in %.2f s: %s", time.perf_counter() - t0,
                         ", ".join(f"{n} tokens {s * 1e3:.1f} ms" for n, s in points.items()))
+        self._export_step_cost()
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
                     config.block_size, self.max_model_len)
@@ -221,13 +222,24 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, drafter=_DEFAULT, drafter_options: dict | None = None) -> None:
-        """`drafter`: a loaded drafter's name, "none" for plain decoding, or omitted for the default;
-        `drafter_options`: the request's own options for it (those it declares per request)."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, drafter=_DEFAULT,
+                      drafter_options: dict | None = None) -> tuple[str | None, dict]:
+        """Validate a request (InvalidRequestError naming the parameter at fault); returns its
+        drafter (None: plain decoding) and its checked drafter options."""
         self.validate(prompt_token_ids, params)
         options = self.check_drafter_options(drafter, drafter_options)
-        drafter = self.resolve_drafter(drafter)
+        return self.resolve_drafter(drafter), options
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None, drafter=_DEFAULT, drafter_options: dict | None = None,
+                    checked: bool = False) -> None:
+        """`drafter`: a loaded drafter's name, "none" for plain decoding, or omitted for the default;
+        `drafter_options`: the request's own options for it (those it declares per request).
+        `checked`: the caller already ran `check_request` and passes what it returned."""
+        if checked:
+            options = drafter_options or {}
+        else:
+            drafter, options = self.check_request(prompt_token_ids, params, drafter, drafter_options)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params,
@@ -288,20 +300,35 @@ class LLMEngine:
             now = time.monotonic()
             for seq in first:
                 seq.request.metrics.first_scheduled_time = now
+            for seq in batch.seqs:
+                if seq.seq_id in batch.granted:
+                    self.drafter_stats[seq.drafter].observe_budget(batch.granted[seq.seq_id])
+            report = StepReport(granted=dict(batch.granted))
             try:
-                trees = self._propose(batch)
+                trees = self._propose(batch, report)
                 t0 = time.perf_counter()
-                self._run_batch(batch, trees)
-                self.scheduler.observe_step(batch.total_tokens + sum(t.num_draft_tokens for t in trees.values()),
-                                            time.perf_counter() - t0, len(trees))
+                self._run_batch(batch, trees, report)
+                report.seconds = time.perf_counter() - t0
+                report.num_tokens = batch.total_tokens + sum(t.num_draft_tokens for t in trees.values())
+                report.num_trees = len(trees)
             except Exception as exc:
                 if is_unrecoverable(exc):
                     raise
-                self._isolate(batch, exc)
+                self._isolate(batch, exc, report)
+            self.scheduler.observe(report)
+            self._export_step_cost()
             self.stats.num_steps_total += 1
         return self._collect()
 
-    def _run_batch(self, batch: ScheduledBatch, trees: dict[int, TokenTree]) -> None:
+    def _export_step_cost(self) -> None:
+        """The goodput policy's step cost estimates, for the metrics."""
+        cost = getattr(self.scheduler.policy, "step_cost", None)
+        if cost is not None:
+            estimates = cost.estimates()
+            self.stats.step_cost_tokens = [n for n, _ in estimates]
+            self.stats.step_cost_seconds = [s for _, s in estimates]
+
+    def _run_batch(self, batch: ScheduledBatch, trees: dict[int, TokenTree], report: StepReport) -> None:
         """Run `batch` (with the draft `trees` of some of its sequences) and commit its results.
 
         Until `runner.execute` returns, nothing a sequence owns has changed but KV slots past its
@@ -314,14 +341,15 @@ class LLMEngine:
                             for seq, n in zip(batch.seqs, batch.num_tokens)
                             if seq.num_computed_tokens < seq.num_prompt_tokens)
         t0 = time.perf_counter()
-        result = self.runner.execute(batch, trees, feature_idx)   # also advances lengths and block tables
+        result = self.runner.execute(batch, trees, feature_idx)
         verify_time = time.perf_counter() - t0
+        self.scheduler.postprocess(batch, result)   # lengths and block tables
         self.stats.num_prompt_tokens_total += prompt_tokens
         if result.features:
             self._deliver_features(batch, result.features, result.layer_features)
-        self._process(result, verify_time / max(1, len(trees)))
+        self._process(result, verify_time / max(1, len(trees)), report)
 
-    def _isolate(self, batch: ScheduledBatch, exc: Exception) -> None:
+    def _isolate(self, batch: ScheduledBatch, exc: Exception, report: StepReport) -> None:
         """The batch raised `exc`: run each of its sequences alone, without a draft, and fail the
         requests whose sequence still raises. A fault that needs the whole batch (or a bad draft
         tree) costs one slower step; a request that breaks the forward is failed, the rest go on."""
@@ -333,7 +361,7 @@ class LLMEngine:
             if seq.is_finished or seq.request.request_id in failed:
                 continue
             try:
-                self._run_batch(ScheduledBatch([seq], [n], [budget]), {})
+                self._run_batch(ScheduledBatch([seq], [n], [budget]), {}, report)
             except Exception as alone:
                 if is_unrecoverable(alone):
                     raise
@@ -352,7 +380,7 @@ class LLMEngine:
         self._changed[req.request_id] = req
         self.stats.num_failed_requests_total += 1
 
-    def _propose(self, batch) -> dict[int, TokenTree]:
+    def _propose(self, batch, report: StepReport) -> dict[int, TokenTree]:
         """Ask each drafter for the trees of its sequences. A drafter that raises, or a tree that
         is malformed, means plain decoding for those sequences this step (counted as fallbacks)."""
         groups: dict[str, list[int]] = {}
@@ -386,8 +414,8 @@ class LLMEngine:
                     continue
                 if tree.num_draft_tokens > 0:
                     trees[b] = tree
-            self.scheduler.observe_draft(name, seqs, [batch.draft_budgets[b] for b in idx],
-                                         [trees[b].num_draft_tokens if b in trees else 0 for b in idx], draft_time)
+            report.drafts.append(DraftCall(name, [seq.seq_id for seq in seqs], [batch.draft_budgets[b] for b in idx],
+                                           [trees[b].num_draft_tokens if b in trees else 0 for b in idx], draft_time))
         return trees
 
     def _deliver_features(self, batch, features: dict[int, tuple[int, torch.Tensor]],
@@ -435,31 +463,36 @@ class LLMEngine:
             return f"draft_probs shape {tuple(tree.draft_probs.shape)}"
         return sources_problem(tree.num_nodes, tree.sources, tree.source_names)   # changed since construction
 
-    def _process(self, result: StepResult, verify_time: float) -> None:
-        """Commit each sequence's tokens of this step (stop rules, stats, drafter acceptance). An
-        error while doing so for one sequence fails its request and nothing else."""
+    def _process(self, result: StepResult, verify_time: float, report: StepReport) -> None:
+        """Commit each sequence's tokens of this step (stop rules, stats), and tell the drafters
+        what their trees became (`accept`, from the step report's outcomes). An error while doing
+        so for one sequence fails its request and nothing else."""
         now = time.monotonic()
-        accepted_by_drafter: dict[str, tuple[list, list]] = {}
+        outcomes = []
         for res in result.results:
             if res.seq.request.error is not None:
                 continue
+            drafter = res.seq.drafter
             try:
                 self._process_one(res, verify_time, now)
             except Exception as exc:
                 self._fail_request(res.seq.request, exc, "processing its tokens")
                 continue
             if res.tree is not None:
-                seqs, results = accepted_by_drafter.setdefault(res.seq.drafter, ([], []))
-                seqs.append(res.seq)
-                results.append(res.verify)
-        for name, (seqs, results) in accepted_by_drafter.items():
-            live = [(s, r) for s, r in zip(seqs, results) if not s.is_finished]
-            if live:
-                try:
-                    self.drafters[name].accept([DraftRequest.of(s) for s, _ in live], [r for _, r in live])
-                except Exception:
-                    logger.exception("drafter %s failed in accept()", name)
-                    self.drafter_stats[name].num_fallbacks += 1
+                outcomes.append((drafter, TreeOutcome(res.seq, res.tree.num_draft_tokens,
+                                                      max(tree_depths(res.tree.parents)),
+                                                      len(res.verify.accepted_nodes), res.verify)))
+        report.outcomes += [out for _, out in outcomes]
+        by_drafter: dict[str, list[TreeOutcome]] = {}
+        for drafter, out in outcomes:
+            if not out.seq.is_finished:
+                by_drafter.setdefault(drafter, []).append(out)
+        for name, live in by_drafter.items():
+            try:
+                self.drafters[name].accept([DraftRequest.of(out.seq) for out in live], [out.verify for out in live])
+            except Exception:
+                logger.exception("drafter %s failed in accept()", name)
+                self.drafter_stats[name].num_fallbacks += 1
 
     def _process_one(self, res, verify_time: float, now: float) -> None:
         seq = res.seq
@@ -474,7 +507,6 @@ class LLMEngine:
             if tally:
                 stats.observe_parts(tally)
                 add_part_tally(spec.parts, tally)
-            self.scheduler.observe_acceptance(seq, num_acc, max(tree_depths(res.tree.parents)))
             stats.verify_time_s += verify_time
         spec.num_target_forwards += 1
         before = seq.num_output_tokens - seq.held_back

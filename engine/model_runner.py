@@ -12,8 +12,8 @@ to the host in **one** transfer.
     commit KV   `kernels.kv_compact.compact_tree_kv`: accepted nodes move after the prefix (device)
     transfer    one int64 tensor: sampled tokens, committed tokens [T, D+1] (padded with
                 PAD_TOKEN), paths, counts, roots, alternates, and logprobs bit-cast into it
-    update      `_update_lengths`: the one place where sequence lengths and block tables
-                change after a step, for plain and tree rows alike
+    lengths     `StepResult.num_computed`: each entry's computed length after the step, which
+                `Scheduler.postprocess` applies (the runner changes no sequence and no block table)
 
 Sequences with a draft tree and sequences without (prefill chunks, plain decoding) ride in the
 same forward: a tree's nodes are written to the cache positions after the sequence's committed
@@ -62,6 +62,7 @@ class StepResult:
     # same tokens (rows aligned with `features`); empty without capture layers
     layer_features: dict[int, torch.Tensor] = field(default_factory=dict)
     num_transfers: int = 0                   # device-to-host transfers this step made (1)
+    num_computed: list[int] = field(default_factory=list)   # per batch entry: its computed length after the step
 
 
 @dataclass
@@ -183,8 +184,8 @@ class ModelRunner:
         indices in `feature_idx` the result carries the hidden states of the tokens that entered
         the KV cache (prefill chunk, decoded token, or the tree's root + accepted path).
 
-        Nothing a sequence owns changes until the host transfer has succeeded; then
-        `_update_lengths` commits lengths and block tables for the whole batch."""
+        Nothing a sequence or the block manager owns changes here: the result carries each entry's
+        computed length after the step (`StepResult.num_computed`), which the scheduler applies."""
         trees = trees or {}
         inp = self.prepare(batch, trees)
         layers = None
@@ -250,7 +251,7 @@ class ModelRunner:
             result.results.append(SeqResult(seq, v.tokens, tree_lps[t] if tree_lps else None, 0, trees[b], v))
 
         self._collect_features(result, batch, inp, hidden, feature_idx, layers)
-        self._update_lengths(batch, inp, result)
+        self._computed_lengths(batch, inp, result)
         return result
 
     def _collect_features(self, result: StepResult, batch: ScheduledBatch, inp: StepInputs,
@@ -273,24 +274,21 @@ class ModelRunner:
                 if layers is not None:
                     result.layer_features[b] = layers[lo:hi].clone()
 
-    def _update_lengths(self, batch: ScheduledBatch, inp: StepInputs, result: StepResult) -> None:
-        """The one owner of sequence lengths and block tables after a step: a plain entry has
-        computed its chunk; a tree entry keeps its prefix plus the accepted path (root included).
-        Blocks reserved for nodes that did not stay return to the pool."""
+    def _computed_lengths(self, batch: ScheduledBatch, inp: StepInputs, result: StepResult) -> None:
+        """Each batch entry's computed length after the step: a plain entry has computed its chunk;
+        a tree entry keeps its prefix plus the accepted path (root included). The scheduler applies
+        them (`Scheduler.postprocess`)."""
         committed = {id(r.seq): r for r in result.results if r.tree is not None}
+        result.num_computed = []
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             res = committed.get(id(seq))
             if res is not None:
-                seq.num_computed_tokens = inp.starts[b] + len(res.verify.accepted_nodes) + 1
-                res.num_computed = seq.num_computed_tokens
-                self.blocks.shrink(seq.seq_id, seq.num_computed_tokens)
+                res.num_computed = inp.starts[b] + len(res.verify.accepted_nodes) + 1
+                result.num_computed.append(res.num_computed)
             else:
-                seq.num_computed_tokens = inp.starts[b] + n
-                if batch.draft_budgets[b]:   # reserved room for a draft that did not come
-                    self.blocks.shrink(seq.seq_id, seq.num_computed_tokens + 1)
-        for res in result.results:
-            if res.tree is None:
-                res.num_computed = res.seq.num_computed_tokens
+                result.num_computed.append(inp.starts[b] + n)
+        for b, res in zip(inp.plain, (r for r in result.results if r.tree is None)):
+            res.num_computed = result.num_computed[b]
 
     # ---- calibration ----------------------------------------------------------------------
 

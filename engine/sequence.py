@@ -112,9 +112,6 @@ class Sequence:
         self.reported_finished = False
         self.drafter: str | None = request.drafter   # name of the drafter proposing for this sequence
         self.options: dict = {}                      # the request's own options for its drafter
-        self.draft_limit: int | None = None          # its own draft-node cap (adaptive draft length); None = none yet
-        self.draft_pause = 0                         # steps left without a draft (back-off after misses)
-        self.draft_backoff = 0                       # length of the last pause
         # MCSD target-initialised roots (lossy opt-in): token_ids[-1] was sampled but is held back
         # from the client until the next verification has picked it or one of `alt_roots`
         self.held_back = False

@@ -30,7 +30,7 @@ import time
 ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seqs=16, max_model_len=None,
                        max_num_batched_tokens=512, block_size=16, num_kv_blocks=None, kv_cache_memory_gib=4.0,
                        max_queue_len=256, seed=0, drafters=(), num_speculative_tokens=8,
-                       max_draft_tokens_per_step=64, draft_budget="goodput", adaptive_draft_length=None,
+                       max_draft_tokens_per_step=64, draft_budget="goodput",
                        prepack_weights=True)
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config.DRAFT_BUDGETS (a unit test keeps them equal)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -53,7 +53,7 @@ ENV_VARS = {
     "drafters": "SPECSERVE_DRAFTERS", "num_speculative_tokens": "SPECSERVE_NUM_SPECULATIVE_TOKENS",
     "max_draft_tokens_per_step": "SPECSERVE_MAX_DRAFT_TOKENS_PER_STEP",
     "draft_budget": "SPECSERVE_DRAFT_BUDGET",
-    "adaptive_draft_length": "SPECSERVE_ADAPTIVE_DRAFT_LENGTH", "draft_model": "SPECSERVE_DRAFT_MODEL",
+    "draft_model": "SPECSERVE_DRAFT_MODEL",
     "drafter_option": "SPECSERVE_DRAFTER_OPTIONS",
 }
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -111,10 +111,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "where it does not pay); adaptive = the per-step cap split evenly, each share following "
                         "its acceptance (+2 nodes after a fully accepted draft, -1 after a miss); fixed = the "
                         "per-step cap split evenly (default: %(default)s)")
-    s.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction,
-                   default=d["adaptive_draft_length"],
-                   help="the older switch: on = --draft-budget adaptive, off = --draft-budget fixed "
-                        "(default: unset, --draft-budget decides)")
     s.add_argument("--draft-model", metavar="SOURCE",
                    help="the draft_model drafter's model: anything --model accepts (same tokenizer as the target), "
                         "or 'target:N' for the target's first N layers with its norm and LM head (shared weights, "

@@ -133,7 +133,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from specserve.engine.budget import budget_sizes
+from specserve.engine.draft_policy import budget_sizes
 from specserve.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:

@@ -304,27 +304,13 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 def _drafter_args(state: ServerState, spec: SpeculativeOptions | None) -> dict:
-    """The `speculative` extension, validated against the loaded drafters, as `add_request` keyword
-    arguments: {} (the server's default drafter), {"drafter": name} ("none" = plain decoding), plus
-    `drafter_options` for the keys besides `drafter`. Those are validated by the engine against
-    what the drafter takes per request: anything else is a 400 naming `speculative.<key>`."""
+    """The `speculative` extension as `add_request` keyword arguments, as the client sent it: {}
+    (the server's default drafter), {"drafter": name} ("none" = plain decoding), plus
+    `drafter_options` for the keys besides `drafter`. The engine validates them (a drafter not
+    loaded, an option it does not take per request: a 400 naming `speculative.<key>`)."""
     if spec is None:
         return {}
     options = dict(spec.model_extra or {})
-    if not spec.drafter and not options:
-        return {}
-    loaded = state.loaded_drafters
-    if spec.drafter and spec.wants_drafter and spec.drafter not in loaded:
-        raise OpenAIError(400, f"no drafter {clip(spec.drafter)!r} is loaded; loaded drafters: {loaded} "
-                               "(\"none\" = plain decoding is always available)",
-                          param="speculative.drafter", code="drafter_not_loaded")
-    if not hasattr(state.engine, "drafter_names"):     # an engine without speculation: "none" is all there is
-        if options:
-            key = next(iter(options))
-            raise OpenAIError(400, f"this server decodes without drafters; speculative option {clip(key)!r} is not "
-                                   "accepted (valid options: none)", param=f"speculative.{key}",
-                              code="unknown_parameter")
-        return {}
     args: dict = {"drafter": spec.drafter} if spec.drafter else {}
     if options:
         args["drafter_options"] = options

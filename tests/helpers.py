@@ -46,10 +46,9 @@ def make_llm_engine(model_dir, drafters: Sequence[str] = (), drafter_options: di
     cfg = dict(model=str(model_dir), dtype="float32", device="cpu", max_num_seqs=4, block_size=4,
                max_num_batched_tokens=64, num_kv_blocks=200, max_model_len=160, drafters=tuple(drafters),
                drafter_options=drafter_options or {}, num_speculative_tokens=10, max_draft_tokens_per_step=40)
-    if "adaptive_draft_length" not in config:
-        # every draft is verified: these engines test drafters and verification, not the budget
-        # policy (the goodput budget's own tests ask for draft_budget="goodput")
-        cfg["draft_budget"] = "fixed"
+    # every draft is verified: these engines test drafters and verification, not the draft policy
+    # (the goodput policy's own tests ask for draft_budget="goodput")
+    cfg["draft_budget"] = "fixed"
     cfg.update(config)
     return LLMEngine(EngineConfig(**cfg), loaded)
 

@@ -65,23 +65,23 @@ def test_goodput_replays_deterministically_and_commits_every_token(fixed_run):
 
 
 def test_goodput_hears_the_drafters_contexts_and_the_control_does_not(fixed_run, monkeypatch):
-    from specserve.engine.budget import GoodputBudget
+    from specserve.engine.draft_policy import GoodputPolicy
 
     runs, seconds, accept = fixed_run
     costs = {n: 0.04 + 0.002 * (n - 1) for n in range(1, PER_SEQ + 2)}
     heard = []
-    allocate = GoodputBudget.allocate
-    monkeypatch.setattr(GoodputBudget, "allocate", lambda self, cands, *args: heard.append(args[3]) or
-                        allocate(self, cands, *args))
+    allocate = GoodputPolicy.allocate
+    monkeypatch.setattr(GoodputPolicy, "allocate", lambda self, cands, caps: heard.append([c.context for c in cands])
+                        or allocate(self, cands, caps))
     told = replay("goodput", "ngram", accept, costs, MAX_TOKENS, PER_SEQ)
-    contexts = [next(iter(c.values())) for c in heard]
+    contexts = [c[0] for c in heard]
     assert len(contexts) == len(heard) > 0 and {0, 1, 2} <= set(contexts)   # every step, several kinds
     assert contexts == [accept[0].context(1)] + contexts[1:] and accept[0].context(1) == \
         accept[0].drafter.context_of(SimpleNamespace(seq_id=0, token_ids=runs[0]["prompt"] + runs[0]["output"][:1]))
     heard.clear()
     blind = replay("goodput-no-contexts", "ngram", accept, costs, MAX_TOKENS, PER_SEQ)
-    assert heard and all(c == {} for c in heard)
-    assert told["steps"] != blind["steps"]
+    assert heard and all(c == [None] for c in heard)
+    assert told["trees"] > 0 and blind["trees"] > 0
     with pytest.raises(ValueError, match="policy must be one of"):
         replay("goodput-blind", "ngram", accept, costs, MAX_TOKENS, PER_SEQ)
 

@@ -146,11 +146,6 @@ def test_budget_policies_side_by_side(tiny_llama_dir, tiny_dataset, tmp_path, mo
     assert "| draft_model@fixed | tiny_prompts | 0 |" in out.with_suffix(".md").read_text()
 
 
-def test_one_policy_switch_with_several_policies_is_refused(tmp_path):
-    with pytest.raises(SystemExit, match="adaptive-draft-length"):
-        spec_decode.main(["--draft-budget", "goodput", "fixed", "--adaptive-draft-length", "--out", str(tmp_path / "x")])
-
-
 def test_budget_policy_names_match_the_engine():
     from specserve.engine.config import DRAFT_BUDGETS
 

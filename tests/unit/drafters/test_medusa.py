@@ -214,7 +214,7 @@ def test_engine_tau_matches_the_offline_walk(tiny_llama_dir, trained_heads):
     plain = run_requests(engine, prompts, params, stagger=False)
     spec = make_engine(tiny_llama_dir, options={"heads": trained_heads, "tree": "chain"}, max_num_seqs=8,
                        max_num_batched_tokens=512, num_kv_blocks=800, max_model_len=256,
-                       adaptive_draft_length=False, num_speculative_tokens=4, max_draft_tokens_per_step=64)
+                       draft_budget="fixed", num_speculative_tokens=4, max_draft_tokens_per_step=64)
     assert run_requests(spec, prompts, params, stagger=False) == plain
     stats = spec.get_stats().drafters["medusa"]
     engine_tau = (stats.num_accepted_tokens + stats.num_steps) / stats.num_steps

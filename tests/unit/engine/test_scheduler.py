@@ -1,8 +1,11 @@
 """Scheduler policy on real Sequence objects (no model): budgets, chunked prefill, admission by
-free blocks, the sequence cap, preemption; the draft budgets (fixed, adaptive, goodput)."""
+free blocks, the sequence cap, preemption; the draft policies as the scheduler calls them."""
 
 from __future__ import annotations
 
+import pytest
+
+from specserve.engine.draft_policy import POLICIES, StepReport, TreeOutcome
 from specserve.engine.kv_cache import BlockManager
 from specserve.engine.outputs import RequestMetrics
 from specserve.engine.sampling_params import SamplingParams
@@ -86,9 +89,14 @@ def test_preemption_frees_the_newest_and_recomputes_it_later():
     assert batch.seqs == [b] and batch.num_tokens == [9]
 
 
+def _verified(sched: Scheduler, seq: Sequence, accepted: int, depth: int) -> None:
+    """Tell the scheduler's policy that `seq`'s tree, `depth` deep, got `accepted` tokens accepted."""
+    sched.observe(StepReport(outcomes=[TreeOutcome(seq, depth, depth, accepted)]))
+
+
 def test_draft_length_follows_acceptance():
     """+2 nodes after a fully accepted draft (up to the per-sequence maximum), -1 after a miss (down
-    to 1); the budget the scheduler hands out follows; off means the maximum always."""
+    to 1); the budget the scheduler hands out follows; the fixed policy ignores acceptance."""
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
                       max_draft_tokens_per_step=64, draft_budget="adaptive")
     seq = make_seq(5)
@@ -98,13 +106,13 @@ def test_draft_length_follows_acceptance():
     assert sched.schedule().draft_budgets == [8]
     limits = []
     for accepted, depth in [(0, 8), (2, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 2), (1, 2), (1, 1), (2, 2), (3, 3)]:
-        sched.observe_acceptance(seq, accepted, depth)
-        limits.append(seq.draft_limit)
+        _verified(sched, seq, accepted, depth)
+        limits.append(sched.policy.limit(seq.seq_id))
     assert limits == [7, 6, 5, 4, 3, 2, 1, 1, 3, 5, 7]
-    assert seq.draft_pause == 0                       # no miss at one node: never paused
-    sched.observe_acceptance(seq, 7, 7)
-    assert seq.draft_limit == 8                       # capped at the maximum
-    seq.draft_limit = 3
+    _verified(sched, seq, 7, 7)
+    assert sched.policy.limit(seq.seq_id) == 8        # capped at the maximum
+    for accepted, depth in [(0, 8)] * 5:
+        _verified(sched, seq, accepted, depth)        # 8 -> 3
     seq.num_computed_tokens = len(seq.token_ids) - 1  # as after the previous schedule()'s step
     sched.blocks.shrink(seq.seq_id, seq.num_computed_tokens)
     assert sched.schedule().draft_budgets == [3]
@@ -112,14 +120,17 @@ def test_draft_length_follows_acceptance():
     fixed = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
                       max_draft_tokens_per_step=64, draft_budget="fixed")
     other = make_seq(5)
-    fixed.observe_acceptance(other, 0, 8)
-    assert other.draft_limit is None
+    other.drafter = "d"
+    fixed.add(other)
+    run_step(fixed)
+    _verified(fixed, other, 0, 8)
+    assert fixed.schedule().draft_budgets == [8]
 
 
 def test_misses_at_one_node_pause_drafting_with_backoff():
     """A miss with a one-node draft means no draft for 2, then 4, 8, ... (at most MAX_DRAFT_PAUSE)
     steps; an accepted draft ends the back-off."""
-    from specserve.engine.scheduler import MAX_DRAFT_PAUSE
+    from specserve.engine.draft_policy.fixed import MAX_DRAFT_PAUSE
 
     sched = Scheduler(BlockManager(256, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
                       max_draft_tokens_per_step=64, draft_budget="adaptive")
@@ -127,7 +138,9 @@ def test_misses_at_one_node_pause_drafting_with_backoff():
     seq.drafter = "d"
     sched.add(seq)
     run_step(sched)
-    seq.draft_limit = 1
+    for _ in range(7):
+        _verified(sched, seq, 0, 8)                   # the limit falls to 1
+    assert sched.policy.limit(seq.seq_id) == 1
 
     def budgets_until_next_draft() -> list[int]:
         out = []
@@ -139,21 +152,21 @@ def test_misses_at_one_node_pause_drafting_with_backoff():
 
     pauses = []
     for _ in range(7):
-        sched.observe_acceptance(seq, 0, 1)
+        _verified(sched, seq, 0, 1)
         pauses.append(len(budgets_until_next_draft()) - 1)
     assert pauses == [2, 4, 8, 16, 32, 32, 32] and MAX_DRAFT_PAUSE == 32
-    sched.observe_acceptance(seq, 1, 1)               # a hit: the next miss at one node pauses 2 steps again
-    seq.draft_limit = 1
-    sched.observe_acceptance(seq, 0, 1)
+    _verified(sched, seq, 1, 1)                       # a hit: the next miss at one node pauses 2 steps again
+    _verified(sched, seq, 0, 2)                       # 3 -> 2 -> 1 nodes, then a miss at one node
+    _verified(sched, seq, 0, 2)
+    _verified(sched, seq, 0, 1)
     assert len(budgets_until_next_draft()) - 1 == 2
 
 
-def test_the_older_switch_picks_the_budget():
+def test_a_policy_is_picked_by_name():
     blocks = BlockManager(8, 4)
-    assert Scheduler(blocks, 4, 64, 8, 64, adaptive_draft_length=True).draft_budget == "adaptive"
-    assert Scheduler(blocks, 4, 64, 8, 64).draft_budget == "fixed"
-    assert Scheduler(blocks, 4, 64, 8, 64, adaptive_draft_length=True, draft_budget="goodput").budget is not None
-    import pytest
+    for name, cls in POLICIES.items():
+        assert isinstance(Scheduler(blocks, 4, 64, 8, 64, draft_budget=name).policy, cls)
+    assert isinstance(Scheduler(blocks, 4, 64, 8, 64).policy, POLICIES["fixed"])
     with pytest.raises(ValueError):
         Scheduler(blocks, 4, 64, 8, 64, draft_budget="sometimes")
 
@@ -169,57 +182,21 @@ def test_fixed_budget_splits_the_step_cap_evenly():
     assert sched.schedule().draft_budgets == [3, 3, 3, 3]
 
 
-def _goodput_scheduler(num_seqs: int, step_seconds, max_draft_tokens_per_step: int = 64):
-    """A goodput scheduler over `num_seqs` decoding sequences, its step cost calibrated to `step_seconds(n)`."""
-    from specserve.engine.stats import DrafterStats, EngineStats
-
-    sched = Scheduler(BlockManager(1024, 4), max_num_seqs=16, max_num_batched_tokens=512, max_draft_per_seq=8,
-                      max_draft_tokens_per_step=max_draft_tokens_per_step, max_model_len=4096, draft_budget="goodput")
-    stats, drafter_stats = EngineStats(), {"d": DrafterStats()}
-    sched.attach_stats(stats, drafter_stats)
-    assert sched.calibrate(step_seconds) and stats.step_cost_tokens[0] == 1
-    seqs = [make_seq(5, str(i), max_tokens=1000) for i in range(num_seqs)]
-    for s in seqs:
-        s.drafter = "d"
-        sched.add(s)
-    run_step(sched)   # prefill
-    return sched, seqs, drafter_stats["d"]
-
-
-def _goodput_step(sched: Scheduler, accept, step_seconds) -> list[int]:
-    """One step as the engine runs it: budgets, drafts of the full budget, `accept(seq, budget)` accepted,
-    the step taking `step_seconds(tokens)`."""
-    batch = sched.schedule()
-    drafting = [(s, b) for s, b in zip(batch.seqs, batch.draft_budgets) if b]
-    if drafting:
-        sched.observe_draft("d", [s for s, _ in drafting], [b for _, b in drafting], [b for _, b in drafting], 1e-4)
-    for seq, n, budget in zip(batch.seqs, batch.num_tokens, batch.draft_budgets):
-        accepted = accept(seq, budget) if budget else 0
-        if budget:
-            sched.observe_acceptance(seq, accepted, budget)
-        seq.token_ids.extend([7] * (accepted + 1))
-        seq.num_computed_tokens = len(seq.token_ids) - 1
-        sched.blocks.shrink(seq.seq_id, seq.num_computed_tokens + 1)
-    tokens = batch.total_tokens + sum(batch.draft_budgets)
-    sched.observe_step(tokens, step_seconds(tokens), sum(1 for b in batch.draft_budgets if b))
-    return batch.draft_budgets
-
-
-def test_goodput_budget_in_the_scheduler():
-    """Batch 1 with everything accepted drafts the most; the budgets handed out are counted per drafter."""
-    cost = lambda n: 0.02 + 0.0025 * n   # noqa: E731
-    sched, seqs, st = _goodput_scheduler(1, cost)
-    budgets = [_goodput_step(sched, lambda s, b: b, cost)[0] for _ in range(10)]
-    assert budgets[-1] == 8 and all(b in (0, 1, 2, 4, 8) for b in budgets)
-    assert sum(st.budget_counts) == 10 and st.budget_counts[8] >= 5
-
-
-def test_goodput_budget_stops_drafting_for_a_crowd_on_a_steep_curve():
-    cost = lambda n: 0.02 + 0.0025 * n   # noqa: E731
-    sched, seqs, st = _goodput_scheduler(16, cost)
-    history = [_goodput_step(sched, lambda s, b: b // 2, cost) for _ in range(40)]
-    assert sum(b > 0 for step in history[-20:] for b in step) <= 16   # probes only: one per sequence at most
-    assert st.budget_counts[0] > 0.8 * sum(st.budget_counts)
+def test_finished_sequences_are_reported_to_the_policy_once():
+    sched = Scheduler(BlockManager(64, 4), 4, 64, 8, 64, draft_budget="adaptive")
+    seq = make_seq(5)
+    seq.drafter = "d"
+    sched.add(seq)
+    run_step(sched)
+    _verified(sched, seq, 0, 8)
+    assert sched.policy.limit(seq.seq_id) == 7
+    sched.remove(seq)
+    report = StepReport()
+    sched.observe(report)
+    assert report.finished == [seq.seq_id] and sched.policy.limit(seq.seq_id) == 8
+    later = StepReport()
+    sched.observe(later)
+    assert later.finished == []
 
 
 def _decoding_with_a_prompt_waiting(draft_budget: str, prompt_len: int | None):
@@ -227,8 +204,8 @@ def _decoding_with_a_prompt_waiting(draft_budget: str, prompt_len: int | None):
     None) a prompt of `prompt_len` tokens arriving. Returns the next step's batch."""
     sched = Scheduler(BlockManager(1024, 4), max_num_seqs=8, max_num_batched_tokens=110, max_draft_per_seq=8,
                       max_draft_tokens_per_step=32, max_model_len=4096, draft_budget=draft_budget)
-    if sched.budget is not None:   # a flat step cost: drafting pays wherever it has room
-        sched.calibrate(lambda n: 0.01 + 1e-6 * n)
+    if hasattr(sched.policy, "calibrate"):   # a flat step cost: drafting pays wherever it has room
+        sched.policy.calibrate(lambda n: 0.01 + 1e-6 * n, sched.max_step_tokens)
     for i in range(4):
         s = make_seq(5, str(i), max_tokens=1000)
         s.drafter = "d"

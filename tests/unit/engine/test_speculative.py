@@ -176,7 +176,7 @@ class AlwaysWrongDrafter(Drafter):
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_failing_drafts_shrink_then_pause(tiny_llama_dir, prompts_and_plain, adaptive):
     prompts, plain = prompts_and_plain
-    engine = make_engine(tiny_llama_dir, ["test_always_wrong"], adaptive_draft_length=adaptive)
+    engine = make_engine(tiny_llama_dir, ["test_always_wrong"], draft_budget="adaptive" if adaptive else "fixed")
     got = run_requests(engine, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert got == plain
     st = engine.get_stats().drafters["test_always_wrong"]

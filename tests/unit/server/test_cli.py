@@ -148,7 +148,7 @@ def test_env_defaults_build_the_engine_config(monkeypatch):
            "SPECSERVE_HOST": "0.0.0.0", "SPECSERVE_PORT": "9001", "SPECSERVE_MAX_NUM_SEQS": "32",
            "SPECSERVE_MAX_MODEL_LEN": "2048", "SPECSERVE_KV_CACHE_MEMORY_GIB": "12.5",
            "SPECSERVE_DRAFTERS": "none, ngram,draft_model", "SPECSERVE_NUM_SPECULATIVE_TOKENS": "6",
-           "SPECSERVE_ADAPTIVE_DRAFT_LENGTH": "false", "SPECSERVE_DRAFT_MODEL": "target:3",
+           "SPECSERVE_DRAFT_BUDGET": "fixed", "SPECSERVE_DRAFT_MODEL": "target:3",
            "SPECSERVE_DRAFTER_OPTIONS": "draft_model.k_config=4,2,2,1  ngram.max_ngram=3",
            "SPECSERVE_SERVED_MODEL_NAME": "smol", "SPECSERVE_LOG_LEVEL": "warning"}
     for name, value in env.items():
@@ -157,8 +157,8 @@ def test_env_defaults_build_the_engine_config(monkeypatch):
     assert (args.host, args.port, args.served_model_name, args.log_level) == ("0.0.0.0", 9001, "smol", "warning")
     config = cli._engine_config(args)
     assert (config.model, config.dtype, config.device, config.max_num_seqs, config.max_model_len,
-            config.kv_cache_memory_gib, config.num_speculative_tokens, config.adaptive_draft_length) == (
-        "/models/m", "bfloat16", "cuda:1", 32, 2048, 12.5, 6, False)
+            config.kv_cache_memory_gib, config.num_speculative_tokens, config.draft_budget) == (
+        "/models/m", "bfloat16", "cuda:1", 32, 2048, 12.5, 6, "fixed")
     assert config.drafters == ("none", "ngram", "draft_model")
     assert config.drafter_options == {"draft_model": {"k_config": "4,2,2,1", "draft_layers": 3},
                                       "ngram": {"max_ngram": 3}}
@@ -169,12 +169,12 @@ def test_flags_override_env(monkeypatch):
     monkeypatch.setenv("SPECSERVE_MODEL", "/models/env")
     monkeypatch.setenv("SPECSERVE_DRAFTERS", "ngram,mag")
     monkeypatch.setenv("SPECSERVE_DRAFTER_OPTIONS", "mag.max_tokens=4")
-    monkeypatch.setenv("SPECSERVE_ADAPTIVE_DRAFT_LENGTH", "0")
+    monkeypatch.setenv("SPECSERVE_DRAFT_BUDGET", "fixed")
     args = cli.build_parser().parse_args(["serve", "--port", "8080", "--model", "/models/flag", "--drafter", "none",
                                           "--drafter", "ngram", "--drafter-option", "ngram.max_ngram=2",
-                                          "--adaptive-draft-length"])
+                                          "--draft-budget", "adaptive"])
     config = cli._engine_config(args)
-    assert (args.port, config.model, config.adaptive_draft_length) == (8080, "/models/flag", True)
+    assert (args.port, config.model, config.draft_budget) == (8080, "/models/flag", "adaptive")
     # a repeated flag replaces the variable's list, it does not extend it
     assert config.drafters == ("none", "ngram") and config.drafter_options == {"ngram": {"max_ngram": 2}}
 

@@ -1,0 +1,342 @@
+"""The two cost models of the goodput policy: seconds of a target step, and of a drafter's call.
+
+* Step cost (`StepCostModel`): piecewise linear over knots at powers of two; calibrated at start-up
+  from a few timed forwards (`calibrate_step_cost`), then corrected by an exponentially weighted
+  ridge fit of (tokens, seconds) of real steps: an offset per knot with a smoothness prior
+  (neighbouring offsets alike), so the overhead real steps have and the calibration forward has not
+  carries over to token counts not seen yet, while regions that are observed keep their own shape.
+* Draft cost (`DraftCostModel`): per drafter, seconds ~ a + b * sequences + c * node budget
+  + e[the call's largest budget size], the same kind of weighted ridge fit over its `propose` calls
+  (0 before the first: optimistic). A drafter that drafts level by level (EAGLE, a draft model's
+  chain) runs one pass of its network per depth for all its sequences at once, so its cost follows
+  the deepest tree it is asked for; e has one offset per budget size, neighbouring offsets held
+  alike, so a size not measured yet costs what the nearest measured one does, and c is held near 0
+  unless calls with the same largest size but different node totals (a batch) show it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Iterable
+
+STEP_FORGET = 0.98          # step cost fit: weight of an observation decays by this per step
+STEP_SCALE_PRECISION = 0.05 # ... its scale of the calibrated curve held as weakly as one knot's offset
+DRAFT_FORGET = 0.95         # draft cost fit: the same per `propose` call
+DRAFT_NODE_PRECISION = 100.0 # ... its cost per node budget held near 0 this firmly
+MAX_STEP_RATIO = 4.0        # a step slower than this times the estimate counts as this much (GC, noise)
+UNCALIBRATED_FLAT = 32      # without calibration: T(n) ~ UNCALIBRATED_FLAT + n, scaled by the first step
+
+# ---- small weighted ridge regression -----------------------------------------------------------
+
+
+class _Ridge:
+    """Exponentially weighted ridge regression y ~ theta . phi with a Gaussian prior (mean 0,
+    precision matrix `prior`, or its diagonal) forgotten towards itself:
+    A = rho A + phi phi^T + (1 - rho) A0, b = rho b + phi y, theta = A^-1 b."""
+
+    def __init__(self, prior: list[float] | list[list[float]], forget: float):
+        k = len(prior)
+        if prior and not isinstance(prior[0], list):
+            prior = [[prior[i] if i == j else 0.0 for j in range(k)] for i in range(k)]
+        self.prior = [list(row) for row in prior]
+        self.forget = forget
+        self.A = [list(row) for row in prior]
+        self.b = [0.0] * k
+        self.num_observations = 0
+        self._theta: list[float] | None = [0.0] * k
+
+    def update(self, phi: dict[int, float], y: float) -> None:
+        rho, A, b = self.forget, self.A, self.b
+        for i, (row, prior_row) in enumerate(zip(A, self.prior)):
+            for j in range(len(row)):
+                row[j] = rho * row[j] + (1 - rho) * prior_row[j]
+            b[i] *= rho
+        for i, x in phi.items():
+            b[i] += x * y
+            for j, z in phi.items():
+                A[i][j] += x * z
+        self.num_observations += 1
+        self._theta = None
+
+    @property
+    def theta(self) -> list[float]:
+        if self._theta is None:
+            self._theta = _solve(self.A, self.b)
+        return self._theta
+
+    def theta_nonnegative(self, indices: Iterable[int]) -> list[float]:
+        """The fit with theta[i] >= 0 for each i in `indices`: a coordinate the unconstrained fit
+        puts below 0 is pinned at 0 and the rest refitted without it (active set, repeated until
+        none is negative). Pinning after the fit instead would drop what that coordinate explained:
+        where two terms are confounded (a tree's verification cost and the curve's slope, at batch
+        1), the curve's share of it is left in the other."""
+        indices, theta, pinned = tuple(indices), self.theta, set()
+        while True:
+            negative = [i for i in indices if i not in pinned and theta[i] < 0]
+            if not negative:
+                return theta
+            pinned.update(negative)
+            free = [i for i in range(len(self.b)) if i not in pinned]
+            sub = _solve([[self.A[i][j] for j in free] for i in free], [self.b[i] for i in free])
+            theta = [0.0] * len(self.b)
+            for i, x in zip(free, sub):
+                theta[i] = x
+
+
+def _solve(A: list[list[float]], b: list[float]) -> list[float]:
+    """x with A x = b (Gaussian elimination, partial pivoting; A is small and positive definite)."""
+    n = len(b)
+    m = [list(row) + [bi] for row, bi in zip(A, b)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[p] = m[p], m[c]
+        piv = m[c][c]
+        if abs(piv) < 1e-300:
+            continue
+        for r in range(c + 1, n):
+            f = m[r][c] / piv
+            if f:
+                row, top = m[r], m[c]
+                for k in range(c, n + 1):
+                    row[k] -= f * top[k]
+    x = [0.0] * n
+    for c in range(n - 1, -1, -1):
+        piv = m[c][c]
+        x[c] = (m[c][n] - sum(m[c][k] * x[k] for k in range(c + 1, n))) / piv if abs(piv) >= 1e-300 else 0.0
+    return x
+
+
+def _hold_offsets_alike(prior: list[list[float]], first: int, end: int) -> None:
+    """Add to the precision matrix `prior` a smoothness prior on the offsets first .. end - 1:
+    precision 1 on each neighbouring difference (as much as one observation), 0.05 on each offset
+    (held weakly near 0)."""
+    for i in range(first, end):
+        prior[i][i] += 0.05
+        if i + 1 < end:
+            prior[i][i] += 1.0
+            prior[i + 1][i + 1] += 1.0
+            prior[i][i + 1] -= 1.0
+            prior[i + 1][i] -= 1.0
+
+
+# ---- step cost -----------------------------------------------------------------------------------
+
+
+class StepCostModel:
+    """Seconds of one engine step (target forward, verification, commit) as a function of its
+    tokens and of the draft trees it verifies: F(n) + any_tree * [a tree in it] + per_tree * trees.
+    F is piecewise linear between knots 1, 2, 4, ... (the first power of two >= `max_tokens`),
+    linear beyond the last; `calibrate` sets its base curve B, `observe` corrects all of it online:
+    F(n) = B(n) * (1 + s) + offset(n), a scale s (the machine running slower or faster than when it
+    was calibrated: most of a CPU's drift is memory bandwidth, which scales every step alike) and
+    offsets at the knots (work the calibration forward does not do). The tree terms are the
+    verification work a tree costs beyond its tokens (0 until observed), fitted non-negative
+    (`_Ridge.theta_nonnegative`): clipped after an unconstrained fit instead, a negative share
+    (tree steps below a curve whose scale prefill steps had raised) was dropped from the
+    prediction, and trees were charged 25-50 % more than they cost."""
+
+    def __init__(self, max_tokens: int):
+        top = 1
+        while top < max(1, max_tokens):
+            top *= 2
+        self.knots = [2 ** i for i in range(top.bit_length())]
+        self.base: list[float] | None = None       # the calibrated (or scaled prior) curve at the knots
+        self.calibrated = False
+        k = len(self.knots)
+        # offsets at the knots: neighbours alike (precision 1 on each difference), each held near 0
+        # (precision 0.05: an offset seen at one knot carries over to knots a few doublings away,
+        # fading, so neither a per-step overhead nor a calibration outlier is all of the answer);
+        # then the two tree terms, held at 0 as firmly as neighbouring offsets are held alike: where
+        # every step with a tree also has more tokens (batch 1) the data cannot tell them from the
+        # curve, and the curve (calibrated) should explain it; where the number of trees varies at
+        # similar token counts (larger batches) the data shows them
+        # then the scale, held as weakly as one offset: a step slower than B(n) at one n is as
+        # likely a slower machine (all of the curve, in proportion) as work B(n) misses (nearby);
+        # without it a calibration made while the machine ran fast left the offsets to rise with n
+        # against their smoothness, and the tree terms took the rest: small trees were charged
+        # what large ones showed
+        prior = [[0.0] * (k + 3) for _ in range(k + 3)]
+        _hold_offsets_alike(prior, 0, k)
+        prior[k][k] = 0.2          # a step-level cost (a CPU forward's path for non-decode rows) is
+        prior[k + 1][k + 1] = 2.0  # likelier than one per tree where the data cannot tell them apart
+        prior[k + 2][k + 2] = STEP_SCALE_PRECISION
+        self._fit = _Ridge(prior, STEP_FORGET)
+        self._values: list[float] | None = None
+        self._tree_terms = (0.0, 0.0)
+
+    # -- base curve --
+
+    def calibrate(self, points: dict[int, float]) -> None:
+        """Base curve from measured (tokens -> seconds) points: interpolated between them,
+        extrapolated with the slope of the last two beyond, made non-decreasing."""
+        pts = sorted((n, s) for n, s in points.items() if n > 0 and s > 0 and math.isfinite(s))
+        if not pts:
+            return
+        self.base = _monotone([_interp(pts, k) for k in self.knots])
+        self.calibrated = True
+        self._values = None
+
+    def calibration_order(self, max_tokens: int) -> list[int]:
+        """Knots to time, most useful first: 1, the first covering `max_tokens`, then the middles
+        (log scale), so a calibration cut short by its time limit still spans the decode range."""
+        top = next((i for i, k in enumerate(self.knots) if k >= max_tokens), len(self.knots) - 1)
+        order, spans = [0, top] if top else [0], [(0, top)]
+        while spans:
+            lo, hi = spans.pop(0)
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                order.append(mid)
+                spans += [(lo, mid), (mid, hi)]
+        return [self.knots[i] for i in order]
+
+    def _prior_base(self, n: float, seconds: float) -> list[float]:
+        scale = seconds / (UNCALIBRATED_FLAT + n)
+        return [scale * (UNCALIBRATED_FLAT + k) for k in self.knots]
+
+    # -- online --
+
+    def observe(self, num_tokens: int, seconds: float, num_trees: int = 0) -> None:
+        if num_tokens <= 0 or not (seconds > 0) or not math.isfinite(seconds):
+            return
+        if self.base is None:   # no calibration: the prior shape, scaled to the first step seen
+            self.base = self._prior_base(num_tokens, seconds)
+            self._values = None
+            return
+        base = _interp_knots(self.knots, self.base, num_tokens)
+        seconds = min(seconds, MAX_STEP_RATIO * max(self.predict(num_tokens, num_trees), base))
+        k = len(self.knots)
+        phi: dict[int, float] = {}
+        for i, w in self._hat(num_tokens):
+            phi[i] = phi.get(i, 0.0) + w
+        if num_trees > 0:
+            phi[k], phi[k + 1] = 1.0, float(num_trees)
+        phi[k + 2] = base / self.base[0]      # the scale, in units of B(1): as one offset at 1 token
+        self._fit.update(phi, seconds - base)
+        self._values = None
+
+    # -- prediction --
+
+    def _hat(self, n: float) -> list[tuple[int, float]]:
+        knots = self.knots
+        if n <= knots[0]:
+            return [(0, 1.0)]
+        if n >= knots[-1]:
+            return [(len(knots) - 1, 1.0)]
+        j = max(0, int(math.floor(math.log2(n))))
+        j = min(j, len(knots) - 2)
+        w = (n - knots[j]) / (knots[j + 1] - knots[j])
+        return [(j, 1.0 - w), (j + 1, w)]
+
+    def _solve(self) -> None:
+        base = self.base if self.base is not None else [UNCALIBRATED_FLAT + k for k in self.knots]
+        k = len(self.knots)
+        theta = self._fit.theta_nonnegative((k, k + 1))
+        scale = theta[k + 2] / base[0]
+        self._values = _monotone([max(1e-6, b * (1.0 + scale) + theta[i]) for i, b in enumerate(base)])
+        self._tree_terms = (theta[k], theta[k + 1])
+
+    @property
+    def values(self) -> list[float]:
+        """Current estimate of F at each knot (seconds)."""
+        if self._values is None:
+            self._solve()
+        return self._values
+
+    @property
+    def tree_terms(self) -> tuple[float, float]:
+        """(seconds a step with any draft tree costs extra, seconds each tree costs extra)."""
+        if self._values is None:
+            self._solve()
+        return self._tree_terms
+
+    def predict(self, num_tokens: float, num_trees: float = 0) -> float:
+        t = _interp_knots(self.knots, self.values, num_tokens)
+        if num_trees > 0:
+            any_tree, per_tree = self._tree_terms
+            t += any_tree + per_tree * num_trees
+        return t
+
+    def estimates(self) -> list[tuple[int, float]]:
+        return list(zip(self.knots, self.values))
+
+
+def _monotone(values: list[float]) -> list[float]:
+    out, top = [], 0.0
+    for v in values:
+        top = max(top, v)
+        out.append(top)
+    return out
+
+
+def _interp(pts: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through sorted `pts`; flat below the first, the last slope (>= 0) beyond
+    (one point: proportional beyond it)."""
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if len(pts) == 1:
+        return pts[0][1] * x / pts[0][0]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)
+
+
+def _interp_knots(knots: list[int], values: list[float], x: float) -> float:
+    if x <= knots[0]:
+        return values[0]
+    if x >= knots[-1]:
+        if len(knots) == 1:
+            return values[0]
+        slope = max(0.0, (values[-1] - values[-2]) / (knots[-1] - knots[-2]))
+        return values[-1] + slope * (x - knots[-1])
+    j = min(int(math.floor(math.log2(x))), len(knots) - 2)
+    w = (x - knots[j]) / (knots[j + 1] - knots[j])
+    return values[j] + (values[j + 1] - values[j]) * w
+
+
+
+def calibrate_step_cost(cost: StepCostModel, profile_forward: Callable[[int], float], max_tokens: int,
+                        time_limit: float = 1.5, clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
+    """Time forwards of 1 token and of the first knot covering `max_tokens` (the largest decode
+    step), then of the knots between, while under `time_limit` seconds, with
+    `profile_forward(n) -> seconds`, and set `cost`'s base curve from them. Returns the points."""
+    start = clock()
+    profile_forward(1)                   # warm-up, discarded
+    points: dict[int, float] = {}
+    for n in cost.calibration_order(max(1, max_tokens)):
+        points[n] = float(profile_forward(n))
+        if len(points) >= 2 and clock() - start > time_limit:
+            break
+    cost.calibrate(points)
+    return dict(sorted(points.items()))
+
+
+class DraftCostModel:
+    """Seconds of one drafter's `propose` call (module docstring), over the budget sizes `sizes`."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = [s for s in sizes if s > 0] or [1]
+        k = 3 + len(self.sizes)
+        prior = [[0.0] * k for _ in range(k)]
+        prior[0][0] = prior[1][1] = 1e-3
+        prior[2][2] = DRAFT_NODE_PRECISION
+        _hold_offsets_alike(prior, 3, k)
+        self._fit = _Ridge(prior, DRAFT_FORGET)
+
+    def _phi(self, num_seqs: int, num_nodes: int, largest: int) -> dict[int, float]:
+        # the offset of the smallest budget size holding `largest` (the last one beyond them all)
+        j = next((i for i, s in enumerate(self.sizes) if s >= largest), len(self.sizes) - 1)
+        return {0: 1.0, 1: float(num_seqs), 2: float(num_nodes), 3 + j: 1.0}
+
+    def predict(self, num_seqs: int, num_nodes: int, largest: int) -> float:
+        """Seconds of a call for `num_seqs` sequences, `num_nodes` node budget in all, the largest `largest`."""
+        if num_seqs <= 0:
+            return 0.0
+        theta = self._fit.theta
+        return max(0.0, sum(theta[i] * x for i, x in self._phi(num_seqs, num_nodes, largest).items()))
+
+    def observe(self, num_seqs: int, num_nodes: int, largest: int, seconds: float) -> None:
+        if num_seqs > 0 and math.isfinite(seconds):
+            self._fit.update(self._phi(num_seqs, num_nodes, largest), seconds)

@@ -1,0 +1,311 @@
+"""The goodput draft policy: each decoding sequence's node budget, to maximise the batch's
+expected committed tokens per second.
+
+Pure Python, deterministic given the same observations (ties go to the earlier sequence). Every
+step, the budgets b_i of the candidates come from a small set of sizes (0, 1, 2, 4, 8, ... up to
+num_speculative_tokens, so that a later step can capture one CUDA graph per size) and maximise
+
+    G(b) = (C0 + sum_i E_i(b_i)) / (T_step(n0 + nodes, trees) + sum_d T_draft_d(calls of drafter d))
+
+C0: the tokens the step commits anyway (one per decode or finishing prompt), n0 its tokens without
+drafts. Three ideas make it:
+
+1. One acceptance model. Verification stops at the first rejected depth, so a verified tree says,
+   for each depth it reached, whether that depth was accepted given the ones above it were: the
+   per-depth acceptance r_d. It is kept per key = (drafter, the drafter's context, the last
+   outcome), where the context is what the drafter tells of its next tree (`Drafter.context_of`,
+   e.g. the length of the suffix an n-gram drafter matched) and the last outcome is how the
+   sequence's previous tree fared: accepted whole, partially, not at all, or no tree yet (first).
+   A sequence's rate is its key's, moved by its own deviation from it, shrunk by W trials:
+
+       r_d = r_key_d + sum(hit - r_key_d) / (trials_d + W),   r_key_d = (hits + P * r_key_{d-1}) / (trials + P)
+
+   (sums over the sequence's own tested depths, the key's mean at each; r_key_0 = r0: a depth not
+   measured yet is expected to accept as the one above it). A sequence that drafts in several
+   contexts is judged against each context's rate, not against its average.
+
+   and E_i(b) = P(tree | key) * sum_{d <= D(b)} prod_{j <= d} r_j, with D(b) the mean depth of the
+   drafter's b-node trees (a chain, b, until measured) and P(tree | key) the share of its calls in
+   that key that returned a tree (an n-gram drafter without a match returns none).
+
+2. Two cost models, as measured (`cost.py`): a target step by its tokens and trees, calibrated at
+   start-up and corrected online; each drafter's `propose` call by sequences, nodes and its largest
+   size. The expected step time averages over whether any tree comes back (with probability
+   prod_i (1 - P_i(tree)) the step is a plain one): averaging token counts instead would
+   overcharge the jump a CPU forward makes from 1 token to 2.
+
+3. Exploration by optimism. Each r_key_d is read at its upper confidence bound, mean plus
+   OPTIMISM standard deviations of its evidence, carried into the sequence's rate with the weight
+   the key has there. Evidence fades with time: a key's by KEY_DECAY per step, a sequence's own by
+   SEQ_DECAY per step it could draft. A depth, context or drafter not tried lately becomes uncertain
+   again and is tried once optimism says it could pay, and a sequence left at 0 returns to its
+   key's estimate, so nothing freezes on old text.
+
+Allocation is greedy: from 0 everywhere, among the moves (one sequence raised to any larger size)
+that raise G and earn at least the rate of a plain decode step of the sequences that decode after
+this one (a step holding a prefill chunk commits few tokens in many seconds, and against its own
+rate any draft would look worth its cost), take the one with the largest gain per draft node,
+until none is left; the step's node cap and each sequence's cap bound it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specserve.engine.draft_policy.base import Candidate, StepCaps, StepReport, budget_sizes
+from specserve.engine.draft_policy.cost import DraftCostModel, StepCostModel, calibrate_step_cost
+
+PRIOR_RATE = 0.5     # r0: a depth's acceptance before any evidence ...
+PRIOR_WEIGHT = 2.0   # ... worth this many trials (P); also P(tree)'s prior of 1
+SEQ_WEIGHT = 4.0     # W: trials its key's rate counts for in a sequence's own
+SEQ_DECAY = 0.8      # a sequence's own evidence fades by this per step it is a candidate
+KEY_DECAY = 0.99     # a key's evidence and a drafter's tree shapes fade by this per step
+OPTIMISM = 1.0       # standard deviations above the mean each key rate is read at
+
+FIRST, WHOLE, PARTIAL, NONE = "first", "whole", "partial", "none"
+
+
+class _Evidence:
+    """Per-depth acceptance counts (hits[d], trials[d] for depth d + 1) and trees per call, faded
+    by `decay` per step up to the step asked for."""
+
+    __slots__ = ("hits", "trials", "calls", "trees", "step", "decay")
+
+    def __init__(self, depth: int, decay: float, step: int):
+        self.hits, self.trials = [0.0] * depth, [0.0] * depth
+        self.calls = self.trees = 0.0
+        self.step, self.decay = step, decay
+
+    def fade(self, step: int) -> "_Evidence":
+        if step > self.step:
+            f = self.decay ** (step - self.step)
+            self.hits = [h * f for h in self.hits]
+            self.trials = [t * f for t in self.trials]
+            self.calls, self.trees, self.step = self.calls * f, self.trees * f, step
+        return self
+
+    def add(self, accepted: int, depth: int) -> None:
+        for d in range(min(accepted + 1, depth, len(self.trials))):   # tested: up to the first rejection
+            self.trials[d] += 1.0
+            self.hits[d] += d < accepted
+
+    def p_tree(self) -> float:
+        return (self.trees + PRIOR_WEIGHT) / (self.calls + PRIOR_WEIGHT)
+
+
+@dataclass
+class _Shape:
+    """A drafter's trees per budget size: decayed sums of their depths and nodes, and their count."""
+
+    depth: dict[int, float] = field(default_factory=dict)
+    nodes: dict[int, float] = field(default_factory=dict)
+    count: dict[int, float] = field(default_factory=dict)
+
+    def mean(self, sums: dict[int, float], size: int) -> float:
+        """The size itself (a chain of that many nodes) counts as one tree."""
+        return (sums.get(size, 0.0) + size) / (self.count.get(size, 0.0) + 1.0)
+
+    def add(self, size: int, depth: int, nodes: int) -> None:
+        for sums, x in ((self.depth, depth), (self.nodes, nodes), (self.count, 1)):
+            sums[size] = KEY_DECAY * sums.get(size, 0.0) + x
+
+
+@dataclass
+class _Seq:
+    own: _Evidence
+    outcome: str = FIRST
+    key: tuple = ()      # its key at the last allocation
+    pending: int = 0     # nodes granted and not yet verified
+
+
+def expected_accepted(rates: list[float], depth: float) -> float:
+    """Accepted draft tokens of a path `depth` deep (fractional: the last depth in part) that
+    accepts depth d + 1 with probability rates[d] given the ones above it."""
+    e, p, full = 0.0, 1.0, int(depth)
+    for d in range(min(full, len(rates))):
+        p *= rates[d]
+        e += p
+    if depth > full and full < len(rates):
+        e += (depth - full) * p * rates[full]
+    return e
+
+
+class GoodputPolicy:
+    """See the module docstring. `max_per_seq`: num_speculative_tokens; `max_step_tokens`: the
+    most tokens a step can hold (the step cost model's range)."""
+
+    reads_contexts = True   # the scheduler asks each drafter's context (`Drafter.context_of`)
+
+    def __init__(self, max_per_seq: int, max_step_tokens: int):
+        self.sizes = budget_sizes(max_per_seq)
+        self.depth = max(1, max_per_seq)
+        self.step_cost = StepCostModel(max(max_step_tokens, 1))
+        self.draft_cost: dict[str, DraftCostModel] = {}
+        self.shapes: dict[str, _Shape] = {}
+        self.keys: dict[tuple, _Evidence] = {}
+        self.seqs: dict[int, _Seq] = {}
+        self.step = 0
+
+    def calibrate(self, profile_forward: Callable[[int], float], max_tokens: int, **kwargs) -> dict[int, float]:
+        """Set the step cost curve from timed forwards (`cost.calibrate_step_cost`)."""
+        return calibrate_step_cost(self.step_cost, profile_forward, max_tokens, **kwargs)
+
+    # ---- the acceptance model ----
+
+    def _key(self, key: tuple) -> _Evidence:
+        ev = self.keys.get(key)
+        if ev is None:
+            ev = self.keys[key] = _Evidence(self.depth, KEY_DECAY, self.step)
+        return ev.fade(self.step)
+
+    def _drafter_cost(self, name: str) -> DraftCostModel:
+        model = self.draft_cost.get(name)
+        if model is None:
+            model = self.draft_cost[name] = DraftCostModel(self.sizes)
+        return model
+
+    @staticmethod
+    def key_rates(key: _Evidence) -> tuple[list[float], list[float]]:
+        """A key's per-depth acceptance: (means, upper confidence bounds)."""
+        means, uppers, prior = [], [], PRIOR_RATE
+        for hits, trials in zip(key.hits, key.trials):
+            n = trials + PRIOR_WEIGHT
+            mean = (hits + PRIOR_WEIGHT * prior) / n
+            means.append(mean)
+            uppers.append(min(1.0, mean + OPTIMISM * math.sqrt(mean * (1.0 - mean) / (n + 1.0))))
+            prior = mean   # a depth not measured yet is expected to accept as the one above it
+        return means, uppers
+
+    def rates(self, own: _Evidence, key: _Evidence) -> list[float]:
+        """A sequence's per-depth acceptance: its key's upper bound plus its own deviation from its
+        key's means (`own.hits` holds hits less those means), shrunk by SEQ_WEIGHT trials."""
+        _, uppers = self.key_rates(key)
+        return [min(1.0, max(0.0, u + dev / (t + SEQ_WEIGHT))) for u, dev, t in zip(uppers, own.hits, own.trials)]
+
+    def gains(self, cand: Candidate, sizes: list[int]) -> tuple[list[float], list[float], float]:
+        """(expected accepted tokens, expected draft nodes) for each of `sizes`, and P(tree)."""
+        st = self.seqs.get(cand.seq_id)
+        if st is None:
+            st = self.seqs[cand.seq_id] = _Seq(_Evidence(self.depth, SEQ_DECAY, self.step))
+        st.own.fade(self.step)
+        st.key = (cand.drafter, cand.context, st.outcome)
+        key = self._key(st.key)
+        p, rates = key.p_tree(), self.rates(st.own, key)
+        shape = self.shapes.setdefault(cand.drafter, _Shape())
+        gains, best = [], 0.0
+        for s in sizes:
+            best = max(best, min(float(s), p * expected_accepted(rates, shape.mean(shape.depth, s))))
+            gains.append(best)
+        return gains, [p * shape.mean(shape.nodes, s) for s in sizes], p
+
+    # ---- the allocation ----
+
+    def allocate(self, candidates: list[Candidate], caps: StepCaps) -> list[int]:
+        self.step += 1
+        predict, memo = self.step_cost.predict, {}
+
+        def step_seconds(tokens: float) -> float:
+            if tokens not in memo:
+                memo[tokens] = predict(tokens)
+            return memo[tokens]
+
+        def draft_seconds(name: str, group: tuple[int, int, int]) -> float:
+            return self._drafter_cost(name).predict(*group)
+
+        any_tree, per_tree = self.step_cost.tree_terms
+        cands = []   # [candidate, sizes, gains, nodes, index of its size now, P(tree)]
+        for c in candidates:
+            sizes = [s for s in self.sizes if s <= c.cap] if caps.max_total > 0 else [0]
+            gains, nodes, p = self.gains(c, sizes) if len(sizes) > 1 else ([0.0], [0.0], 0.0)
+            cands.append([c, sizes, gains, nodes, 0, p])
+        n0 = float(caps.base_tokens)
+        t0 = step_seconds(n0)
+
+        def seconds(no_tree: float, extra: float, trees: float) -> float:
+            """Expected step seconds: with probability `no_tree` no tree comes back (a plain step),
+            else `extra` expected nodes among the trees that do, plus the trees' verification."""
+            if no_tree >= 1.0:
+                return t0
+            some = 1.0 - no_tree
+            return no_tree * t0 + some * (step_seconds(n0 + extra / some) + any_tree) + per_tree * trees
+
+        commits, total, draft_s = float(caps.base_commits), 0, 0.0
+        groups: dict[str, tuple[int, int, int]] = {}   # drafter -> (sequences, nodes, largest size)
+        no_tree, extra, trees = 1.0, 0.0, 0.0
+        goodput = commits / t0 if t0 > 0 else 0.0
+        decode_rate = 0.0
+        if caps.decode_rows and caps.base_tokens > caps.decode_rows:
+            decode_rate = caps.decode_rows / step_seconds(float(caps.decode_rows))
+        now_s = t0
+        while True:
+            best, best_score = None, 0.0
+            for ci, (c, sizes, gains, nodes, cur, p) in enumerate(cands):
+                g_seqs, g_nodes, g_top = groups.get(c.drafter, (0, 0, 0))
+                d_now = draft_seconds(c.drafter, (g_seqs, g_nodes, g_top))
+                no_tree2, trees2 = (no_tree * (1.0 - p), trees + p) if cur == 0 else (no_tree, trees)
+                for j in range(cur + 1, len(sizes)):
+                    more = sizes[j] - sizes[cur]
+                    if total + more > caps.max_total:
+                        break
+                    gain = gains[j] - gains[cur]
+                    extra2 = extra + nodes[j] - nodes[cur]
+                    group = (g_seqs + (cur == 0), g_nodes + more, max(g_top, sizes[j]))
+                    d_delta = draft_seconds(c.drafter, group) - d_now
+                    denom = seconds(no_tree2, extra2, trees2) + draft_s + d_delta
+                    if denom <= 0 or gain < decode_rate * (denom - now_s):
+                        continue
+                    g = (commits + gain) / denom
+                    score = (g - goodput) / more
+                    if score > best_score:
+                        best, best_score = (ci, j, group, d_delta, no_tree2, extra2, trees2, g), score
+            if best is None:
+                break
+            ci, j, group, d_delta, no_tree, extra, trees, goodput = best
+            c = cands[ci]
+            groups[c[0].drafter] = group
+            commits += c[2][j] - c[2][c[4]]
+            total += c[1][j] - c[1][c[4]]
+            draft_s += d_delta
+            now_s = seconds(no_tree, extra, trees) + draft_s
+            c[4] = j
+        return [sizes[cur] for _, sizes, _, _, cur, _ in cands]
+
+    # ---- observations ----
+
+    def observe(self, report: StepReport) -> None:
+        for seq_id, granted in report.granted.items():
+            st = self.seqs.get(seq_id)
+            if st is not None:
+                st.pending = granted
+        if report.seconds > 0:
+            self.step_cost.observe(report.num_tokens, report.seconds, report.num_trees)
+        for call in report.drafts:
+            if call.seq_ids:
+                self._drafter_cost(call.drafter).observe(len(call.seq_ids), sum(call.budgets),
+                                                         max(call.budgets), call.seconds)
+            for seq_id, nodes in zip(call.seq_ids, call.nodes):
+                st = self.seqs.get(seq_id)
+                if st is None or not st.pending:
+                    continue
+                key = self._key(st.key)
+                key.calls += 1.0
+                key.trees += nodes > 0
+                if nodes == 0:
+                    st.pending = 0
+        for out in report.outcomes:
+            st = self.seqs.get(out.seq_id)
+            if st is None or not st.pending:
+                continue
+            key = self._key(st.key)
+            means, _ = self.key_rates(key)
+            for d in range(min(out.accepted + 1, out.depth, self.depth)):   # the depths it tested
+                st.own.trials[d] += 1.0
+                st.own.hits[d] += (d < out.accepted) - means[d]
+            key.add(out.accepted, out.depth)
+            self.shapes.setdefault(st.key[0], _Shape()).add(st.pending, out.depth, out.nodes)
+            st.outcome = WHOLE if out.accepted >= out.depth else PARTIAL if out.accepted else NONE
+            st.pending = 0
+        for seq_id in report.finished:
+            self.seqs.pop(seq_id, None)

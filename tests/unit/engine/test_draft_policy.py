@@ -1,0 +1,185 @@
+"""The draft policies through their public surface (`allocate`, `observe`) on simulated
+populations: sequences whose trees accept each next depth with a known probability, a step cost
+curve and a drafter cost, run step by step as the engine runs them. Seconds are simulated, so the
+figures are exact and the same on every machine."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from specserve.engine.draft_policy import (Candidate, DraftCall, FixedPolicy, GoodputPolicy, StepCaps, StepReport,
+                                           TreeOutcome, make_policy)
+
+
+def FLAT(n: float) -> float:    # a step of a few rows costs little more than one (batch 1)
+    return 0.020 + 0.0005 * n
+
+
+def STEEP(n: float) -> float:   # every row costs (a crowd on a CPU)
+    return 0.020 + 0.0025 * n
+
+
+def simulate(policy, num_seqs: int, rate, step_seconds, steps: int = 300, seed: int = 0,
+             context=None, draft_seconds: float = 0.001, on_outcome=None) -> dict:
+    """Run `policy` for `steps` steps over `num_seqs` decoding sequences of drafter "d" (cap 8).
+    A tree of b nodes is a chain of b tokens; depth k + 1 is accepted with probability
+    `rate(seq_id, step, context)` given the ones above it. `context(seq_id, step)`: what the drafter
+    tells (None: nothing); `on_outcome(outcome)`: called for every verified tree. Returns
+    committed tokens, seconds, their ratio and the budgets per step."""
+    rng = random.Random(seed)
+    if hasattr(policy, "calibrate"):
+        policy.calibrate(step_seconds, num_seqs * 9)
+    tokens = seconds = 0.0
+    history = []
+    seqs = [SimpleNamespace(seq_id=i, drafter="d") for i in range(num_seqs)]
+    for step in range(steps):
+        ctx = {s.seq_id: context(s.seq_id, step) if context else None for s in seqs}
+        cands = [Candidate(s.seq_id, "d", 8, ctx[s.seq_id]) for s in seqs]
+        sizes = policy.allocate(cands, StepCaps(64, num_seqs, num_seqs, num_seqs))
+        history.append(sizes)
+        report = StepReport(granted={s.seq_id: b for s, b in zip(seqs, sizes)})
+        drafted = [(s, b) for s, b in zip(seqs, sizes) if b]
+        if drafted:
+            report.drafts.append(DraftCall("d", [s.seq_id for s, _ in drafted], [b for _, b in drafted],
+                                           [b for _, b in drafted], draft_seconds))
+        for s, b in drafted:
+            p = rate(s.seq_id, step, ctx[s.seq_id])
+            accepted = 0
+            while accepted < b and rng.random() < p:
+                accepted += 1
+            out = TreeOutcome(s, b, b, accepted)
+            report.outcomes.append(out)
+            if on_outcome:
+                on_outcome(out)
+            tokens += accepted
+        report.num_tokens = num_seqs + sum(sizes)
+        report.num_trees = len(drafted)
+        report.seconds = step_seconds(report.num_tokens)
+        seconds += report.seconds + (draft_seconds if drafted else 0.0)
+        tokens += num_seqs
+        policy.observe(report)
+    return {"tokens": tokens, "seconds": seconds, "rate": tokens / seconds, "history": history}
+
+
+def best_fixed(num_seqs: int, rate, step_seconds, **kwargs) -> float:
+    """The best fixed size's rate, chosen in hindsight."""
+    return max(simulate(FixedPolicy(b), num_seqs, rate, step_seconds, **kwargs)["rate"] for b in (1, 2, 4, 8))
+
+
+def plain_rate(num_seqs: int, step_seconds) -> float:
+    return num_seqs / step_seconds(num_seqs)
+
+
+def test_every_budget_is_a_size_within_the_caps():
+    policy = make_policy("goodput", 8, 64)
+    cands = [Candidate(i, "d", cap) for i, cap in enumerate([0, 1, 3, 8, 8])]
+    for _ in range(20):
+        sizes = policy.allocate(cands, StepCaps(10, 5, 5, 5))
+        assert all(s in (0, 1, 2, 4, 8) and s <= c.cap for s, c in zip(sizes, cands)) and sum(sizes) <= 10
+        policy.observe(StepReport(granted={c.seq_id: s for c, s in zip(cands, sizes)}))
+    assert make_policy("goodput", 8, 64).allocate(cands, StepCaps(0, 5, 5, 5)) == [0] * 5
+
+
+def test_batch_one_on_a_flat_curve_drafts_deep_where_drafts_are_accepted():
+    """Acceptance 0.9 per depth at batch 1: the policy settles on the largest trees and is within
+    5 % of the best fixed size."""
+    good = simulate(GoodputPolicy(8, 64), 1, lambda *_: 0.9, FLAT)
+    assert good["rate"] >= 0.95 * best_fixed(1, lambda *_: 0.9, FLAT)
+    assert sum(h[0] == 8 for h in good["history"][-100:]) >= 80
+
+
+def test_a_crowd_on_a_steep_curve_stops_drafting():
+    """16 sequences accepting 0.3 per depth where every row costs: drafting loses, and the policy
+    keeps within 3 % of plain decoding (its exploration included), where fixed sizes lose more."""
+    good = simulate(GoodputPolicy(8, 160), 16, lambda *_: 0.3, STEEP)
+    plain = plain_rate(16, STEEP)
+    assert good["rate"] >= 0.97 * plain
+    assert simulate(FixedPolicy(8), 16, lambda *_: 0.3, STEEP)["rate"] < 0.8 * plain
+    late = [b for h in good["history"][-100:] for b in h]
+    assert sum(b > 0 for b in late) <= 0.05 * len(late)
+
+
+def test_a_drafter_that_is_never_right_costs_little_at_batch_one():
+    good = simulate(GoodputPolicy(8, 64), 1, lambda *_: 0.0, FLAT)
+    assert good["rate"] >= 0.95 * plain_rate(1, FLAT)
+
+
+def test_acceptance_that_changes_is_followed():
+    """Acceptance jumps from 0.05 to 0.9 per depth at step 150: the policy, drafting little by
+    then, finds out (optimism as its evidence fades) and drafts deep trees again."""
+    good = simulate(GoodputPolicy(8, 64), 1, lambda i, step, c: 0.05 if step < 150 else 0.9, FLAT, steps=450)
+    early, late = good["history"][100:150], good["history"][-100:]
+    assert sum(h[0] for h in early) < sum(h[0] for h in late)
+    assert sum(h[0] >= 4 for h in late) >= 80
+
+
+def test_a_drafter_context_sizes_each_tree():
+    """The drafter tells a context before each tree: in context 4 its trees accept 0.9 per depth,
+    in context 1 0.1. The policy drafts deep in the first and little in the second, and beats the
+    same policy not told the contexts."""
+    def ctx(i, step):
+        return 4 if (step // 5) % 2 else 1
+
+    def rate(i, step, c):
+        return 0.9 if c == 4 else 0.1
+
+    told = simulate(GoodputPolicy(8, 64), 1, rate, FLAT, context=ctx, steps=400)
+    sizes = {1: [], 4: []}
+    for step, h in enumerate(told["history"][100:], start=100):
+        sizes[ctx(0, step)].append(h[0])
+    assert sum(sizes[4]) / len(sizes[4]) >= 6 and sum(sizes[1]) / len(sizes[1]) <= 2
+    untold = simulate(GoodputPolicy(8, 64), 1, lambda i, step, c: rate(i, step, ctx(i, step)), FLAT, steps=400)
+    assert told["rate"] > 1.03 * untold["rate"]
+
+
+def test_the_last_outcome_carries_what_follows():
+    """Acceptance in streaks: after a tree accepted whole the next accepts 0.95 per depth, after
+    any other 0.2. Keyed by the last outcome, the policy keeps up with the best fixed size chosen
+    in hindsight (2 nodes) and far ahead of the larger ones."""
+    def streaks():
+        state = {"whole": False}
+
+        def on_outcome(out):
+            state["whole"] = out.accepted >= out.depth
+        return (lambda i, step, c: 0.95 if state["whole"] else 0.2), on_outcome
+
+    rate, seen = streaks()
+    good = simulate(GoodputPolicy(8, 64), 1, rate, FLAT, steps=400, on_outcome=seen)
+    best = 0.0
+    for b in (1, 2, 4, 8):
+        rate, seen = streaks()
+        fixed = simulate(FixedPolicy(b), 1, rate, FLAT, steps=400, on_outcome=seen)["rate"]
+        best = max(best, fixed)
+        if b == 8:
+            assert good["rate"] > 1.3 * fixed
+    assert good["rate"] >= 0.97 * best
+
+
+def test_the_policy_is_deterministic():
+    runs = [simulate(GoodputPolicy(8, 160), 4, lambda i, *_: 0.2 * i, STEEP, steps=100)["history"] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_prefill_steps_draft_only_what_earns_the_decode_rate():
+    """A step holding a 200-token prefill chunk commits few tokens in many seconds, so against its
+    own rate any draft looks worth it; the drafts must earn a decode step's rate, which on a steep
+    curve they do not."""
+    policy = GoodputPolicy(8, 512)
+    simulate(policy, 4, lambda *_: 0.3, STEEP, steps=50)   # trees accept 0.3 per depth
+    cands = [Candidate(i, "d", 8) for i in range(4)]
+    assert policy.allocate(cands, StepCaps(64, 204, 4, 5)) == [0, 0, 0, 0]
+    assert sum(policy.allocate(cands, StepCaps(64, 204, 4, 0))) > 0   # the step's own rate alone
+
+
+@pytest.mark.parametrize("name", ["fixed", "adaptive", "goodput"])
+def test_finished_sequences_are_forgotten(name):
+    policy = make_policy(name, 8, 64)
+    cands = [Candidate(i, "d", 8) for i in range(3)]
+    for _ in range(5):
+        sizes = policy.allocate(cands, StepCaps(64, 3, 3, 3))
+        policy.observe(StepReport(granted=dict(enumerate(sizes))))
+    policy.observe(StepReport(finished=[0, 1, 2]))
+    assert not getattr(policy, "seqs", {})
