@@ -8,7 +8,7 @@
 #   docker build -t specserve:cpu --build-arg BASE=python:3.11-slim \
 #     --build-arg TORCH_SPEC=torch==2.13.0 --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
 #   docker run -p 8000:8000 specserve:cpu
-# Configuration: SPECSERVE_* environment variables (README "Deploy"), or flags after the image name,
+# Configuration: SPECSERVE_* environment variables (docs/deploy.md), or flags after the image name,
 # e.g. `docker run ... specserve:gpu --drafter ngram --max-num-seqs 32`.
 #
 # Needs BuildKit (the default builder of Docker 23+) for the cache and bind mounts. The install steps live in

@@ -16,7 +16,7 @@ one-hot q), lossless for greedy and sampling requests alike.
 Tree shape: a list of rank paths in *preference order* (each prefix of the list is a tree), cut
 to the scheduler's budget and laid out level-major by `TreeTemplate.from_choices`. The list is,
 in order of precedence: the `tree` option; the tuned order a trained checkpoint carries (chosen
-by greedy expected-accepted-length maximisation on held-back data, see train/tree_tuning.py);
+by greedy expected-accepted-length maximisation on held-back data, see nets/tree_tuning.py);
 Medusa's `medusa_mc_sim_7b_63` from the shared trees.json; a built-in order from a generic
 acceptance prior when that file is absent.
 

@@ -26,7 +26,6 @@ DRAFT_FORGET = 0.95         # draft cost fit: the same per `propose` call
 DRAFT_NODE_PRECISION = 100.0 # ... its cost per node budget held near 0 this firmly
 MAX_STEP_RATIO = 4.0        # a step slower than this times the estimate counts as this much (GC, noise)
 UNCALIBRATED_FLAT = 32      # without calibration: T(n) ~ UNCALIBRATED_FLAT + n, scaled by the first step
-
 # ---- small weighted ridge regression -----------------------------------------------------------
 
 
@@ -132,9 +131,7 @@ class StepCostModel:
     was calibrated: most of a CPU's drift is memory bandwidth, which scales every step alike) and
     offsets at the knots (work the calibration forward does not do). The tree terms are the
     verification work a tree costs beyond its tokens (0 until observed), fitted non-negative
-    (`_Ridge.theta_nonnegative`): clipped after an unconstrained fit instead, a negative share
-    (tree steps below a curve whose scale prefill steps had raised) was dropped from the
-    prediction, and trees were charged 25-50 % more than they cost."""
+    (`_Ridge.theta_nonnegative`)."""
 
     def __init__(self, max_tokens: int):
         top = 1
@@ -144,18 +141,9 @@ class StepCostModel:
         self.base: list[float] | None = None       # the calibrated (or scaled prior) curve at the knots
         self.calibrated = False
         k = len(self.knots)
-        # offsets at the knots: neighbours alike (precision 1 on each difference), each held near 0
-        # (precision 0.05: an offset seen at one knot carries over to knots a few doublings away,
-        # fading, so neither a per-step overhead nor a calibration outlier is all of the answer);
-        # then the two tree terms, held at 0 as firmly as neighbouring offsets are held alike: where
-        # every step with a tree also has more tokens (batch 1) the data cannot tell them from the
-        # curve, and the curve (calibrated) should explain it; where the number of trees varies at
-        # similar token counts (larger batches) the data shows them
-        # then the scale, held as weakly as one offset: a step slower than B(n) at one n is as
-        # likely a slower machine (all of the curve, in proportion) as work B(n) misses (nearby);
-        # without it a calibration made while the machine ran fast left the offsets to rise with n
-        # against their smoothness, and the tree terms took the rest: small trees were charged
-        # what large ones showed
+        # priors: offsets at the knots alike (one step's precision on each difference) and weakly
+        # near 0; the tree terms held at 0 where the data cannot tell them from the curve (batch 1);
+        # the scale as weakly as one offset (a step slower at one n is as likely a slower machine)
         prior = [[0.0] * (k + 3) for _ in range(k + 3)]
         _hold_offsets_alike(prior, 0, k)
         prior[k][k] = 0.2          # a step-level cost (a CPU forward's path for non-decode rows) is
@@ -294,7 +282,6 @@ def _interp_knots(knots: list[int], values: list[float], x: float) -> float:
     j = min(int(math.floor(math.log2(x))), len(knots) - 2)
     w = (x - knots[j]) / (knots[j + 1] - knots[j])
     return values[j] + (values[j + 1] - values[j]) * w
-
 
 
 def calibrate_step_cost(cost: StepCostModel, profile_forward: Callable[[int], float], max_tokens: int,

@@ -20,8 +20,8 @@ drafts. Three ideas make it:
 
        r_d = r_key_d + sum(hit - r_key_d) / (trials_d + W),   r_key_d = (hits + P * r_key_{d-1}) / (trials + P)
 
-   (sums over the sequence's own tested depths, the key's mean at each; r_key_0 = r0: a depth not
-   measured yet is expected to accept as the one above it). A sequence that drafts in several
+   (sums over the sequence's own tested depths, the key's mean at each; r_key_0 = 1/2, one hit and
+   one miss: a depth not measured yet is expected to accept as the one above it). A sequence that drafts in several
    contexts is judged against each context's rate, not against its average.
 
    and E_i(b) = P(tree | key) * sum_{d <= D(b)} prod_{j <= d} r_j, with D(b) the mean depth of the
@@ -34,9 +34,8 @@ drafts. Three ideas make it:
    prod_i (1 - P_i(tree)) the step is a plain one): averaging token counts instead would
    overcharge the jump a CPU forward makes from 1 token to 2.
 
-3. Exploration by optimism. Each r_key_d is read at its upper confidence bound, mean plus
-   OPTIMISM standard deviations of its evidence, carried into the sequence's rate with the weight
-   the key has there. Evidence fades with time: a key's by KEY_DECAY per step, a sequence's own by
+3. Exploration by optimism. Each r_key_d is read at its upper confidence bound, its mean plus
+   one standard deviation of its evidence (a Beta posterior's, about sqrt(r (1 - r) / (n + 1))). Evidence fades with time: a key's by KEY_DECAY per step, a sequence's own by
    SEQ_DECAY per step it could draft. A depth, context or drafter not tried lately becomes uncertain
    again and is tried once optimism says it could pay, and a sequence left at 0 returns to its
    key's estimate, so nothing freezes on old text.
@@ -57,12 +56,11 @@ from typing import Callable
 from specserve.engine.draft_policy.base import Candidate, StepCaps, StepReport, budget_sizes
 from specserve.engine.draft_policy.cost import DraftCostModel, StepCostModel, calibrate_step_cost
 
-PRIOR_RATE = 0.5     # r0: a depth's acceptance before any evidence ...
-PRIOR_WEIGHT = 2.0   # ... worth this many trials (P); also P(tree)'s prior of 1
-SEQ_WEIGHT = 4.0     # W: trials its key's rate counts for in a sequence's own
-SEQ_DECAY = 0.8      # a sequence's own evidence fades by this per step it is a candidate
+PRIOR_WEIGHT = 2.0   # P: trials a depth's prior counts for (the first depth's: one hit, one miss);
+                     # P(tree) starts at 1 with the same weight
+SEQ_WEIGHT = 4.0     # W: trials its key's rate counts for against a sequence's own deviation
+SEQ_DECAY = 0.8      # a sequence's own evidence fades by this per step
 KEY_DECAY = 0.99     # a key's evidence and a drafter's tree shapes fade by this per step
-OPTIMISM = 1.0       # standard deviations above the mean each key rate is read at
 
 FIRST, WHOLE, PARTIAL, NONE = "first", "whole", "partial", "none"
 
@@ -169,12 +167,12 @@ class GoodputPolicy:
     @staticmethod
     def key_rates(key: _Evidence) -> tuple[list[float], list[float]]:
         """A key's per-depth acceptance: (means, upper confidence bounds)."""
-        means, uppers, prior = [], [], PRIOR_RATE
+        means, uppers, prior = [], [], 0.5
         for hits, trials in zip(key.hits, key.trials):
             n = trials + PRIOR_WEIGHT
             mean = (hits + PRIOR_WEIGHT * prior) / n
             means.append(mean)
-            uppers.append(min(1.0, mean + OPTIMISM * math.sqrt(mean * (1.0 - mean) / (n + 1.0))))
+            uppers.append(min(1.0, mean + math.sqrt(mean * (1.0 - mean) / (n + 1.0))))   # one sd above
             prior = mean   # a depth not measured yet is expected to accept as the one above it
         return means, uppers
 
