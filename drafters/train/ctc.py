@@ -49,7 +49,7 @@ from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, 
 from specserve.drafters.nets.ctc import DEFAULT_LABELS, DEFAULT_SLOTS, DEFAULT_VOCAB, KIND, CTCDraftNet
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
-from specserve.drafters.train.evaluate import served_tau
+from specserve.drafters.train.evaluate import as_saved, option, served_tau
 from specserve.drafters.train.loop import TrainConfig, train
 from specserve.engine.model import rope_tables
 
@@ -65,10 +65,6 @@ SELECTIONS = ((2, 16), (2, 32), (3, 32), (3, 64), (4, 32), (4, 64), (4, 128), (5
 TRAIN_DEFAULTS = {"epochs": 3, "lr": 1e-3, "betas": (0.9, 0.95), "warmup_ratio": 0.03, "min_lr_ratio": 0.1,
                   "grad_clip": 0.5, "patience": 2}
 
-
-def _opt(options: dict, key: str, default):
-    value = options.get(key)
-    return default if value is None else value
 
 
 # ---- targets --------------------------------------------------------------------------------------------------------
@@ -347,14 +343,14 @@ def train_ctc(options: dict, target, data) -> Path:
     if not options.get("out"):
         raise ValueError("ctc trainer: no output folder (--out)")
     start = time.time()
-    seed = int(_opt(options, "seed", 0))
-    num_slots = int(_opt(options, "num_slots", DEFAULT_SLOTS))
-    label_len = int(_opt(options, "label_len", DEFAULT_LABELS))
-    vocab = min(int(_opt(options, "vocab", DEFAULT_VOCAB)), target.model_config.vocab_size)
-    batch_tokens = int(_opt(options, "train_batch_tokens", BATCH_TOKENS))
-    eval_tokens = max(batch_tokens, int(_opt(options, "batch_tokens", 8192)))
-    keep_fraction = float(_opt(options, "keep_fraction", 1.0))
-    max_len = int(_opt(options, "max_len", 512))
+    seed = int(option(options, "seed", 0))
+    num_slots = int(option(options, "num_slots", DEFAULT_SLOTS))
+    label_len = int(option(options, "label_len", DEFAULT_LABELS))
+    vocab = min(int(option(options, "vocab", DEFAULT_VOCAB)), target.model_config.vocab_size)
+    batch_tokens = int(option(options, "train_batch_tokens", BATCH_TOKENS))
+    eval_tokens = max(batch_tokens, int(option(options, "batch_tokens", 8192)))
+    keep_fraction = float(option(options, "keep_fraction", 1.0))
+    max_len = int(option(options, "max_len", 512))
     device = target.device
     eos_ids = sorted(int(t) for t in (getattr(target.loaded, "eos_token_ids", None) or
                                       [data.manifest.get("config", {}).get("eos_token_id")]) if t is not None)
@@ -372,26 +368,24 @@ def train_ctc(options: dict, target, data) -> Path:
                 coverage.get(vocab))
     fit = fit_ctc(target.model, train_batches, eval_batches, config=config, rank=rank, vocab=vocab,
                   num_slots=num_slots, label_len=label_len, eos_ids=eos_ids, max_len=max_len, seed=seed,
-                  keep_fraction=keep_fraction, eval_positions=int(_opt(options, "eval_positions", EVAL_POSITIONS)))
+                  keep_fraction=keep_fraction, eval_positions=int(option(options, "eval_positions", EVAL_POSITIONS)))
     net, result = fit.net, fit.result
     net.set_vocab_rank(rank)
-    with torch.no_grad():   # measure what is saved: bf16 weights
-        for p in net.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
+    as_saved(net)   # measure what is saved: bf16 weights
     report = evaluate(net, eval_batches, embed=target.model.embed, vocab_weight=fit.vocab_weight,
                       vocab_ids=fit.vocab_ids, rope=fit.rope,
-                      max_positions=int(_opt(options, "final_positions", FINAL_POSITIONS)), seed=seed)
+                      max_positions=int(option(options, "final_positions", FINAL_POSITIONS)), seed=seed)
     selection = report["selection"]
     tau = report["tau_tuned_half"]
     logger.info("ctc: held-back offline tau %s (default selection by budget), tuned %s -> %.3f; %d steps, %.0f s",
                 report["tau_default"], report["selection_half"], tau, result.steps, time.time() - start)
     served = None
-    n_prompts = int(_opt(options, "engine_tau_prompts", 8))
+    n_prompts = int(option(options, "engine_tau_prompts", 8))
     if n_prompts > 0:
         try:
             served = served_tau(target, KIND, {"net": copy.deepcopy(net), "draft_vocab": vocab, **(selection or {})},
                                 data.held_back_examples()[:n_prompts], budget=EVAL_BUDGET,
-                                max_tokens=int(_opt(options, "engine_tau_max_tokens", 64)), max_len=max_len)
+                                max_tokens=int(option(options, "engine_tau_max_tokens", 64)), max_len=max_len)
             tau = served["tau"]
             logger.info("ctc: held-back engine tau %.3f (budget %d, %d prompts)", tau, EVAL_BUDGET,
                         served["num_prompts"])

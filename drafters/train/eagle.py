@@ -61,7 +61,7 @@ from torch import nn
 from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, save_checkpoint
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
-from specserve.drafters.train.evaluate import served_tau
+from specserve.drafters.train.evaluate import as_saved, option, served_tau
 from specserve.drafters.nets.eagle import (CHECKPOINTS_DIR, INITS, EagleHead, load_head,  # noqa: F401  (re-exported)
                                            save_head, shipped_checkpoint)
 from specserve.drafters.train.loop import TrainConfig, train
@@ -242,10 +242,6 @@ TAU_STEPS = 5
 FIELDS = ("input_ids", "hidden", "topk_ids", "topk_logprobs")
 
 
-def _opt(options: dict, key: str, default):
-    value = options.get(key)
-    return default if value is None else value
-
 
 @dataclass
 class EagleFit:
@@ -297,15 +293,15 @@ def train_eagle(options: dict, target, data) -> Path:
     if not options.get("out"):
         raise ValueError("eagle trainer: no output folder (--out)")
     start = time.time()
-    seed = int(_opt(options, "seed", 0))
-    noise = float(_opt(options, "noise", 0.1))
-    negatives = None if options.get("full_vocab") else int(_opt(options, "negatives", 2048))
-    tau_steps = int(_opt(options, "tau_steps", TAU_STEPS))
-    batch_tokens = int(_opt(options, "train_batch_tokens", BATCH_TOKENS))
-    eval_tokens = max(batch_tokens, int(_opt(options, "batch_tokens", 8192)))
-    max_len = int(_opt(options, "max_len", 512))
-    init = str(_opt(options, "init", "random"))
-    cls_weight = float(_opt(options, "cls_weight", CLS_WEIGHT))
+    seed = int(option(options, "seed", 0))
+    noise = float(option(options, "noise", 0.1))
+    negatives = None if options.get("full_vocab") else int(option(options, "negatives", 2048))
+    tau_steps = int(option(options, "tau_steps", TAU_STEPS))
+    batch_tokens = int(option(options, "train_batch_tokens", BATCH_TOKENS))
+    eval_tokens = max(batch_tokens, int(option(options, "batch_tokens", 8192)))
+    max_len = int(option(options, "max_len", 512))
+    init = str(option(options, "init", "random"))
+    cls_weight = float(option(options, "cls_weight", CLS_WEIGHT))
     device = target.device
     config = TrainConfig.from_options({**TRAIN_DEFAULTS, **{k: v for k, v in options.items() if v is not None}},
                                       device=str(device))
@@ -317,7 +313,7 @@ def train_eagle(options: dict, target, data) -> Path:
     logger.info("eagle: %d train examples (%d tokens), %d held-back examples", len(data.train),
                 data.train.num_tokens, len(data.held_back))
     fit = fit_eagle(target.model, train_batches, eval_batches, config=config, noise=noise, negatives=negatives,
-                    tau_steps=tau_steps, eval_chains=int(_opt(options, "eval_chains", EVAL_CHAINS)),
+                    tau_steps=tau_steps, eval_chains=int(option(options, "eval_chains", EVAL_CHAINS)),
                     max_len=max_len, seed=seed, init=init, cls_weight=cls_weight)
     head, result = fit.head, fit.result
     rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size,
@@ -325,15 +321,13 @@ def train_eagle(options: dict, target, data) -> Path:
     head.set_vocab_rank(rank)
     logger.info("eagle: held-back labels covered by the N most frequent training labels: %s",
                 {n: round(c, 4) for n, c in coverage.items()})
-    with torch.no_grad():   # measure what is saved: bf16 weights
-        for p in head.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
+    as_saved(head)   # measure what is saved: bf16 weights
     report = estimate_tau(head, eval_batches, embed=target.model.embed, lm_head_weight=target.model.lm_head_weight,
-                          rope=fit.rope, steps=tau_steps, max_chains=int(_opt(options, "final_chains", FINAL_CHAINS)))
+                          rope=fit.rope, steps=tau_steps, max_chains=int(option(options, "final_chains", FINAL_CHAINS)))
     logger.info("eagle: held-back chain tau %.3f over %d chains (%d steps, %.0f s)", report["tau"], report["chains"],
                 result.steps, time.time() - start)
     served = None
-    n_prompts = int(_opt(options, "engine_tau_prompts", 0))
+    n_prompts = int(option(options, "engine_tau_prompts", 0))
     if n_prompts > 0:
         served = served_tau(target, KIND, {"head": head}, data.held_back_examples()[:n_prompts])
         logger.info("eagle: served tau %.3f on %d held-back prompts", served["tau"], served["num_prompts"])

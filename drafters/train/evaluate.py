@@ -11,10 +11,26 @@ from __future__ import annotations
 
 from typing import Any, Sequence as Seq
 
+import torch
+
 from specserve.drafters.train.data import Example, render_prompt
 from specserve.engine.config import EngineConfig
 from specserve.engine.core import LLMEngine
 from specserve.engine.sampling_params import SamplingParams
+
+
+def option(options: dict, key: str, default):
+    """`options[key]`, or `default` when it is absent or None."""
+    value = options.get(key)
+    return default if value is None else value
+
+
+def as_saved(module: torch.nn.Module) -> torch.nn.Module:
+    """Round `module`'s parameters to bf16 and back, in place: evaluate what the checkpoint holds."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return module
 
 
 def served_tau(target, drafter: str, drafter_options: dict[str, Any], prompts: Seq[Example | list[int]], *,

@@ -69,7 +69,7 @@ from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, 
 from specserve.drafters.nets.falcon import KIND, FalconHead, save_head
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
-from specserve.drafters.train.evaluate import served_tau
+from specserve.drafters.train.evaluate import as_saved, option, served_tau
 from specserve.drafters.train.loop import TrainConfig, train
 from specserve.engine.model import rope_tables
 
@@ -438,10 +438,6 @@ EVAL_BLOCKS = 4            # drafter forwards per simulated chain (8 drafts for 
 BUDGETS = (4, 8, 16, 32, 64)
 
 
-def _opt(options: dict, key: str, default):
-    value = options.get(key)
-    return default if value is None else value
-
 
 @dataclass
 class FalconFit:
@@ -512,21 +508,21 @@ def train_falcon(options: dict, target, data) -> Path:
     if not options.get("out"):
         raise ValueError("falcon trainer: no output folder (--out)")
     start = time.time()
-    seed = int(_opt(options, "seed", 0))
-    csgd = bool(_opt(options, "csgd", True))
-    schedule = str(_opt(options, "lambda_schedule", "paper"))
-    k = int(_opt(options, "k", 2))
-    noise = float(_opt(options, "noise", 0.1))
-    negatives = None if options.get("full_vocab") else int(_opt(options, "negatives", 2048))
-    batch_tokens = int(_opt(options, "train_batch_tokens", BATCH_TOKENS))
-    eval_tokens = max(batch_tokens, int(_opt(options, "batch_tokens", 8192)))
-    max_len = int(_opt(options, "max_len", 512))
-    init = str(_opt(options, "init", "identity"))
-    dist_weight = float(_opt(options, "dist_weight", DIST_WEIGHT))
+    seed = int(option(options, "seed", 0))
+    csgd = bool(option(options, "csgd", True))
+    schedule = str(option(options, "lambda_schedule", "paper"))
+    k = int(option(options, "k", 2))
+    noise = float(option(options, "noise", 0.1))
+    negatives = None if options.get("full_vocab") else int(option(options, "negatives", 2048))
+    batch_tokens = int(option(options, "train_batch_tokens", BATCH_TOKENS))
+    eval_tokens = max(batch_tokens, int(option(options, "batch_tokens", 8192)))
+    max_len = int(option(options, "max_len", 512))
+    init = str(option(options, "init", "identity"))
+    dist_weight = float(option(options, "dist_weight", DIST_WEIGHT))
     intermediate = options.get("intermediate_size")
-    eval_blocks = int(_opt(options, "eval_blocks", EVAL_BLOCKS))
-    draft_vocab = int(_opt(options, "draft_vocab", 8192))
-    tree_name = str(_opt(options, "tree", DEFAULT_TREE))
+    eval_blocks = int(option(options, "eval_blocks", EVAL_BLOCKS))
+    draft_vocab = int(option(options, "draft_vocab", 8192))
+    tree_name = str(option(options, "tree", DEFAULT_TREE))
     device = target.device
     config = TrainConfig.from_options({**TRAIN_DEFAULTS, **{k_: v for k_, v in options.items() if v is not None}},
                                       device=str(device))
@@ -542,18 +538,16 @@ def train_falcon(options: dict, target, data) -> Path:
     fit = fit_falcon(target.model, train_batches, eval_batches, config=config, csgd=csgd, lambda_schedule=schedule,
                      noise=noise, negatives=negatives, max_len=max_len, seed=seed, k=k, dist_weight=dist_weight,
                      init=init, intermediate_size=intermediate, vocab_rank=rank, draft_vocab=draft_vocab,
-                     eval_blocks=eval_blocks, eval_chains=int(_opt(options, "eval_chains", EVAL_CHAINS)))
+                     eval_blocks=eval_blocks, eval_chains=int(option(options, "eval_chains", EVAL_CHAINS)))
     head, result = fit.head, fit.result
     head.set_vocab_rank(rank)
-    with torch.no_grad():   # measure what is saved: bf16 weights
-        for p in head.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
+    as_saved(head)   # measure what is saved: bf16 weights
     lm_head = target.model.lm_head_weight
     vocab_ids = rank[:draft_vocab].to(lm_head.device) if 0 < draft_vocab < lm_head.shape[0] else None
     vocab_weight = lm_head if vocab_ids is None else lm_head.index_select(0, vocab_ids)
     ranks = collect_ranks(head, eval_batches, embed=target.model.embed, vocab_weight=vocab_weight,
                           vocab_ids=vocab_ids, rope=fit.rope, blocks=eval_blocks,
-                          max_chains=int(_opt(options, "final_chains", FINAL_CHAINS)))
+                          max_chains=int(option(options, "final_chains", FINAL_CHAINS)))
     tau = chain_tau(ranks)
     names = [tree_name] + [n for n in TREE_NAMES if n != tree_name]
     orders = tree_orders(ranks, names)
@@ -572,7 +566,7 @@ def train_falcon(options: dict, target, data) -> Path:
     logger.info("falcon: held-back chain tau %.3f over %d chains (%d steps, %.0f s); tree tau by budget %s", tau,
                 ranks.shape[0], result.steps, time.time() - start, expected)
     served = None
-    n_prompts = int(_opt(options, "engine_tau_prompts", 0))
+    n_prompts = int(option(options, "engine_tau_prompts", 0))
     if n_prompts > 0:
         served = served_tau(target, KIND, {"head": head}, data.held_back_examples()[:n_prompts])
         logger.info("falcon: served tau %.3f on %d held-back prompts", served["tau"], served["num_prompts"])

@@ -57,7 +57,7 @@ from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, 
 from specserve.drafters.nets.medusa import DEFAULT_NUM_HEADS, MedusaHeads, load_template  # noqa: F401  (re-exported)
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
-from specserve.drafters.train.evaluate import served_tau
+from specserve.drafters.train.evaluate import option, served_tau
 from specserve.drafters.train.loop import TrainConfig, train
 from specserve.engine.tree import preference_prefix
 
@@ -351,11 +351,6 @@ class PositionBatches:
             yield self.examples.subset(self.perm[a:a + self.batch_size])
 
 
-def _opt(options: dict, key: str, default):
-    value = options.get(key)
-    return default if value is None else value
-
-
 def fit_medusa(target_model, train_examples: MedusaExamples, eval_examples: MedusaExamples, *,
                num_heads: int = DEFAULT_NUM_HEADS, decay: float = DEFAULT_DECAY, batch_size: int = 256,
                num_negatives: int | None = 2048, eval_budget: int = 8, template: Sequence[Sequence[int]] | None = None,
@@ -404,16 +399,16 @@ def train_medusa(options: dict, target, data) -> Path:
     if not options.get("out"):
         raise ValueError("medusa trainer: no output folder (--out)")
     start = time.time()
-    num_heads = int(_opt(options, "num_heads", DEFAULT_NUM_HEADS))
-    decay = float(_opt(options, "decay", DEFAULT_DECAY))
-    seed = int(_opt(options, "seed", 0))
-    batch_size = int(_opt(options, "batch_size", 256))
-    num_negatives = None if options.get("full_vocab") else int(_opt(options, "num_negatives", 2048))
-    eval_budget = int(_opt(options, "eval_budget", 8))
-    tuned_nodes = int(_opt(options, "tuned_nodes", TUNED_TREE_NODES))
+    num_heads = int(option(options, "num_heads", DEFAULT_NUM_HEADS))
+    decay = float(option(options, "decay", DEFAULT_DECAY))
+    seed = int(option(options, "seed", 0))
+    batch_size = int(option(options, "batch_size", 256))
+    num_negatives = None if options.get("full_vocab") else int(option(options, "num_negatives", 2048))
+    eval_budget = int(option(options, "eval_budget", 8))
+    tuned_nodes = int(option(options, "tuned_nodes", TUNED_TREE_NODES))
     max_train = options.get("max_train_positions")
     train_ex = dataset_examples(data.train, num_heads, max_positions=int(max_train) if max_train else None, seed=seed)
-    eval_ex = dataset_examples(data.held_back, num_heads, max_positions=int(_opt(options, "eval_positions", 4096)),
+    eval_ex = dataset_examples(data.held_back, num_heads, max_positions=int(option(options, "eval_positions", 4096)),
                                seed=seed + 1)
     if not len(train_ex):
         raise ValueError("medusa trainer: the train split has no answer position")
@@ -426,7 +421,7 @@ def train_medusa(options: dict, target, data) -> Path:
     heads, result = fit_medusa(target.model, train_ex, loop_eval, num_heads=num_heads, decay=decay,
                                batch_size=batch_size, num_negatives=num_negatives, eval_budget=eval_budget,
                                template=template, config=config, seed=seed, device=target.device,
-                               bf16_matmul=bool(_opt(options, "bf16_matmul", True)))
+                               bf16_matmul=bool(option(options, "bf16_matmul", True)))
     with torch.no_grad():   # measure what is saved: bf16 weights
         heads.weight.copy_(heads.weight.to(torch.bfloat16).float())
         heads.bias.copy_(heads.bias.to(torch.bfloat16).float())
@@ -436,15 +431,15 @@ def train_medusa(options: dict, target, data) -> Path:
     tau = report["tau_tuned"].get(eval_budget) if eval_budget in report["tau_tuned"] else report["tau_chain"]
     logger.info("medusa: held-back offline tau: chain %.3f, tuned tree %s, template %s", report["tau_chain"],
                 report["tau_tuned"], report.get("tau_template"))
-    engine_prompts = int(_opt(options, "engine_tau_prompts", 8))
+    engine_prompts = int(option(options, "engine_tau_prompts", 8))
     if engine_prompts > 0:
         try:
             prompts = data.held_back_examples()[:engine_prompts]
             if not prompts:
                 raise ValueError("no held-back prompt")
             report["engine"] = served_tau(target, KIND, {"heads": copy.deepcopy(heads), "tree": order}, prompts,
-                                          budget=eval_budget, max_len=int(_opt(options, "max_len", 512)), seed=seed,
-                                          max_tokens=int(_opt(options, "engine_tau_max_tokens", 64)))
+                                          budget=eval_budget, max_len=int(option(options, "max_len", 512)), seed=seed,
+                                          max_tokens=int(option(options, "engine_tau_max_tokens", 64)))
             tau = report["engine"]["tau"]
             logger.info("medusa: held-back engine tau %.3f (budget %d, %d prompts)", tau, eval_budget, engine_prompts)
         except Exception as exc:   # noqa: BLE001 - the offline figure stands in
