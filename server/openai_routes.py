@@ -263,11 +263,6 @@ class ServerState:
     def model_aliases(self) -> set[str]:
         return {self.model_name, self.engine.model_name, DEFAULT_MODEL_ALIAS}
 
-    @property
-    def loaded_drafters(self) -> list[str]:
-        """The engine's loaded drafters ("none", plain decoding, is always available besides)."""
-        return list(getattr(self.engine, "drafter_names", None) or [])
-
 
 def get_state(request: Request) -> ServerState:
     return request.app.state.specserve
@@ -303,7 +298,7 @@ def _check_model(state: ServerState, model: str | None) -> None:
                           param="model", code="model_not_found")
 
 
-def _drafter_args(state: ServerState, spec: SpeculativeOptions | None) -> dict:
+def _drafter_args(spec: SpeculativeOptions | None) -> dict:
     """The `speculative` extension as `add_request` keyword arguments, as the client sent it: {}
     (the server's default drafter), {"drafter": name} ("none" = plain decoding), plus
     `drafter_options` for the keys besides `drafter`. The engine validates them (a drafter not
@@ -479,7 +474,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Respons
     state = get_state(raw)
     _check_accepting(state)
     _check_model(state, body.model)
-    drafter_args = _drafter_args(state, body.speculative)
+    drafter_args = _drafter_args(body.speculative)
     size = text_bytes(m.text for m in body.messages)
     state.check_prompt_size(size, "messages")
     prompt_ids = await state.off_loop(_chat_prompt_ids, state, body.messages, size=size)
@@ -597,7 +592,7 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     state = get_state(raw)
     _check_accepting(state)
     _check_model(state, body.model)
-    drafter_args = _drafter_args(state, body.speculative)
+    drafter_args = _drafter_args(body.speculative)
     size = text_bytes([body.single_prompt]) if isinstance(body.single_prompt, str) else 0
     state.check_prompt_size(size, "prompt")
     prompt_ids = await state.off_loop(_completion_prompt_ids, state, body.single_prompt, size=size)

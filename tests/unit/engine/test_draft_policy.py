@@ -183,3 +183,16 @@ def test_finished_sequences_are_forgotten(name):
         policy.observe(StepReport(granted=dict(enumerate(sizes))))
     policy.observe(StepReport(finished=[0, 1, 2]))
     assert not getattr(policy, "seqs", {})
+
+
+def test_one_optimist_per_key_and_step():
+    """Sixteen new sequences of one drafter, where a tree pays only if acceptance is better than
+    the prior's even odds: the first reads the key optimistically and drafts (to find out), the
+    others read its mean and do not. At batch 1 the one sequence is the optimist."""
+    policy = GoodputPolicy(8, 160)
+    policy.calibrate(STEEP, 160)
+    crowd = policy.allocate([Candidate(i, "d", 8) for i in range(16)], StepCaps(64, 16, 16, 16))
+    assert crowd[0] > 0 and crowd[1:] == [0] * 15
+    alone = GoodputPolicy(8, 160)
+    alone.calibrate(STEEP, 160)
+    assert alone.allocate([Candidate(0, "d", 8)], StepCaps(64, 1, 1, 1))[0] > 0
