@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most draft-tree nodes per sequence per step (default: %(default)s)")
     ap.add_argument("--max-draft-tokens-per-step", type=int, default=64, metavar="N",
                     help="draft nodes of the whole batch per step (default: %(default)s)")
-    ap.add_argument("--draft-budget", nargs="+", default=["goodput"], choices=DRAFT_BUDGETS + ("goodput-legacy",), metavar="POLICY",
+    ap.add_argument("--draft-budget", nargs="+", default=["goodput"], choices=DRAFT_BUDGETS, metavar="POLICY",
                     help="how draft budgets are chosen, as `specserve serve --draft-budget` (goodput, adaptive, "
                          "fixed); several run side by side in one invocation: one engine per policy from the "
                          "same model load, every drafter once per policy (methods 'eagle@adaptive', ...), "

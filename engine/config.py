@@ -34,7 +34,7 @@ class EngineConfig:
     drafter_options: dict = field(default_factory=dict)  # drafter name -> its keyword options
     # how each decoding sequence's draft budget is chosen (within the two caps above):
     #   goodput  - per step, from measured acceptance and step/draft costs, to maximise the batch's
-    #              committed tokens per second (0 where drafting does not pay); engine/budget.py
+    #              committed tokens per second (0 where drafting does not pay); engine/draft_policy/
     #   adaptive - the per-step cap split evenly, each sequence's share following its acceptance (+2 / -1)
     #   fixed    - the per-step cap split evenly
     draft_budget: str = "goodput"
@@ -56,7 +56,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queue_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
-        if self.draft_budget not in DRAFT_BUDGETS + ("goodput-legacy",):
+        if self.draft_budget not in DRAFT_BUDGETS:
             raise ValueError(f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {self.draft_budget!r}")
 
     def resolve_device(self) -> torch.device:

@@ -17,10 +17,6 @@ POLICIES = {"goodput": GoodputPolicy, "adaptive": AdaptivePolicy, "fixed": Fixed
 def make_policy(name: str, max_per_seq: int, max_step_tokens: int) -> DraftPolicy:
     """The policy called `name` (one of POLICIES) for `max_per_seq` nodes per sequence and steps of
     at most `max_step_tokens` tokens."""
-    if name == "goodput-legacy":   # the policy before this package, kept for one A/B run
-        from specserve.engine.draft_policy.legacy import LegacyGoodput
-
-        return LegacyGoodput(max_per_seq, max_step_tokens)
     if name not in POLICIES:
         raise ValueError(f"draft_budget must be one of {', '.join(POLICIES)}, got {name!r}")
     if name == "goodput":
