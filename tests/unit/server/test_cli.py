@@ -196,7 +196,7 @@ def test_engine_env_applies_to_generate(monkeypatch):
 @pytest.mark.parametrize("env, value, message", [
     ("SPECSERVE_PORT", "eighty", "SPECSERVE_PORT='eighty': invalid value for --port"),
     ("SPECSERVE_DTYPE", "fp8", "SPECSERVE_DTYPE='fp8': invalid value for --dtype: expected one of auto"),
-    ("SPECSERVE_ADAPTIVE_DRAFT_LENGTH", "maybe", "SPECSERVE_ADAPTIVE_DRAFT_LENGTH='maybe'"),
+    ("SPECSERVE_PREPACK_WEIGHTS", "maybe", "SPECSERVE_PREPACK_WEIGHTS='maybe'"),
 ])
 def test_bad_env_values_are_clear_errors(monkeypatch, capsys, env, value, message):
     monkeypatch.setenv(env, value)
