@@ -468,25 +468,23 @@ class LLMEngine:
         what their trees became (`accept`, from the step report's outcomes). An error while doing
         so for one sequence fails its request and nothing else."""
         now = time.monotonic()
-        outcomes = []
+        outcomes: list[TreeOutcome] = []
         for res in result.results:
             if res.seq.request.error is not None:
                 continue
-            drafter = res.seq.drafter
             try:
                 self._process_one(res, verify_time, now)
             except Exception as exc:
                 self._fail_request(res.seq.request, exc, "processing its tokens")
                 continue
             if res.tree is not None:
-                outcomes.append((drafter, TreeOutcome(res.seq, res.tree.num_draft_tokens,
-                                                      max(tree_depths(res.tree.parents)),
-                                                      len(res.verify.accepted_nodes), res.verify)))
-        report.outcomes += [out for _, out in outcomes]
+                outcomes.append(TreeOutcome(res.seq, res.tree.num_draft_tokens, max(tree_depths(res.tree.parents)),
+                                            len(res.verify.accepted_nodes), res.verify))
+        report.outcomes += outcomes
         by_drafter: dict[str, list[TreeOutcome]] = {}
-        for drafter, out in outcomes:
+        for out in outcomes:
             if not out.seq.is_finished:
-                by_drafter.setdefault(drafter, []).append(out)
+                by_drafter.setdefault(out.seq.drafter, []).append(out)
         for name, live in by_drafter.items():
             try:
                 self.drafters[name].accept([DraftRequest.of(out.seq) for out in live], [out.verify for out in live])

@@ -46,7 +46,6 @@ class SeqResult:
     seq: Sequence
     tokens: list[int]                        # committed this step: 1 for plain decoding, accepted + bonus for a tree
     logprobs: list[TokenLogprob] | None = None
-    num_computed: int = 0                    # the sequence's computed length after this step
     tree: TokenTree | None = None
     verify: VerifyResult | None = None
 
@@ -248,7 +247,7 @@ class ModelRunner:
         for k, seq in enumerate(plain_seqs):
             result.results.append(SeqResult(seq, [tokens[k]], plain_lps[k] if plain_lps else None))
         for t, (b, seq, v) in enumerate(zip(inp.tree_idx, tree_seqs, vrs)):
-            result.results.append(SeqResult(seq, v.tokens, tree_lps[t] if tree_lps else None, 0, trees[b], v))
+            result.results.append(SeqResult(seq, v.tokens, tree_lps[t] if tree_lps else None, trees[b], v))
 
         self._collect_features(result, batch, inp, hidden, feature_idx, layers)
         self._computed_lengths(batch, inp, result)
@@ -282,13 +281,7 @@ class ModelRunner:
         result.num_computed = []
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             res = committed.get(id(seq))
-            if res is not None:
-                res.num_computed = inp.starts[b] + len(res.verify.accepted_nodes) + 1
-                result.num_computed.append(res.num_computed)
-            else:
-                result.num_computed.append(inp.starts[b] + n)
-        for b, res in zip(inp.plain, (r for r in result.results if r.tree is None)):
-            res.num_computed = result.num_computed[b]
+            result.num_computed.append(inp.starts[b] + (n if res is None else len(res.verify.accepted_nodes) + 1))
 
     # ---- calibration ----------------------------------------------------------------------
 

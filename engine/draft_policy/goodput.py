@@ -87,10 +87,13 @@ class _Evidence:
             self.calls, self.trees, self.step = self.calls * f, self.trees * f, step
         return self
 
-    def add(self, accepted: int, depth: int) -> None:
-        for d in range(min(accepted + 1, depth, len(self.trials))):   # tested: up to the first rejection
+    def add(self, accepted: int, depth: int, less: list[float] | None = None) -> None:
+        """A tree `depth` deep that accepted `accepted`: each depth it tested (up to the first
+        rejection) is a trial, a hit when accepted; `less`: per-depth values to count hits against
+        (a sequence's deviation from its key's means)."""
+        for d in range(min(accepted + 1, depth, len(self.trials))):
             self.trials[d] += 1.0
-            self.hits[d] += d < accepted
+            self.hits[d] += (d < accepted) - (less[d] if less is not None else 0.0)
 
     def p_tree(self) -> float:
         return (self.trees + PRIOR_WEIGHT) / (self.calls + PRIOR_WEIGHT)
@@ -187,20 +190,18 @@ class GoodputPolicy:
         return [min(1.0, max(0.0, u + dev / (t + SEQ_WEIGHT)))
                 for u, dev, t in zip(uppers if optimist else means, own.hits, own.trials)]
 
-    def gains(self, cand: Candidate, sizes: list[int], optimists: set | None = None,
-              ) -> tuple[list[float], list[float], float]:
+    def gains(self, cand: Candidate, sizes: list[int], optimists: set) -> tuple[list[float], list[float], float]:
         """(expected accepted tokens, expected draft nodes) for each of `sizes`, and P(tree). The
         first candidate of each key in a step reads the key at its upper bound, the others at its
-        mean (`optimists`: the keys already read so this step; None: every candidate is one)."""
+        mean (`optimists`: the keys already read so this step)."""
         st = self.seqs.get(cand.seq_id)
         if st is None:
             st = self.seqs[cand.seq_id] = _Seq(_Evidence(self.depth, SEQ_DECAY, self.step))
         st.own.fade(self.step)
         st.key = (cand.drafter, cand.context, st.outcome)
         key = self._key(st.key)
-        optimist = optimists is None or st.key not in optimists
-        if optimists is not None:
-            optimists.add(st.key)
+        optimist = st.key not in optimists
+        optimists.add(st.key)
         p, rates = key.p_tree(), self.rates(st.own, key, optimist)
         shape = self.shapes.setdefault(cand.drafter, _Shape())
         gains, best = [], 0.0
@@ -309,10 +310,7 @@ class GoodputPolicy:
             if st is None or not st.pending:
                 continue
             key = self._key(st.key)
-            means, _ = self.key_rates(key)
-            for d in range(min(out.accepted + 1, out.depth, self.depth)):   # the depths it tested
-                st.own.trials[d] += 1.0
-                st.own.hits[d] += (d < out.accepted) - means[d]
+            st.own.add(out.accepted, out.depth, less=self.key_rates(key)[0])
             key.add(out.accepted, out.depth)
             self.shapes.setdefault(st.key[0], _Shape()).add(st.pending, out.depth, out.nodes)
             st.outcome = WHOLE if out.accepted >= out.depth else PARTIAL if out.accepted else NONE
