@@ -287,8 +287,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_forward(self, num_tokens: int, repeats: int = 2) -> float:
-        """Seconds of one forward + LM head of `num_tokens` new tokens (one sequence, causal),
-        best of `repeats`, on a scratch KV cache of its own: the live cache is not touched."""
+        """Seconds of one forward of `num_tokens` new tokens (one sequence, causal) and the LM head
+        over all of them, as a decode or verification step computes a distribution at each of its
+        tokens; best of `repeats`, on a scratch KV cache of its own: the live cache is not touched."""
         cfg = self.model.cfg
         blocks = -(-num_tokens // self.block_size)
         scratch = KVCache(cfg.num_layers, blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -300,7 +301,7 @@ class ModelRunner:
             positions, meta = build_attn_metadata([list(range(blocks))], self.block_size, [0], [num_tokens],
                                                   None, self.device)
             hidden = self.model(ids, positions, scratch, meta)
-            self.model.compute_logits(hidden[-1:])
+            self.model.compute_logits(hidden)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             best = min(best, time.perf_counter() - t0)

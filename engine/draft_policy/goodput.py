@@ -38,10 +38,11 @@ drafts. Three ideas make it:
    one standard deviation of its evidence (a Beta posterior's, about sqrt(r (1 - r) / (n + 1))),
    by the first candidate of its key in a step; the others read its mean. One tree a step is
    enough to learn from, and in a crowd optimism for every sequence alike drafts where the
-   means say it does not pay (n-gram drafters at 16 streams on a CPU: 0.94x plain). Evidence fades with time: a key's by KEY_DECAY per step, a sequence's own by
-   SEQ_DECAY per step it could draft. A depth, context or drafter not tried lately becomes uncertain
-   again and is tried once optimism says it could pay, and a sequence left at 0 returns to its
-   key's estimate, so nothing freezes on old text.
+   means say it does not pay (n-gram drafters at 16 streams on a CPU: 0.94x plain). Evidence fades with time: a key's by KEY_DECAY per step its drafter serves in
+   (a step with a candidate of that drafter: a drafter idle while others serve keeps what it
+   learnt), a sequence's own by SEQ_DECAY per step it could draft. A depth, context or drafter not
+   tried lately becomes uncertain again and is tried once optimism says it could pay, and a
+   sequence left at 0 returns to its key's estimate, so nothing freezes on old text.
 
 Allocation is greedy: from 0 everywhere, among the moves (one sequence raised to any larger size)
 that raise G and earn at least the rate of a plain decode step of the sequences that decode after
@@ -63,7 +64,7 @@ PRIOR_WEIGHT = 2.0   # P: trials a depth's prior counts for (the first depth's: 
                      # P(tree) starts at 1 with the same weight
 SEQ_WEIGHT = 4.0     # W: trials its key's rate counts for against a sequence's own deviation
 SEQ_DECAY = 0.8      # a sequence's own evidence fades by this per step
-KEY_DECAY = 0.99     # a key's evidence and a drafter's tree shapes fade by this per step
+KEY_DECAY = 0.99     # a key's evidence and a drafter's tree shapes fade by this per step of its drafter
 
 FIRST, WHOLE, PARTIAL, NONE = "first", "whole", "partial", "none"
 
@@ -151,6 +152,7 @@ class GoodputPolicy:
         self.keys: dict[tuple, _Evidence] = {}
         self.seqs: dict[int, _Seq] = {}
         self.step = 0
+        self.clock: dict[str, int] = {}   # drafter -> the steps it had candidates in (its keys' time)
 
     def calibrate(self, profile_forward: Callable[[int], float], max_tokens: int, **kwargs) -> dict[int, float]:
         """Set the step cost curve from timed forwards (`cost.calibrate_step_cost`)."""
@@ -159,10 +161,11 @@ class GoodputPolicy:
     # ---- the acceptance model ----
 
     def _key(self, key: tuple) -> _Evidence:
+        now = self.clock.get(key[0], 0)
         ev = self.keys.get(key)
         if ev is None:
-            ev = self.keys[key] = _Evidence(self.depth, KEY_DECAY, self.step)
-        return ev.fade(self.step)
+            ev = self.keys[key] = _Evidence(self.depth, KEY_DECAY, now)
+        return ev.fade(now)
 
     def _drafter_cost(self, name: str) -> DraftCostModel:
         model = self.draft_cost.get(name)
@@ -214,6 +217,8 @@ class GoodputPolicy:
 
     def allocate(self, candidates: list[Candidate], caps: StepCaps) -> list[int]:
         self.step += 1
+        for name in {c.drafter for c in candidates}:
+            self.clock[name] = self.clock.get(name, 0) + 1
         predict, memo = self.step_cost.predict, {}
 
         def step_seconds(tokens: float) -> float:

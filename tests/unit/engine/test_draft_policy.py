@@ -22,28 +22,35 @@ def STEEP(n: float) -> float:   # every row costs (a crowd on a CPU)
     return 0.020 + 0.0025 * n
 
 
+def MID(n: float) -> float:     # a crowd where a tree accepting half its depths would pay
+    return 0.020 + 0.001 * n
+
+
 def simulate(policy, num_seqs: int, rate, step_seconds, steps: int = 300, seed: int = 0,
-             context=None, draft_seconds: float = 0.001, on_outcome=None) -> dict:
-    """Run `policy` for `steps` steps over `num_seqs` decoding sequences of drafter "d" (cap 8).
+             context=None, draft_seconds: float = 0.001, on_outcome=None, tree_seconds: float = 0.0,
+             drafter: str = "d", first_id: int = 0) -> dict:
+    """Run `policy` for `steps` steps over `num_seqs` decoding sequences (ids from `first_id`) of
+    `drafter` (cap 8).
     A tree of b nodes is a chain of b tokens; depth k + 1 is accepted with probability
     `rate(seq_id, step, context)` given the ones above it. `context(seq_id, step)`: what the drafter
-    tells (None: nothing); `on_outcome(outcome)`: called for every verified tree. Returns
+    tells (None: nothing); `on_outcome(outcome)`: called for every verified tree; `tree_seconds`: what
+    a step with any tree costs beyond `step_seconds` (verification work no calibration forward does). Returns
     committed tokens, seconds, their ratio and the budgets per step."""
     rng = random.Random(seed)
     if hasattr(policy, "calibrate"):
         policy.calibrate(step_seconds, num_seqs * 9)
     tokens = seconds = 0.0
     history = []
-    seqs = [SimpleNamespace(seq_id=i, drafter="d") for i in range(num_seqs)]
+    seqs = [SimpleNamespace(seq_id=first_id + i, drafter=drafter) for i in range(num_seqs)]
     for step in range(steps):
         ctx = {s.seq_id: context(s.seq_id, step) if context else None for s in seqs}
-        cands = [Candidate(s.seq_id, "d", 8, ctx[s.seq_id]) for s in seqs]
+        cands = [Candidate(s.seq_id, drafter, 8, ctx[s.seq_id]) for s in seqs]
         sizes = policy.allocate(cands, StepCaps(64, num_seqs, num_seqs, num_seqs))
         history.append(sizes)
         report = StepReport(granted={s.seq_id: b for s, b in zip(seqs, sizes)})
         drafted = [(s, b) for s, b in zip(seqs, sizes) if b]
         if drafted:
-            report.drafts.append(DraftCall("d", [s.seq_id for s, _ in drafted], [b for _, b in drafted],
+            report.drafts.append(DraftCall(drafter, [s.seq_id for s, _ in drafted], [b for _, b in drafted],
                                            [b for _, b in drafted], draft_seconds))
         for s, b in drafted:
             p = rate(s.seq_id, step, ctx[s.seq_id])
@@ -57,7 +64,7 @@ def simulate(policy, num_seqs: int, rate, step_seconds, steps: int = 300, seed: 
             tokens += accepted
         report.num_tokens = num_seqs + sum(sizes)
         report.num_trees = len(drafted)
-        report.seconds = step_seconds(report.num_tokens)
+        report.seconds = step_seconds(report.num_tokens) + (tree_seconds if drafted else 0.0)
         seconds += report.seconds + (draft_seconds if drafted else 0.0)
         tokens += num_seqs
         policy.observe(report)
@@ -100,6 +107,29 @@ def test_a_crowd_on_a_steep_curve_stops_drafting():
     assert simulate(FixedPolicy(8), 16, lambda *_: 0.3, STEEP)["rate"] < 0.8 * plain
     late = [b for h in good["history"][-100:] for b in h]
     assert sum(b > 0 for b in late) <= 0.05 * len(late)
+
+
+def test_a_crowd_remembers_what_a_tree_costs():
+    """16 sequences whose trees would pay on the calibrated curve alone, but a step with any tree
+    costs 30 ms more (a CPU's verification path): once a few tree steps have shown it, the crowd
+    stays at plain decoding for a long run, though no tree shows that cost again."""
+    rate = lambda *_: 0.5
+    out = simulate(GoodputPolicy(8, 64), 16, rate, MID, steps=1500, tree_seconds=0.030)
+    assert out["rate"] >= 0.97 * plain_rate(16, MID)
+    assert not any(any(sizes) for sizes in out["history"][300:])   # no tree step after the first few
+
+
+def test_a_drafter_idle_while_another_serves_keeps_what_it_learnt():
+    """Per-request drafters: a crowd learns that drafter a's trees do not pay, then drafter b serves
+    for a long while; when a comes back, its evidence has not aged with b's steps, so it does not
+    explore all over again."""
+    policy = GoodputPolicy(8, 64)
+    never = lambda *_: 0.0
+    first = simulate(policy, 16, never, MID, steps=300, drafter="a")
+    assert sum(map(sum, first["history"])) > 0       # it did explore a's trees
+    simulate(policy, 16, never, MID, steps=1000, drafter="b", first_id=100)
+    back = simulate(policy, 16, never, MID, steps=50, drafter="a", first_id=200)
+    assert sum(map(sum, back["history"])) == 0
 
 
 def test_a_drafter_that_is_never_right_costs_little_at_batch_one():
