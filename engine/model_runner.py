@@ -286,7 +286,7 @@ class ModelRunner:
     # ---- calibration ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def profile_forward(self, num_tokens: int, repeats: int = 2) -> float:
+    def profile_forward(self, num_tokens: int, repeats: int = 3) -> float:
         """Seconds of one forward of `num_tokens` new tokens (one sequence, causal) and the LM head
         over all of them, as a decode or verification step computes a distribution at each of its
         tokens; best of `repeats`, on a scratch KV cache of its own: the live cache is not touched."""

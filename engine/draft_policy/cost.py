@@ -170,17 +170,12 @@ class StepCostModel:
         self._values = None
 
     def calibration_order(self, max_tokens: int) -> list[int]:
-        """Knots to time, most useful first: 1, the first covering `max_tokens`, then the middles
-        (log scale), so a calibration cut short by its time limit still spans the decode range."""
+        """Knots to time: 1, 2, 4, ... up to the first covering `max_tokens`, smallest first. The
+        small ones are cheap and decide batch 1, where a step of 1 token and one of 9 cost nearly
+        the same; a calibration cut short by its time limit extrapolates the largest ones, which
+        the crowd's steps then correct online."""
         top = next((i for i, k in enumerate(self.knots) if k >= max_tokens), len(self.knots) - 1)
-        order, spans = [0, top] if top else [0], [(0, top)]
-        while spans:
-            lo, hi = spans.pop(0)
-            if hi - lo > 1:
-                mid = (lo + hi) // 2
-                order.append(mid)
-                spans += [(lo, mid), (mid, hi)]
-        return [self.knots[i] for i in order]
+        return self.knots[:top + 1]
 
     def _prior_base(self, n: float, seconds: float) -> list[float]:
         scale = seconds / (UNCALIBRATED_FLAT + n)
@@ -254,11 +249,16 @@ class StepCostModel:
 
 
 def _monotone(values: list[float]) -> list[float]:
-    out, top = [], 0.0
+    """The non-decreasing sequence nearest to `values` in least squares (pool adjacent violators):
+    a knot timed high by noise is averaged with the lower ones after it, not carried to all of them
+    as a running maximum would."""
+    blocks: list[list[float]] = []   # [mean, count]
     for v in values:
-        top = max(top, v)
-        out.append(top)
-    return out
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2]
+    return [m for m, c in blocks for _ in range(int(c))]
 
 
 def _interp(pts: list[tuple[float, float]], x: float) -> float:
@@ -289,10 +289,10 @@ def _interp_knots(knots: list[int], values: list[float], x: float) -> float:
 
 
 def calibrate_step_cost(cost: StepCostModel, profile_forward: Callable[[int], float], max_tokens: int,
-                        time_limit: float = 1.5, clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
-    """Time forwards of 1 token and of the first knot covering `max_tokens` (the largest decode
-    step), then of the knots between, while under `time_limit` seconds, with
-    `profile_forward(n) -> seconds`, and set `cost`'s base curve from them. Returns the points."""
+                        time_limit: float = 3.0, clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
+    """Time forwards of the knots 1, 2, 4, ... up to the first covering `max_tokens` (the largest
+    decode step), while under `time_limit` seconds, with `profile_forward(n) -> seconds`, and set
+    `cost`'s base curve from them. Returns the points."""
     start = clock()
     profile_forward(1)                   # warm-up, discarded
     points: dict[int, float] = {}
