@@ -252,13 +252,13 @@ def _monotone(values: list[float]) -> list[float]:
     """The non-decreasing sequence nearest to `values` in least squares (pool adjacent violators):
     a knot timed high by noise is averaged with the lower ones after it, not carried to all of them
     as a running maximum would."""
-    blocks: list[list[float]] = []   # [mean, count]
+    blocks: list[tuple[float, int]] = []   # (mean, count) of pooled runs
     for v in values:
-        blocks.append([v, 1.0])
+        blocks.append((v, 1))
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             (m1, c1), (m2, c2) = blocks[-2], blocks.pop()
-            blocks[-1] = [(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2]
-    return [m for m, c in blocks for _ in range(int(c))]
+            blocks[-1] = ((m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2)
+    return [m for m, c in blocks for _ in range(c)]
 
 
 def _interp(pts: list[tuple[float, float]], x: float) -> float:

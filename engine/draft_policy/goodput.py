@@ -38,9 +38,10 @@ drafts. Three ideas make it:
    one standard deviation of its evidence (a Beta posterior's, about sqrt(r (1 - r) / (n + 1))),
    by the first candidate of its key in a step; the others read its mean. One tree a step is
    enough to learn from, and in a crowd optimism for every sequence alike drafts where the
-   means say it does not pay (n-gram drafters at 16 streams on a CPU: 0.94x plain). Evidence fades with time: a key's by KEY_DECAY per step its drafter serves in
-   (a step with a candidate of that drafter: a drafter idle while others serve keeps what it
-   learnt), a sequence's own by SEQ_DECAY per step it could draft. A depth, context or drafter not
+   means say it does not pay (n-gram drafters at 16 streams on a CPU: 0.94x plain). Evidence
+   fades with time: a key's by KEY_DECAY per step its drafter serves in (a step with a candidate
+   of that drafter: a drafter idle while others serve keeps what it learnt), a sequence's own by
+   SEQ_DECAY per step it could draft. A depth, context or drafter not
    tried lately becomes uncertain again and is tried once optimism says it could pay, and a
    sequence left at 0 returns to its key's estimate, so nothing freezes on old text.
 
@@ -64,7 +65,7 @@ PRIOR_WEIGHT = 2.0   # P: trials a depth's prior counts for (the first depth's: 
                      # P(tree) starts at 1 with the same weight
 SEQ_WEIGHT = 4.0     # W: trials its key's rate counts for against a sequence's own deviation
 SEQ_DECAY = 0.8      # a sequence's own evidence fades by this per step
-KEY_DECAY = 0.99     # a key's evidence and a drafter's tree shapes fade by this per step of its drafter
+KEY_DECAY = 0.99     # a key's evidence fades by this per step of its drafter, a drafter's tree shapes per tree
 
 FIRST, WHOLE, PARTIAL, NONE = "first", "whole", "partial", "none"
 

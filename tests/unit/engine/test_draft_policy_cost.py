@@ -19,7 +19,6 @@ def test_a_knot_timed_high_by_noise_does_not_raise_the_ones_after_it():
 def test_a_calibration_cut_short_keeps_the_small_knots():
     """The time limit stops the calibration; what it timed first are the small steps (batch 1)."""
     now = [0.0]
-    timed = []
 
     def clock() -> float:
         return now[0]
@@ -27,7 +26,6 @@ def test_a_calibration_cut_short_keeps_the_small_knots():
     def profile_forward(n: int) -> float:
         seconds = 0.030 + 0.002 * n
         now[0] += 3 * seconds           # a few repeats
-        timed.append(n)
         return seconds
 
     cost = StepCostModel(256)
