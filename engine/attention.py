@@ -424,6 +424,11 @@ def _load_triton():
     return _triton_attention
 
 
+def triton_available() -> bool:
+    """Whether the Triton kernel imports (the backend CUDA graphs capture)."""
+    return bool(_load_triton())
+
+
 def attention_backend(device: torch.device) -> str:
     """"triton" on CUDA when triton imports, else "reference"; `SPECSERVE_ATTENTION=reference|triton`
     forces one (triton on CPU tensors needs TRITON_INTERPRET=1, set before triton is imported)."""

@@ -43,6 +43,9 @@ class EngineConfig:
     # drafters' own layers), so that a step of a few rows (draft trees, small batches) costs little
     # more than a 1-row decode; doubles those weights' memory
     prepack_weights: bool = True
+    # CUDA: decode steps replay CUDA graphs captured at start-up for batch-size buckets
+    # (engine/cuda_graphs.py); True runs every step eagerly (as vLLM's --enforce-eager)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -101,10 +101,31 @@ class LLMEngine:
             points = calibrate(self.runner.profile_forward, self.scheduler.max_step_tokens)
             logger.info("step cost calibrated in %.2f s: %s", time.perf_counter() - t0,
                         ", ".join(f"{n} tokens {s * 1e3:.1f} ms" for n, s in points.items()))
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from specserve.engine.attention import triton_available
+            from specserve.engine.cuda_graphs import CudaGraphBackend
+            if triton_available():
+                self.capture_graphs(CudaGraphBackend(self.device))
+            else:
+                logger.warning("triton is not installed: no CUDA graphs, every step runs eagerly")
         self._export_step_cost()
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
                     config.block_size, self.max_model_len)
+
+    def capture_graphs(self, backend) -> None:
+        """Capture the target's decode forward for every batch-size bucket up to max_num_seqs
+        (engine/cuda_graphs.py); decode steps replay them from then on. `backend`: how to capture
+        (`CudaGraphBackend` on CUDA; `EagerReplay`, the CPU stand-in, in tests)."""
+        from specserve.engine.cuda_graphs import DecodeGraphs
+
+        cfg = self.config
+        max_blocks = -(-(self.max_model_len + cfg.num_speculative_tokens + 1) // cfg.block_size)
+        graphs = DecodeGraphs(self.model, self.cache, cfg.block_size, cfg.max_num_seqs, max_blocks, self.device,
+                              backend)
+        logger.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, graphs.buckets)))
+        graphs.capture()
+        self.runner.graphs = graphs
 
     def _load_drafters(self, names: tuple[str, ...]) -> dict:
         from specserve.drafters.base import DrafterContext, make_drafter   # the registry, no specific drafter

@@ -80,6 +80,7 @@ class StepInputs:
     tree_pad_index: torch.Tensor | None = None   # [T, N] row of the tree part of the logits (padding: a real node)
     tree_starts: torch.Tensor | None = None      # [T] int64 committed lengths of the tree sequences
     tree_block_tables: torch.Tensor | None = None   # [T, max_blocks] their block tables
+    graph: bool = False              # a decode step padded to a captured bucket: `DecodeGraphs` replays it
 
 
 class _Staging:
@@ -119,13 +120,17 @@ class ModelRunner:
         self.capture_layers = tuple(capture_layers)
         if self.capture_layers:
             model.check_capture_layers(self.capture_layers)
+        self.graphs = None   # engine.cuda_graphs.DecodeGraphs once captured (LLMEngine.capture_graphs)
 
     # ---- inputs ---------------------------------------------------------------------------
 
-    def prepare(self, batch: ScheduledBatch, trees: dict[int, TokenTree]) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, trees: dict[int, TokenTree], graph_ok: bool = True) -> StepInputs:
         """Flatten the batch: each entry's new tokens (a prefill chunk, one decode token, or a
-        tree's nodes), their positions, the rows needing logits, and the packed trees."""
+        tree's nodes), their positions, the rows needing logits, and the packed trees. A decode
+        step that a captured graph can run (`graph_ok` and `self.graphs`) is padded to its bucket
+        by repeating its last row (see engine/cuda_graphs.py)."""
         starts = [seq.num_computed_tokens for seq in batch.seqs]
+        bucket = self._graph_bucket(batch, trees, starts) if graph_ok else None
         tree_idx = [b for b in range(len(batch.seqs)) if b in trees]
         packed = pack_trees([trees[b] for b in tree_idx], self.device) if tree_idx else None
         ids: list[int] = []
@@ -160,18 +165,36 @@ class ModelRunner:
                 pad_index.extend(offset + min(i, size - 1) for i in range(width))
                 offset += size
         tree_start_list = [starts[b] for b in tree_idx]
+        tables = [self.blocks.block_tables[seq.seq_id] for seq in batch.seqs]
+        meta_starts = starts
+        if bucket is not None:   # padding rows repeat the last one: same token, position, slot and table
+            extra = bucket - len(ids)
+            ids, positions = ids + ids[-1:] * extra, positions + positions[-1:] * extra
+            tables, meta_starts = tables + tables[-1:] * extra, starts + starts[-1:] * extra
+            qlens, masks = qlens + [1] * extra, masks + [None] * extra
         n_tok, n_logit = len(ids), len(logit_rows)
         staged = self._staging.upload(ids + positions + logit_rows + pad_index + tree_start_list + tree_idx)
         input_ids, pos, rows, rest = staged.split([n_tok, n_tok, n_logit, len(pad_index) + 2 * len(tree_idx)])
-        tables = [self.blocks.block_tables[seq.seq_id] for seq in batch.seqs]
-        _, meta = build_attn_metadata(tables, self.block_size, starts, qlens, masks, self.device)
-        inputs = StepInputs(input_ids, pos, meta, rows, starts, plain, tree_idx, tree_rows, packed)
+        _, meta = build_attn_metadata(tables, self.block_size, meta_starts, qlens, masks, self.device)
+        inputs = StepInputs(input_ids, pos, meta, rows, starts, plain, tree_idx, tree_rows, packed,
+                            graph=bucket is not None)
         if packed is not None:
             pad, tree_starts, tree_batch_idx = rest.split([len(pad_index), len(tree_idx), len(tree_idx)])
             inputs.tree_pad_index = pad.view(len(tree_idx), -1)
             inputs.tree_starts = tree_starts
             inputs.tree_block_tables = meta.block_tables.index_select(0, tree_batch_idx)
         return inputs
+
+    def _graph_bucket(self, batch: ScheduledBatch, trees: dict, starts: list[int]) -> int | None:
+        """The captured batch size of a pure decode step (one new token per sequence, at its end,
+        no tree), or None: the step runs eagerly."""
+        if self.graphs is None or trees:
+            return None
+        for seq, start, n in zip(batch.seqs, starts, batch.num_tokens):
+            if n != 1 or start + 1 != len(seq.token_ids):
+                return None
+        width = max(len(self.blocks.block_tables[seq.seq_id]) for seq in batch.seqs)
+        return self.graphs.bucket(len(batch.seqs)) if width <= self.graphs.block_tables.shape[1] else None
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -186,10 +209,13 @@ class ModelRunner:
         Nothing a sequence or the block manager owns changes here: the result carries each entry's
         computed length after the step (`StepResult.num_computed`), which the scheduler applies."""
         trees = trees or {}
-        inp = self.prepare(batch, trees)
+        want_layers = bool(self.capture_layers and feature_idx)
+        inp = self.prepare(batch, trees, graph_ok=not want_layers)
         layers = None
-        if self.capture_layers and feature_idx:
+        if want_layers:
             hidden, layers = self.model(inp.input_ids, inp.positions, self.cache, inp.meta, self.capture_layers)
+        elif inp.graph:
+            hidden = self.graphs.forward(inp.input_ids, inp.positions, inp.meta)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.cache, inp.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows))   # [P + nodes, V]

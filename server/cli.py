@@ -31,7 +31,7 @@ ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seq
                        max_num_batched_tokens=512, block_size=16, num_kv_blocks=None, kv_cache_memory_gib=4.0,
                        max_queue_len=256, seed=0, drafters=(), num_speculative_tokens=8,
                        max_draft_tokens_per_step=64, draft_budget="goodput",
-                       prepack_weights=True)
+                       prepack_weights=True, enforce_eager=False)
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config.DRAFT_BUDGETS (a unit test keeps them equal)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -49,7 +49,7 @@ ENV_VARS = {
     "max_num_batched_tokens": "SPECSERVE_MAX_NUM_BATCHED_TOKENS", "block_size": "SPECSERVE_BLOCK_SIZE",
     "num_kv_blocks": "SPECSERVE_NUM_KV_BLOCKS", "kv_cache_memory_gib": "SPECSERVE_KV_CACHE_MEMORY_GIB",
     "max_queue_len": "SPECSERVE_MAX_QUEUE_LEN", "seed": "SPECSERVE_SEED",
-    "prepack_weights": "SPECSERVE_PREPACK_WEIGHTS",
+    "prepack_weights": "SPECSERVE_PREPACK_WEIGHTS", "enforce_eager": "SPECSERVE_ENFORCE_EAGER",
     "drafters": "SPECSERVE_DRAFTERS", "num_speculative_tokens": "SPECSERVE_NUM_SPECULATIVE_TOKENS",
     "max_draft_tokens_per_step": "SPECSERVE_MAX_DRAFT_TOKENS_PER_STEP",
     "draft_budget": "SPECSERVE_DRAFT_BUDGET",
@@ -95,6 +95,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(and of the drafters' own layers): a step of a "
                         "few rows (draft trees, small batches) then costs little more than a 1-row decode; "
                         "doubles those weights' memory (default: on)")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
+                   help="on CUDA, run every step eagerly instead of replaying the decode step's CUDA graphs "
+                        "captured at start-up (default: off)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--drafter", dest="drafters", action=_AppendReplacingDefault, default=None, metavar="NAME",
                    help="load this drafter (repeatable); the first one is the default of requests that name none, "
@@ -363,6 +366,8 @@ BENCHMARKS = {   # name -> (module with main(argv), what it measures)
     "serve": ("specserve.bench.serve_throughput", "server throughput with concurrent streaming clients"),
     "parity": ("specserve.bench.parity", "the papers' orderings (claim, paper, ours, holds) on the shipped drafters"),
     "reliability": ("specserve.bench.reliability", "soak, disconnect storm and back-to-idle checks of a live server"),
+    "gpu": ("specserve.bench.gpu", "the GPU bring-up: plain decoding by batch, every drafter at batch 1 and 32, kernels, "
+                                   "transformers, the weight-read floor"),
     "report": ("specserve.bench.report", "no measurement: regenerate docs/results.md from bench/results/*.json"),
 }
 

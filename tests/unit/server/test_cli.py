@@ -220,3 +220,12 @@ def test_prepack_weights_flag(monkeypatch, argv, env, expected):
         monkeypatch.setenv("SPECSERVE_PREPACK_WEIGHTS", env)
     args = cli.build_parser().parse_args(["serve", *argv])
     assert cli._engine_config(args).prepack_weights is expected
+
+
+@pytest.mark.parametrize("argv, env, expected", [([], None, False), (["--enforce-eager"], None, True),
+                                                 ([], "1", True), (["--no-enforce-eager"], "on", False)])
+def test_enforce_eager_flag(monkeypatch, argv, env, expected):
+    if env is not None:
+        monkeypatch.setenv("SPECSERVE_ENFORCE_EAGER", env)
+    args = cli.build_parser().parse_args(["serve", *argv])
+    assert cli._engine_config(args).enforce_eager is expected

@@ -1,0 +1,464 @@
+"""The GPU benchmark: everything the H100/H200 bring-up measures, in one run under a time budget.
+
+    python -m specserve.bench.gpu [--out-dir bench/results] [--budget 360] [--drafters ...] [--dry-run]
+    (or: specserve bench gpu ...)
+
+In order, each step inside the budget (a step that fails is recorded in `errors` and the run goes
+on; the JSON is rewritten after every step, so a run cut short keeps what it measured):
+
+1. `floor_ms_per_token`: the target's weight bytes over the device's measured copy bandwidth
+   (bytes read and written by one large device-to-device copy), the time one decode step needs
+   just to read the weights once.
+2. `kernel_us`: the Triton tree-attention kernel against the torch reference (the SDPA path the
+   engine runs on the CPU) on verification shapes: B sequences of N tree nodes over a context of
+   C keys, bf16 (the engine's dtype), CUDA-event timed, median of repeats.
+3. `plain_tok_s`: plain decoding of B prompts together (closed batch, exactly --max-tokens new
+   tokens each, EOS ignored) for B in --batch-sizes; with CUDA graphs, and without them
+   (`plain_eager_tok_s`, an engine with enforce_eager from the same load).
+4. `speedup`, `tau`, `greedy_mismatch_rate`: every drafter against plain decoding at batch 1 (the
+   prompts one at a time) and at batch 32 (one closed batch), greedy, on MT-Bench, HumanEval and
+   GSM8K prompts in turn; plain decoding runs before the first drafter and after every
+   --anchor-every drafters, and each drafter is compared with the mean of the plain runs around
+   it. τ = generated tokens / target forwards; the mismatch rate is the share of prompts whose
+   output differs from plain decoding's (bf16: a near-tie may flip under a different batch shape;
+   fp32 must give 0).
+5. `hf_tok_s`: transformers `generate` on the batch-1 prompts, eager, then with a static cache and
+   `torch.compile` when the budget allows (`hf_mode` says which figure is reported).
+
+Writes OUT/gpu_<device>.md and OUT/gpu_summary.json. `--dry-run`: the same sequence on the CPU
+with tiny sizes (fp32, two drafters, 8 tokens), so that the script is exercised where no GPU is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import statistics
+import sys
+import time
+import traceback
+from datetime import datetime
+from pathlib import Path
+
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+DATASETS = ("mt_bench", "humaneval", "gsm8k")
+PLAIN = "none"
+# a truncated target of 4 layers drafts cheaply (as `bench spec`)
+DRAFTER_OPTIONS = {"draft_model": {"draft_layers": 4}}
+# verification shapes of the kernel timings: (sequences, tree nodes each, context keys)
+KERNEL_SHAPES = ((1, 8, 512), (32, 8, 512), (32, 1, 512), (64, 16, 1024))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specserve bench gpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="default", help="the target model (default: %(default)s)")
+    ap.add_argument("--drafters", nargs="+", default=None, metavar="NAME",
+                    help="drafters to measure (default: every registered drafter)")
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32, 64], metavar="B",
+                    help="plain decoding batch sizes (default: %(default)s)")
+    ap.add_argument("--spec-batch-sizes", nargs="+", type=int, default=[1, 32], metavar="B",
+                    help="batch sizes of the drafter runs (default: %(default)s)")
+    ap.add_argument("--prompts-at-1", type=int, default=2, metavar="N",
+                    help="prompts per dataset of the batch-1 drafter runs (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=128, metavar="N", help="new tokens per prompt (default: %(default)s)")
+    ap.add_argument("--anchor-every", type=int, default=3, metavar="K",
+                    help="plain decoding again after every K drafters (default: %(default)s)")
+    ap.add_argument("--budget", type=float, default=360.0, metavar="SECONDS",
+                    help="wall-clock budget; steps that would start past it are skipped (default: %(default)s)")
+    ap.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto (default: %(default)s)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                    help="auto: bfloat16 on CUDA, float32 on the CPU (default: %(default)s)")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="measure without CUDA graphs only")
+    ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
+    ap.add_argument("--no-hf-compile", dest="hf_compile", action="store_false",
+                    help="transformers eager only (no static cache + torch.compile)")
+    ap.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR), metavar="DIR",
+                    help="where gpu_<device>.md and gpu_summary.json go (default: bench/results)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the same steps on the CPU with tiny sizes (checks the script, measures nothing useful)")
+    return ap
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; anything else -> its words joined by '-', lower case."""
+    m = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", name)
+    return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.t0 = time.perf_counter()
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.t0)
+
+
+# ---- measurements -------------------------------------------------------------------------------
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_us(fn, device, repeats: int = 20) -> float:
+    """Median microseconds of `fn()` (CUDA events on a GPU, perf_counter on the CPU), after a warm-up."""
+    import torch
+
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def measure_floor(model, device) -> dict:
+    """Weight bytes, copy bandwidth (bytes read + written per second) and their ratio in ms."""
+    import torch
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    n = (1 << 28) if device.type == "cuda" else (1 << 22)      # 512 MiB (bf16 elements x 2 bytes) / 8 MiB
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), device, repeats=10)
+    bandwidth = 2 * src.numel() * src.element_size() / (us * 1e-6)
+    del src, dst
+    return {"weight_bytes": weight_bytes, "copy_bytes_per_s": bandwidth,
+            "floor_ms_per_token": weight_bytes / bandwidth * 1e3}
+
+
+def measure_kernels(cfg, dtype, device, shapes, block_size: int = 16) -> dict:
+    """Per shape "B{seqs}xN{nodes}xC{ctx}": {"triton_us", "reference_us"} of one layer's attention."""
+    import torch
+
+    from specserve.engine.attention import build_attn_metadata, paged_attention_reference
+    from specserve.engine.tree import ancestor_mask
+    from specserve.kernels.tree_attention import tree_attention
+
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    for seqs, nodes, ctx in shapes:
+        blocks_per = -(-ctx // block_size)
+        slots = seqs * blocks_per * block_size
+        k_cache = torch.randn(slots, cfg.num_kv_heads, cfg.head_dim, generator=g).to(device=device, dtype=dtype)
+        v_cache = torch.randn(slots, cfg.num_kv_heads, cfg.head_dim, generator=g).to(device=device, dtype=dtype)
+        q = torch.randn(seqs * nodes, cfg.num_heads, cfg.head_dim, generator=g).to(device=device, dtype=dtype)
+        # a binary tree of `nodes` nodes (node i hangs under (i - 1) // 2), the same for every sequence
+        parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
+        masks = [ancestor_mask(parents, list(range(nodes))) if nodes > 1 else None] * seqs
+        tables = [list(range(b * blocks_per, (b + 1) * blocks_per)) for b in range(seqs)]
+        _, meta = build_attn_metadata(tables, block_size, [ctx - nodes] * seqs, [nodes] * seqs, masks, device)
+        packed = meta.packed()
+        scale = cfg.head_dim ** -0.5
+        tri = time_us(lambda: tree_attention(q, k_cache, v_cache, packed, scale), device)
+        ref = time_us(lambda: paged_attention_reference(q, k_cache, v_cache, meta, scale), device, repeats=5)
+        out[f"B{seqs}xN{nodes}xC{ctx}"] = {"triton_us": tri, "reference_us": ref}
+    return out
+
+
+def decode(engine, prompts, max_tokens: int, drafter: str, tag: str):
+    """`prompts` decoded together, greedy, exactly `max_tokens` each: (tokens, seconds, outputs, τ)."""
+    from specserve.bench.spec_decode import run_engine_batch
+    from specserve.engine.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) for _ in prompts]
+    n, secs, outs, specs = run_engine_batch(engine, prompts, params, drafter, tag)
+    sync(engine.device)
+    forwards = sum(s.num_target_forwards for s in specs if s is not None)
+    generated = sum(s.num_generated_tokens for s in specs if s is not None)
+    return n, secs, outs, (generated / forwards if forwards else None)
+
+
+def measure_plain(engine, pool, batch_sizes, max_tokens: int, budget: Budget, min_left: float) -> dict:
+    """{B: tok/s} of plain decoding, B prompts in one closed batch, after a short warm-up at B."""
+    out = {}
+    for b in batch_sizes:
+        if budget.left() < min_left:
+            break
+        prompts = [pool[i % len(pool)] for i in range(b)]
+        decode(engine, prompts, 4, PLAIN, f"warm-{b}")
+        n, secs, _, _ = decode(engine, prompts, max_tokens, PLAIN, f"plain-{b}")
+        out[str(b)] = n / secs
+    return out
+
+
+def measure_drafters(engine, drafters, batches, max_tokens: int, anchor_every: int, budget: Budget,
+                     min_left: float) -> dict:
+    """Per drafter: {"tok_s", "speedup", "tau", "mismatch_rate"} over `batches` (lists of prompts,
+    each decoded together), against the mean of the plain runs just before and after it."""
+    def run(drafter: str, tag: str):
+        n = secs = 0.0
+        outs, taus = [], []
+        for k, batch in enumerate(batches):
+            tokens, s, o, tau = decode(engine, batch, max_tokens, drafter, f"{tag}-{k}")
+            n, secs = n + tokens, secs + s
+            outs += o
+            taus.append((tau or 1.0) * tokens)
+        return n / secs, outs, sum(taus) / n
+
+    for d in drafters:                                   # warm-up: each method once, a few tokens
+        decode(engine, batches[0], 4, d, f"warm-{d}")
+    decode(engine, batches[0], 4, PLAIN, "warm-plain")
+    plain_rate, plain_outs, _ = run(PLAIN, "plain-0")
+    anchors = [plain_rate]
+    pending: list[tuple[str, float, list, float]] = []
+    results = {}
+
+    def settle():
+        ref = statistics.mean(anchors[-2:])
+        for name, rate, outs, tau in pending:
+            bad = sum(a != b for a, b in zip(outs, plain_outs))
+            results[name] = {"tok_s": rate, "speedup": rate / ref, "tau": tau, "mismatch_rate": bad / len(outs)}
+        pending.clear()
+
+    for i, d in enumerate(drafters):
+        if budget.left() < min_left:
+            results[d] = {"error": "skipped: out of time budget"}
+            continue
+        try:
+            pending.append((d, *run(d, f"{d}")))
+        except Exception as exc:   # a drafter that fails is reported, the others still run
+            results[d] = {"error": f"{type(exc).__name__}: {exc}"}
+        if len(pending) >= anchor_every or i == len(drafters) - 1:
+            anchors.append(run(PLAIN, f"plain-{i}")[0])
+            settle()
+    if pending:
+        settle()
+    results[PLAIN] = {"tok_s": statistics.mean(anchors), "anchors": anchors}
+    return results
+
+
+def measure_hf(loaded, prompts, max_tokens: int, device, dtype, compile_ok: bool, budget: Budget) -> dict:
+    """transformers `generate` on `prompts` one at a time: eager, then static cache + torch.compile."""
+    from specserve.bench.common import build_hf_model, run_hf
+
+    pad = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
+    hf = build_hf_model(loaded, device, dtype)
+    run_hf(hf, prompts[:1], 4, pad_token_id=pad)
+    n, secs, _ = run_hf(hf, prompts, max_tokens, pad_token_id=pad)
+    out = {"eager_tok_s": n / secs}
+    if compile_ok and device.type == "cuda" and budget.left() > 120:
+        import torch
+
+        try:
+            hf.generation_config.cache_implementation = "static"
+            hf.forward = torch.compile(hf.forward, mode="reduce-overhead")
+            run_hf(hf, prompts[:1], 8, pad_token_id=pad)     # compiles
+            n, secs, _ = run_hf(hf, prompts, max_tokens, pad_token_id=pad)
+            out["compiled_tok_s"] = n / secs
+        except Exception as exc:
+            out["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return out
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    import torch
+    import transformers
+
+    from specserve.bench.common import chat_ids, machine_info
+    from specserve.bench.datasets import load_prompts
+    from specserve.drafters.base import available_drafters
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.core import LLMEngine
+    from specserve.engine.loader import load_model
+
+    budget = Budget(args.budget)
+    if args.dry_run:
+        args.device, args.dtype = "cpu", "float32"
+        args.batch_sizes, args.spec_batch_sizes = [1, 2], [1, 2]
+        args.prompts_at_1, args.max_tokens, args.hf_compile = 1, 8, False
+        args.drafters = args.drafters or ["ngram", "eagle"]
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    slug = "dry-run" if args.dry_run else device_slug(name)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / "gpu_summary.json", out_dir / f"gpu_{slug}.md"
+    now = datetime.now().astimezone()
+    summary: dict = {
+        "device": name, "date": now.date().isoformat(), "datetime": now.isoformat(timespec="seconds"),
+        "dtype": dtype_name, "dry_run": args.dry_run,
+        "plain_tok_s": {}, "plain_eager_tok_s": {}, "hf_tok_s": {}, "hf_mode": None,
+        "speedup": {}, "tau": {}, "greedy_mismatch_rate": {}, "drafter_tok_s": {},
+        "kernel_us": {}, "floor_ms_per_token": None,
+        "meta": {"machine": machine_info(device), "torch": torch.__version__, "transformers": transformers.__version__,
+                 "invocation": shlex.join(["specserve", "bench", "gpu", *argv]), "max_tokens": args.max_tokens,
+                 "budget_s": args.budget},
+        "errors": [], "seconds": {},
+    }
+
+    def save():
+        summary["meta"]["elapsed_s"] = round(time.perf_counter() - budget.t0, 1)
+        json_path.write_text(json.dumps(summary, indent=2) + "\n")
+        md_path.write_text(markdown(summary))
+
+    def step(label: str, fn, min_left: float = 0.0):
+        if budget.left() < min_left:
+            summary["errors"].append(f"{label}: skipped, {budget.left():.0f} s of the budget left")
+            save()
+            return None
+        t0 = time.perf_counter()
+        print(f"bench gpu: {label} ...", file=sys.stderr, flush=True)
+        try:
+            return fn()
+        except Exception as exc:
+            summary["errors"].append(f"{label}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+            return None
+        finally:
+            summary["seconds"][label] = round(time.perf_counter() - t0, 1)
+            save()
+
+    loaded = load_model(args.model)
+    drafters = args.drafters or available_drafters()
+    options = {d: o for d, o in DRAFTER_OPTIONS.items() if d in drafters}
+    pools = {ds: [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, 32)] for ds in DATASETS}
+    mixed = [p for group in zip(*pools.values()) for p in group]      # mt_bench, humaneval, gsm8k, ...
+    at_1 = [p for ps in pools.values() for p in ps[:args.prompts_at_1]]
+    longest = max(len(p) for p in mixed)
+    max_len = -(-(longest + args.max_tokens + 64) // 256) * 256
+    max_seqs = max(args.batch_sizes + args.spec_batch_sizes)
+
+    def engine(drafter_names, eager: bool):
+        return LLMEngine(EngineConfig(
+            model=args.model, device=str(device), dtype=dtype_name, max_num_seqs=max_seqs,
+            max_model_len=max_len, max_num_batched_tokens=max(2048, max_seqs * 16),
+            num_kv_blocks=max_seqs * (max_len // 16) + 64, drafters=(PLAIN, *drafter_names),
+            drafter_options=options, max_draft_tokens_per_step=max(64, 8 * max_seqs), enforce_eager=eager),
+            loaded=loaded)
+
+    main_engine = step("load engine", lambda: engine(drafters, eager=not args.graphs))
+    if main_engine is None:
+        return 1
+    summary["meta"]["drafters"] = list(drafters)
+    summary["meta"]["graphs"] = main_engine.runner.graphs is not None
+
+    floor = step("floor", lambda: measure_floor(main_engine.model, device))
+    if floor:
+        summary["floor_ms_per_token"] = floor.pop("floor_ms_per_token")
+        summary["meta"].update(floor)
+    kernels = step("kernels", lambda: measure_kernels(main_engine.model_config, dtype, device,
+                                                      KERNEL_SHAPES[:1] if args.dry_run else KERNEL_SHAPES))
+    summary["kernel_us"] = kernels or {}
+    summary["plain_tok_s"] = step("plain decoding", lambda: measure_plain(
+        main_engine, mixed, args.batch_sizes, args.max_tokens, budget, 20)) or {}
+    if summary["meta"]["graphs"]:
+        eager = step("plain decoding, eager", lambda: engine((), eager=True), min_left=60)
+        if eager is not None:
+            summary["plain_eager_tok_s"] = step("plain decoding, eager", lambda: measure_plain(
+                eager, mixed, args.batch_sizes, args.max_tokens, budget, 20)) or {}
+            del eager
+    for b in args.spec_batch_sizes:
+        batches = [[p] for p in at_1] if b == 1 else [mixed[:b]]
+        res = step(f"drafters at batch {b}", lambda: measure_drafters(
+            main_engine, drafters, batches, args.max_tokens, args.anchor_every, budget, 15), min_left=30) or {}
+        for d, r in res.items():
+            if d == PLAIN:
+                summary.setdefault("plain_anchor_tok_s", {})[str(b)] = r["tok_s"]
+            elif "error" in r:
+                summary["errors"].append(f"{d} at batch {b}: {r['error']}")
+            else:
+                summary["speedup"].setdefault(d, {})[str(b)] = r["speedup"]
+                summary["drafter_tok_s"].setdefault(d, {})[str(b)] = r["tok_s"]
+                summary["tau"].setdefault(d, {})[str(b)] = r["tau"]
+                summary["greedy_mismatch_rate"].setdefault(d, {})[str(b)] = r["mismatch_rate"]
+        save()
+    if args.hf:
+        hf = step("transformers generate", lambda: measure_hf(loaded, at_1, args.max_tokens, device, dtype,
+                                                              args.hf_compile, budget), min_left=30)
+        if hf:
+            summary["meta"]["hf"] = hf
+            best = hf.get("compiled_tok_s")
+            summary["hf_mode"] = "static cache + torch.compile" if best else "eager"
+            summary["hf_tok_s"] = {"1": best or hf["eager_tok_s"]}
+    save()
+    print(markdown(summary))
+    print(f"wrote {json_path} and {md_path}", file=sys.stderr)
+    return 0
+
+
+# ---- reporting ----------------------------------------------------------------------------------
+
+
+def _f(value, spec: str = ".1f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown(s: dict) -> str:
+    m = s["meta"]
+    lines = [f"## GPU bring-up: {s['device']}, {s['dtype']}, {s['date']}", "",
+             f"`{m['invocation']}` — torch {m['torch']}, transformers {m['transformers']}, "
+             f"{m['max_tokens']} new tokens per prompt, greedy; CUDA graphs: {m.get('graphs', '–')}"
+             f"{' (dry run on the CPU: sizes are tiny, figures mean nothing)' if s.get('dry_run') else ''}.", ""]
+    floor = s.get("floor_ms_per_token")
+    plain1 = s["plain_tok_s"].get("1")
+    if floor:
+        gap = f"; plain decoding at batch 1 takes {1e3 / plain1:.2f} ms, {1e3 / plain1 / floor:.0f}× the floor" \
+            if plain1 else ""
+        lines += [f"Weight-read floor: {floor:.3f} ms per token ({m.get('weight_bytes', 0) / 1e6:.0f} MB of weights "
+                  f"at {m.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s measured){gap}.", ""]
+    sizes = sorted({*s["plain_tok_s"], *s["plain_eager_tok_s"]}, key=int)
+    if sizes:
+        lines += ["| plain decoding | " + " | ".join(f"batch {b}" for b in sizes) + " |",
+                  "|---|" + "---:|" * len(sizes)]
+        for label, key in (("tok/s", "plain_tok_s"), ("tok/s, eager (no graphs)", "plain_eager_tok_s")):
+            if s[key]:
+                lines.append(f"| {label} | " + " | ".join(_f(s[key].get(b), ".0f") for b in sizes) + " |")
+        if s["hf_tok_s"]:
+            lines.append(f"| transformers generate ({s['hf_mode']}) | {_f(s['hf_tok_s'].get('1'), '.0f')} |"
+                         + " – |" * (len(sizes) - 1))
+        lines.append("")
+    spec_sizes = sorted({b for v in s["speedup"].values() for b in v}, key=int)
+    if spec_sizes:
+        head = " | ".join(f"speedup b{b} | τ b{b} | tok/s b{b} | mismatch b{b}" for b in spec_sizes)
+        lines += [f"| drafter | {head} |", "|---|" + "---:|" * (4 * len(spec_sizes))]
+        for d in sorted(s["speedup"], key=lambda d: -max(s["speedup"][d].values())):
+            cells = []
+            for b in spec_sizes:
+                cells += [_f(s["speedup"][d].get(b), ".2f") + "×" if b in s["speedup"][d] else "–",
+                          _f(s["tau"][d].get(b), ".2f"), _f(s["drafter_tok_s"][d].get(b), ".0f"),
+                          _f(s["greedy_mismatch_rate"][d].get(b), ".2f")]
+            lines.append(f"| {d} | " + " | ".join(cells) + " |")
+        anchors = s.get("plain_anchor_tok_s", {})
+        lines += ["", "Plain decoding in those runs (mean of the anchors): "
+                  + ", ".join(f"batch {b} {_f(v, '.0f')} tok/s" for b, v in anchors.items()) + ".", ""]
+    if s["kernel_us"]:
+        lines += ["| attention, one layer (B seqs × N nodes × C keys) | Triton µs | torch reference µs |",
+                  "|---|---:|---:|"]
+        for shape, v in s["kernel_us"].items():
+            lines.append(f"| {shape} | {_f(v['triton_us'])} | {_f(v['reference_us'])} |")
+        lines.append("")
+    if s["errors"]:
+        lines += ["Errors and skipped steps:", ""] + [f"- {e}" for e in s["errors"]] + [""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run(build_parser().parse_args(argv), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""`tools/gpu-check --dry-run`: the GPU bring-up's one command, run on the CPU with tiny sizes (the gpu
+tests skip, Triton runs under its interpreter, `specserve bench gpu --dry-run` on a tiny Llama), so
+that the script and the benchmark cannot rot while no GPU machine is at hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_prompts(folder: Path) -> Path:
+    """Two prompts in each benchmark set's format (`{id, category, turns}` per line)."""
+    folder.mkdir()
+    for name in ("mt_bench", "humaneval", "gsm8k"):
+        rows = [{"id": i, "category": name, "turns": [f"Question {i} of {name}: say hello and count to {i + 3}."]}
+                for i in range(2)]
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_the_dry_run_measures_every_figure_and_prints_the_table(tmp_path, tiny_llama_dir):
+    out = tmp_path / "out"
+    env = {**os.environ, "SPECSERVE_DATA": str(write_prompts(tmp_path / "data")), "PYTHON": sys.executable}
+    proc = subprocess.run(
+        [str(ROOT / "tools" / "gpu-check"), "--dry-run", "--out", str(out),
+         "--bench-args", f"--model {tiny_llama_dir} --drafters ngram mag"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    s = json.loads((out / "gpu_summary.json").read_text())
+    assert s["errors"] == [] and s["dry_run"] and s["dtype"] == "float32"
+    assert set(s["plain_tok_s"]) == {"1", "2"} and min(s["plain_tok_s"].values()) > 0
+    for drafter in ("ngram", "mag"):
+        assert set(s["speedup"][drafter]) == {"1", "2"}
+        assert s["tau"][drafter]["1"] >= 1.0
+        # fp32 on the CPU: speculation is lossless, token for token
+        assert s["greedy_mismatch_rate"][drafter] == {"1": 0.0, "2": 0.0}
+    assert s["hf_tok_s"]["1"] > 0 and s["hf_mode"] == "eager"
+    assert s["floor_ms_per_token"] > 0 and all(v["triton_us"] > 0 for v in s["kernel_us"].values())
+    assert (out / "gpu_dry-run.md").read_text().startswith("## GPU bring-up")
+    assert "pytest exit 0" in (out / "gpu-check.log").read_text()
+    assert proc.stdout.strip().splitlines()[-3].startswith("plain tok/s")     # the short table comes last
