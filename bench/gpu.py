@@ -26,13 +26,15 @@ on; the JSON is rewritten after every step, so a run cut short keeps what it mea
    `torch.compile` when the budget allows (`hf_mode` says which figure is reported).
 
 Writes OUT/gpu_<device>.md and OUT/gpu_summary.json. `--dry-run`: the same sequence on the CPU
-with tiny sizes (fp32, two drafters, 8 tokens), so that the script is exercised where no GPU is.
+with tiny sizes (fp32, two drafters, 8 tokens), so that the script is exercised where no GPU is;
+under TRITON_INTERPRET=1 the decode steps replay through the graphs' eager stand-in.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import statistics
@@ -183,6 +185,30 @@ def decode(engine, prompts, max_tokens: int, drafter: str, tag: str):
     forwards = sum(s.num_target_forwards for s in specs if s is not None)
     generated = sum(s.num_generated_tokens for s in specs if s is not None)
     return n, secs, outs, (generated / forwards if forwards else None)
+
+
+def measure_anatomy(engine, prompt) -> dict:
+    """Where a batch-1 decode step's time goes: the whole engine step (wall, median over a decode
+    of 64 tokens), the captured forward's replay and the same forward run eagerly (GPU time)."""
+    import torch
+
+    from specserve.engine.sampling_params import SamplingParams
+
+    engine.add_request("anatomy", prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    walls = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        sync(engine.device)
+        walls.append(time.perf_counter() - t0)
+    graphs = engine.runner.graphs
+    meta = graphs._meta(1)
+    with torch.inference_mode():
+        replay = time_us(graphs.replays[1], engine.device)
+        eager = time_us(lambda: engine.model(graphs.input_ids[:1], graphs.positions[:1], engine.cache, meta),
+                        engine.device)
+    return {"step_ms": statistics.median(walls[2:]) * 1e3, "graph_replay_ms": replay / 1e3,
+            "eager_forward_ms": eager / 1e3}
 
 
 def measure_plain(engine, pool, batch_sizes, max_tokens: int, budget: Budget, min_left: float) -> dict:
@@ -350,10 +376,20 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             loaded=loaded)
 
     main_engine = step("load engine", lambda: engine(drafters, eager=not args.graphs))
+    if main_engine is None and args.graphs:        # the graphs' capture failed? measure eagerly then
+        main_engine = step("load engine, eager", lambda: engine(drafters, eager=True))
+    if main_engine is None:                        # a drafter that does not load: find the ones that do
+        drafters = [d for d in drafters if step(f"load {d} alone", lambda d=d: engine([d], eager=True)) is not None]
+        main_engine = step("load engine, loadable drafters", lambda: engine(drafters, eager=True))
     if main_engine is None:
         return 1
+    if args.dry_run and os.environ.get("TRITON_INTERPRET") == "1":   # the graph path, through the CPU stand-in
+        from specserve.engine.cuda_graphs import EagerReplay
+        step("capture graphs (stand-in)", lambda: main_engine.capture_graphs(EagerReplay()))
     summary["meta"]["drafters"] = list(drafters)
     summary["meta"]["graphs"] = main_engine.runner.graphs is not None
+    if summary["meta"]["graphs"]:
+        summary["step_anatomy"] = step("step anatomy", lambda: measure_anatomy(main_engine, mixed[0])) or {}
 
     floor = step("floor", lambda: measure_floor(main_engine.model, device))
     if floor:
@@ -419,6 +455,11 @@ def markdown(s: dict) -> str:
             if plain1 else ""
         lines += [f"Weight-read floor: {floor:.3f} ms per token ({m.get('weight_bytes', 0) / 1e6:.0f} MB of weights "
                   f"at {m.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s measured){gap}.", ""]
+    a = s.get("step_anatomy")
+    if a:
+        lines += [f"A batch-1 decode step: {a['step_ms']:.2f} ms in all (engine step, wall), of which the target's "
+                  f"forward is {a['graph_replay_ms']:.2f} ms as a CUDA graph ({a['eager_forward_ms']:.2f} ms eagerly).",
+                  ""]
     sizes = sorted({*s["plain_tok_s"], *s["plain_eager_tok_s"]}, key=int)
     if sizes:
         lines += ["| plain decoding | " + " | ".join(f"batch {b}" for b in sizes) + " |",

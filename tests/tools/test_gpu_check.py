@@ -33,6 +33,8 @@ def test_the_dry_run_measures_every_figure_and_prints_the_table(tmp_path, tiny_l
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
     s = json.loads((out / "gpu_summary.json").read_text())
     assert s["errors"] == [] and s["dry_run"] and s["dtype"] == "float32"
+    assert s["meta"]["graphs"] and s["step_anatomy"]["graph_replay_ms"] > 0     # through the stand-in
+    assert set(s["plain_eager_tok_s"]) == {"1", "2"}
     assert set(s["plain_tok_s"]) == {"1", "2"} and min(s["plain_tok_s"].values()) > 0
     for drafter in ("ngram", "mag"):
         assert set(s["speedup"][drafter]) == {"1", "2"}
