@@ -184,9 +184,32 @@ def _load_hf_folder(folder: Path, name: str) -> LoadedModel:
                                  f"tokenizer_config.json): {e}") from e
     if not tokenizer.is_fast:
         raise UnsupportedModelError(f"{folder}: only a slow tokenizer could be built; add a tokenizer.json")
+    tokenizer = _tokenizer_as_saved(tokenizer, folder)
 
     return LoadedModel(name=name, source=str(folder), hf_config=config, state_dict=_load_state_dict(folder),
                        tokenizer=tokenizer, eos_token_ids=_eos_token_ids(config, generation_config, tokenizer))
+
+
+def _tokenizer_as_saved(tokenizer: Any, folder: Path) -> Any:
+    """`tokenizer`, or the folder's tokenizer.json read as it is where their pipelines differ.
+
+    transformers >= 5 rebuilds the normalizer, pre-tokenizer and decoder of a tokenizer class it knows around
+    tokenizer.json's vocabulary instead of reading them (LlamaTokenizer: SentencePiece's Metaspace); a byte-level
+    BPE saved under such a class (transformers 4's GGUF conversion of SmolLM2 says LlamaTokenizer) then loses its
+    spaces and newlines. transformers 4 always reads the file's pipeline."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    file = folder / "tokenizer.json"
+    if int(transformers.__version__.split(".")[0]) < 5 or not file.is_file():
+        return tokenizer
+    saved = json.loads(Tokenizer.from_file(str(file)).to_str())
+    built = json.loads(tokenizer.backend_tokenizer.to_str())
+    if all(saved.get(k) == built.get(k) for k in ("normalizer", "pre_tokenizer", "decoder")):
+        return tokenizer
+    logger.info("%s: %s rebuilds a pipeline unlike tokenizer.json's; reading tokenizer.json as it is", folder,
+                type(tokenizer).__name__)
+    return transformers.PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
 
 
 def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -252,9 +275,15 @@ def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
 
 
 def _gguf_cache_key(path: Path, chunk: int = 1 << 20) -> str:
-    """16 hex digits identifying the file cheaply: its size and sha256 of its first and last MiB."""
+    """16 hex digits identifying the file cheaply: its size and sha256 of its first and last MiB; from
+    transformers 5 on, its major version too (transformers 4 misreads the config.json that 5 writes, where
+    rope_theta lives in rope_parameters, and cannot build its tokenizer class, TokenizersBackend)."""
+    import transformers
+
     size = path.stat().st_size
-    h = hashlib.sha256(f"specserve-gguf-v{GGUF_CACHE_VERSION}:{size}:".encode())
+    major = int(transformers.__version__.split(".")[0])
+    version = f"transformers{major}:" if major >= 5 else ""
+    h = hashlib.sha256(f"specserve-gguf-v{GGUF_CACHE_VERSION}:{size}:{version}".encode())
     with path.open("rb") as f:
         h.update(f.read(chunk))
         f.seek(max(size - chunk, 0))

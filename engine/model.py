@@ -157,16 +157,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def hf_rope_parameters(hf) -> tuple[float | None, dict | None]:
+    """(rope_theta, rope_scaling) of a transformers config, in transformers 4's form (rope_scaling None
+    for plain RoPE, rope_theta None where the config has none). transformers 5 keeps both in one dict,
+    `rope_parameters` (`rope_scaling` is an alias of it; there is no `rope_theta`), where plain RoPE is
+    {"rope_theta": ..., "rope_type": "default"}."""
+    params = getattr(hf, "rope_parameters", None)
+    if not isinstance(params, dict):    # transformers 4
+        return getattr(hf, "rope_theta", None), getattr(hf, "rope_scaling", None)
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return params.get("rope_theta", getattr(hf, "rope_theta", None)), scaling
+
+
 def rope_tables(cfg: ModelConfig, max_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [max_positions, head_dim] for every RoPE variant transformers knows
     (default, linear, dynamic at its base length, yarn, longrope, llama3) via its own init functions."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf = cfg.hf_config
-    scaling = getattr(hf, "rope_scaling", None) or {}
+    base, scaling = hf_rope_parameters(hf)
+    scaling = scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
-        base = getattr(hf, "rope_theta", 10000.0)
+        base = 10000.0 if base is None else base
         partial = getattr(hf, "partial_rotary_factor", 1.0)
         dim = int(cfg.head_dim * partial)
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))

@@ -24,6 +24,8 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
+from specserve.engine.model import hf_rope_parameters
+
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "meta.json"
@@ -108,8 +110,10 @@ def target_fingerprint(model_config, model) -> str:
     """
     arch = {name: getattr(model_config, name) for name in _ARCH_FIELDS}
     hf = getattr(model_config, "hf_config", None)
+    # RoPE in transformers 4's form, under transformers 5 too (which keeps it in `rope_parameters`)
+    rope = dict(zip(("rope_theta", "rope_scaling"), hf_rope_parameters(hf))) if hf is not None else {}
     for name in _HF_FIELDS:
-        value = getattr(hf, name, None) if hf is not None else None
+        value = rope[name] if name in rope else getattr(hf, name, None) if hf is not None else None
         if value is not None:
             arch[name] = value
     h = hashlib.sha256(f"specserve-target-v{FINGERPRINT_VERSION}:".encode())
