@@ -187,14 +187,14 @@ def decode(engine, prompts, max_tokens: int, drafter: str, tag: str):
     return n, secs, outs, (generated / forwards if forwards else None)
 
 
-def measure_anatomy(engine, prompt) -> dict:
+def measure_anatomy(engine, prompt, max_tokens: int = 64) -> dict:
     """Where a batch-1 decode step's time goes: the whole engine step (wall, median over a decode
-    of 64 tokens), the captured forward's replay and the same forward run eagerly (GPU time)."""
+    of `max_tokens` tokens), the captured forward's replay and the same forward run eagerly (GPU time)."""
     import torch
 
     from specserve.engine.sampling_params import SamplingParams
 
-    engine.add_request("anatomy", prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    engine.add_request("anatomy", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     walls = []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -204,10 +204,11 @@ def measure_anatomy(engine, prompt) -> dict:
     graphs = engine.runner.graphs
     meta = graphs._meta(1)
     with torch.inference_mode():
-        replay = time_us(graphs.replays[1], engine.device)
+        repeats = 20 if engine.device.type == "cuda" else 2
+        replay = time_us(graphs.replays[1], engine.device, repeats)
         eager = time_us(lambda: engine.model(graphs.input_ids[:1], graphs.positions[:1], engine.cache, meta),
-                        engine.device)
-    return {"step_ms": statistics.median(walls[2:]) * 1e3, "graph_replay_ms": replay / 1e3,
+                        engine.device, repeats)
+    return {"step_ms": statistics.median(walls[2:] or walls) * 1e3, "graph_replay_ms": replay / 1e3,
             "eager_forward_ms": eager / 1e3}
 
 
@@ -389,7 +390,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     summary["meta"]["drafters"] = list(drafters)
     summary["meta"]["graphs"] = main_engine.runner.graphs is not None
     if summary["meta"]["graphs"]:
-        summary["step_anatomy"] = step("step anatomy", lambda: measure_anatomy(main_engine, mixed[0])) or {}
+        summary["step_anatomy"] = step("step anatomy", lambda: measure_anatomy(main_engine, mixed[0], min(64, args.max_tokens))) or {}
 
     floor = step("floor", lambda: measure_floor(main_engine.model, device))
     if floor:
