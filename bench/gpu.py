@@ -6,6 +6,8 @@
 In order, each step inside the budget (a step that fails is recorded in `errors` and the run goes
 on; the JSON is rewritten after every step, so a run cut short keeps what it measured):
 
+0. `fused_kernels`: the decoder layer's fused kernels (kernels/fused.py) against their references
+   on this machine; beyond a bf16 rounding or two the model runs without them.
 1. `floor_ms_per_token`: the target's weight bytes over the device's measured copy bandwidth
    (bytes read and written by one large device-to-device copy), the time one decode step needs
    just to read the weights once.
@@ -21,7 +23,9 @@ on; the JSON is rewritten after every step, so a run cut short keeps what it mea
    --anchor-every drafters, and each drafter is compared with the mean of the plain runs around
    it. τ = generated tokens / target forwards; the mismatch rate is the share of prompts whose
    output differs from plain decoding's (bf16: a near-tie may flip under a different batch shape;
-   fp32 must give 0).
+   fp32 must give 0). Under the goodput draft policy (the served default), then again under the
+   fixed budget, every sequence drafting its full tree every step (`speedup_fixed`, `tau_fixed`:
+   what the drafters accept on this target, and what their trees cost here).
 5. `hf_tok_s`: transformers `generate` on the batch-1 prompts, eager, then with a static cache and
    `torch.compile` when the budget allows (`hf_mode` says which figure is reported).
 
@@ -51,6 +55,7 @@ PLAIN = "none"
 DRAFTER_OPTIONS = {"draft_model": {"draft_layers": 4}}
 # verification shapes of the kernel timings: (sequences, tree nodes each, context keys)
 KERNEL_SHAPES = ((1, 8, 512), (32, 8, 512), (32, 1, 512), (64, 16, 1024))
+FUSED_TOLERANCE = 0.1      # largest |fused - reference| on N(0, 1) inputs (a bf16 rounding step is 2^-8 relative)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +192,16 @@ def decode(engine, prompts, max_tokens: int, drafter: str, tag: str):
     return n, secs, outs, (generated / forwards if forwards else None)
 
 
+def check_fused(device, dtype) -> dict:
+    """The layers' fused kernels against their references on this machine (`kernels.fused.max_errors`);
+    above FUSED_TOLERANCE the model runs without them (and the summary says so)."""
+    from specserve.kernels import fused
+
+    errors = fused.max_errors(device, dtype)
+    fused.ENABLED = max(errors.values()) <= FUSED_TOLERANCE
+    return {"enabled": fused.ENABLED, "max_errors": errors}
+
+
 def measure_anatomy(engine, prompt, max_tokens: int = 64) -> dict:
     """Where a batch-1 decode step's time goes: the whole engine step (wall, median over a decode
     of `max_tokens` tokens), the captured forward's replay and the same forward run eagerly (GPU time)."""
@@ -202,10 +217,10 @@ def measure_anatomy(engine, prompt, max_tokens: int = 64) -> dict:
         sync(engine.device)
         walls.append(time.perf_counter() - t0)
     graphs = engine.runner.graphs
-    meta = graphs._meta(1)
+    meta = graphs._meta(1, 1)
     with torch.inference_mode():
         repeats = 20 if engine.device.type == "cuda" else 2
-        replay = time_us(graphs.replays[1], engine.device, repeats)
+        replay = time_us(graphs.replays[(1, 1)], engine.device, repeats)
         eager = time_us(lambda: engine.model(graphs.input_ids[:1], graphs.positions[:1], engine.cache, meta),
                         engine.device, repeats)
     return {"step_ms": statistics.median(walls[2:] or walls) * 1e3, "graph_replay_ms": replay / 1e3,
@@ -280,12 +295,12 @@ def measure_hf(loaded, prompts, max_tokens: int, device, dtype, compile_ok: bool
     run_hf(hf, prompts[:1], 4, pad_token_id=pad)
     n, secs, _ = run_hf(hf, prompts, max_tokens, pad_token_id=pad)
     out = {"eager_tok_s": n / secs}
-    if compile_ok and device.type == "cuda" and budget.left() > 120:
+    if compile_ok and device.type == "cuda" and budget.left() > 150:
         import torch
 
-        try:
+        try:   # generate compiles the forward itself for a static cache on CUDA (transformers >= 4.48)
+            torch.compiler.reset()
             hf.generation_config.cache_implementation = "static"
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead")
             run_hf(hf, prompts[:1], 8, pad_token_id=pad)     # compiles
             n, secs, _ = run_hf(hf, prompts, max_tokens, pad_token_id=pad)
             out["compiled_tok_s"] = n / secs
@@ -368,14 +383,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     max_len = -(-(longest + args.max_tokens + 64) // 256) * 256
     max_seqs = max(args.batch_sizes + args.spec_batch_sizes)
 
-    def engine(drafter_names, eager: bool):
+    def engine(drafter_names, eager: bool, policy: str = "goodput"):
         return LLMEngine(EngineConfig(
             model=args.model, device=str(device), dtype=dtype_name, max_num_seqs=max_seqs,
             max_model_len=max_len, max_num_batched_tokens=max(2048, max_seqs * 16),
             num_kv_blocks=max_seqs * (max_len // 16) + 64, drafters=(PLAIN, *drafter_names),
-            drafter_options=options, max_draft_tokens_per_step=max(64, 8 * max_seqs), enforce_eager=eager),
+            drafter_options={d: o for d, o in options.items() if d in drafter_names},
+            max_draft_tokens_per_step=max(64, 8 * max_seqs), enforce_eager=eager, draft_budget=policy),
             loaded=loaded)
 
+    if device.type == "cuda" or os.environ.get("SPECSERVE_FUSED") == "1":
+        summary["fused_kernels"] = step("fused kernels", lambda: check_fused(device, dtype)) or {"enabled": False}
     main_engine = step("load engine", lambda: engine(drafters, eager=not args.graphs))
     if main_engine is None and args.graphs:        # the graphs' capture failed? measure eagerly then
         main_engine = step("load engine, eager", lambda: engine(drafters, eager=True))
@@ -407,21 +425,31 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             summary["plain_eager_tok_s"] = step("plain decoding, eager", lambda: measure_plain(
                 eager, mixed, args.batch_sizes, args.max_tokens, budget, 20)) or {}
             del eager
-    for b in args.spec_batch_sizes:
-        batches = [[p] for p in at_1] if b == 1 else [mixed[:b]]
-        res = step(f"drafters at batch {b}", lambda: measure_drafters(
-            main_engine, drafters, batches, args.max_tokens, args.anchor_every, budget, 15), min_left=30) or {}
-        for d, r in res.items():
-            if d == PLAIN:
-                summary.setdefault("plain_anchor_tok_s", {})[str(b)] = r["tok_s"]
-            elif "error" in r:
-                summary["errors"].append(f"{d} at batch {b}: {r['error']}")
-            else:
-                summary["speedup"].setdefault(d, {})[str(b)] = r["speedup"]
-                summary["drafter_tok_s"].setdefault(d, {})[str(b)] = r["tok_s"]
-                summary["tau"].setdefault(d, {})[str(b)] = r["tau"]
-                summary["greedy_mismatch_rate"].setdefault(d, {})[str(b)] = r["mismatch_rate"]
-        save()
+    fixed_engine = None
+    for policy in ("goodput", "fixed"):     # the served default, then every tree verified (what drafters accept)
+        suffix = "" if policy == "goodput" else "_fixed"
+        if policy == "fixed":
+            fixed_engine = step("load engine, fixed draft budget",
+                                lambda: engine(drafters, eager=not summary["meta"]["graphs"], policy="fixed"),
+                                min_left=90)
+            if fixed_engine is None:
+                break
+        served = main_engine if policy == "goodput" else fixed_engine
+        for b in args.spec_batch_sizes:
+            batches = [[p] for p in at_1] if b == 1 else [mixed[:b]]
+            res = step(f"drafters at batch {b}, {policy}", lambda: measure_drafters(
+                served, drafters, batches, args.max_tokens, args.anchor_every, budget, 15), min_left=30) or {}
+            for d, r in res.items():
+                if d == PLAIN:
+                    summary.setdefault("plain_anchor_tok_s" + suffix, {})[str(b)] = r["tok_s"]
+                elif "error" in r:
+                    summary["errors"].append(f"{d} at batch {b}, {policy}: {r['error']}")
+                else:
+                    for key, value in (("speedup", r["speedup"]), ("drafter_tok_s", r["tok_s"]), ("tau", r["tau"]),
+                                       ("greedy_mismatch_rate", r["mismatch_rate"])):
+                        summary.setdefault(key + suffix, {}).setdefault(d, {})[str(b)] = value
+            save()
+    del fixed_engine
     if args.hf:
         hf = step("transformers generate", lambda: measure_hf(loaded, at_1, args.max_tokens, device, dtype,
                                                               args.hf_compile, budget), min_left=30)
@@ -456,6 +484,11 @@ def markdown(s: dict) -> str:
             if plain1 else ""
         lines += [f"Weight-read floor: {floor:.3f} ms per token ({m.get('weight_bytes', 0) / 1e6:.0f} MB of weights "
                   f"at {m.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s measured){gap}.", ""]
+    fk = s.get("fused_kernels")
+    if fk:
+        lines += [f"Fused layer kernels: {'on' if fk.get('enabled') else 'off'}"
+                  + (f" (largest difference from the torch references {max(fk['max_errors'].values()):.2g})"
+                     if fk.get("max_errors") else "") + ".", ""]
     a = s.get("step_anatomy")
     if a:
         lines += [f"A batch-1 decode step: {a['step_ms']:.2f} ms in all (engine step, wall), of which the target's "
@@ -486,6 +519,19 @@ def markdown(s: dict) -> str:
         anchors = s.get("plain_anchor_tok_s", {})
         lines += ["", "Plain decoding in those runs (mean of the anchors): "
                   + ", ".join(f"batch {b} {_f(v, '.0f')} tok/s" for b, v in anchors.items()) + ".", ""]
+    fixed = s.get("speedup_fixed") or {}
+    if fixed:
+        sizes_f = sorted({b for v in fixed.values() for b in v}, key=int)
+        lines += ["With the fixed draft budget (every sequence drafts its full tree every step):", "",
+                  "| drafter | " + " | ".join(f"speedup b{b} | τ b{b}" for b in sizes_f) + " |",
+                  "|---|" + "---:|" * (2 * len(sizes_f))]
+        for d in sorted(fixed, key=lambda d: -max(fixed[d].values())):
+            cells = []
+            for b in sizes_f:
+                cells += [_f(fixed[d].get(b), ".2f") + "×" if b in fixed[d] else "–",
+                          _f(s["tau_fixed"][d].get(b), ".2f")]
+            lines.append(f"| {d} | " + " | ".join(cells) + " |")
+        lines.append("")
     if s["kernel_us"]:
         lines += ["| attention, one layer (B seqs × N nodes × C keys) | Triton µs | torch reference µs |",
                   "|---|---:|---:|"]

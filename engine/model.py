@@ -7,6 +7,8 @@ projects only the rows a caller needs. q/k/v and gate/up projections are fused a
 
 from __future__ import annotations
 
+import os
+
 from typing import NamedTuple
 
 import torch
@@ -230,6 +232,24 @@ def apply_rope_rows(x: torch.Tensor, rope: RopeRows) -> torch.Tensor:
     return x * rope.cos + torch.roll(x, x.shape[-1] // 2, -1) * rope.sin_signed
 
 
+_FUSED = None   # kernels.fused once imported; False where triton is missing
+
+
+def fused_kernels(x: torch.Tensor):
+    """`kernels.fused` when the layer of `x` runs them: a CUDA tensor (or SPECSERVE_FUSED=1, for
+    tests under TRITON_INTERPRET=1 on the CPU), triton importable and `fused.ENABLED`; else None."""
+    global _FUSED
+    if not x.is_cuda and os.environ.get("SPECSERVE_FUSED") != "1":
+        return None
+    if _FUSED is None:
+        try:
+            from specserve.kernels import fused
+            _FUSED = fused
+        except ImportError:
+            _FUSED = False
+    return _FUSED if _FUSED and _FUSED.ENABLED else None
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -247,7 +267,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, rope: RopeRows, k_cache, v_cache, meta: AttnMetadata):
         """h [T, hidden] -> [T, hidden]; the new keys and values go to the cache slots `meta`
-        names before attention. `rope`: `rope_rows` of the rows' positions."""
+        names before attention. `rope`: `rope_rows` of the rows' positions. On CUDA the element-wise
+        parts run as fused kernels (`kernels/fused.py`: the same maths, one launch each)."""
+        fused = fused_kernels(h)
+        if fused is not None and self.head_dim & (self.head_dim - 1) == 0:
+            x = fused.rms_norm(h, self.input_norm, self.eps)
+            qkv = linear(x, self.qkv.weight, self.qkv.bias)
+            q = fused.rope_and_cache(qkv, rope.cos, rope.sin_signed, meta.slot_mapping, k_cache, v_cache,
+                                     self.num_heads, self.num_kv_heads, self.head_dim)
+            attn = linear(paged_attention(q, k_cache, v_cache, meta, self.scale), self.o.weight)
+            x, h = fused.add_rms_norm(attn, h, self.post_attn_norm, self.eps)
+            return h + linear(fused.silu_mul(linear(x, self.gate_up.weight)), self.down.weight)
         x = rms_norm(h, self.input_norm, self.eps)
         qkv = linear(x, self.qkv.weight, self.qkv.bias)
         n = h.shape[0]

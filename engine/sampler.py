@@ -97,6 +97,7 @@ class SamplingTensors:
     # keyed rows: the random rows with a sample key (seeded requests), host indices, and their keys
     keyed_rows: tuple[int, ...] = ()
     keys: Tensor | None = None   # [len(keyed_rows)] int64
+    keyed_index: Tensor | None = None   # keyed_rows on the device (int64), made with the rest, not mid-step
     all_matched: bool = False    # every row is greedy or keyed (verification needs no rejection walk)
 
     @classmethod
@@ -127,6 +128,7 @@ class SamplingTensors:
             max_top_k=max(top_k, default=0),
             keyed_rows=keyed,
             keys=torch.tensor([keys[i] for i in keyed], dtype=torch.int64, device=device) if keyed else None,
+            keyed_index=torch.tensor(keyed, dtype=torch.int64, device=device) if keyed else None,
             all_matched=sum(t == 0.0 for t in temperature) + len(keyed) == len(params),
         )
 

@@ -467,8 +467,15 @@ def _rows_of(st: SamplingTensors, ix: torch.Tensor) -> SamplingTensors:
                            st.any_top_p, None, st.max_top_k)
 
 
+def _keyed_index(sampling: SamplingTensors, device: torch.device) -> torch.Tensor:
+    """`sampling.keyed_rows` as a device tensor: the one `SamplingTensors.from_params` made, else made here."""
+    if sampling.keyed_index is not None:
+        return sampling.keyed_index
+    return torch.tensor(sampling.keyed_rows, dtype=torch.int64, device=device)
+
+
 def keyed_choices(packed: PackedTrees, target_logits: torch.Tensor, sampling: SamplingTensors,
-                  positions: Sequence[int], compact: bool) -> torch.Tensor:
+                  positions: Sequence[int] | torch.Tensor, compact: bool) -> torch.Tensor:
     """[K, N] for the K keyed trees (`sampling.keyed_rows`): the target's keyed sample at every node
     of its match walk, -1 elsewhere. The walk starts at the root; at a node of depth d the keyed
     sample is argmax over v of processed_p(node)[v] / E[v], E the keyed Exp(1) draws of (the tree's
@@ -479,9 +486,12 @@ def keyed_choices(packed: PackedTrees, target_logits: torch.Tensor, sampling: Sa
     all K rows with finished ones frozen (no host sync: the CUDA path)."""
     dev = target_logits.device
     K, (N, V), D = len(sampling.keyed_rows), target_logits.shape[1:], packed.max_depth
-    rows = torch.tensor(sampling.keyed_rows, dtype=torch.int64, device=dev)
+    rows = _keyed_index(sampling, dev)
     st = _rows_of(sampling, rows)
-    base = torch.tensor([int(positions[t]) for t in sampling.keyed_rows], dtype=torch.int64, device=dev)
+    if isinstance(positions, torch.Tensor):   # on the device already (the runner stages them): no copy here
+        base = positions.to(torch.int64).index_select(0, rows)
+    else:
+        base = torch.tensor([int(positions[t]) for t in sampling.keyed_rows], dtype=torch.int64, device=dev)
     keys = sampling.keys
     cur = torch.zeros(K, dtype=torch.int64, device=dev)
     alive = torch.ones(K, dtype=torch.bool, device=dev)
@@ -508,11 +518,12 @@ def keyed_choices(packed: PackedTrees, target_logits: torch.Tensor, sampling: Sa
 def verify_batched(packed: PackedTrees, target_logits: torch.Tensor, sampling: SamplingTensors,
                    generators: Sequence[torch.Generator | None] | None = None,
                    any_greedy: bool | None = None, compact: bool | None = None,
-                   positions: Sequence[int] | None = None) -> BatchVerifyResult:
+                   positions: Sequence[int] | torch.Tensor | None = None) -> BatchVerifyResult:
     """Verify T trees from the target's raw logits [T, N, V] (any float dtype), sampling settings
     one row per tree (`SamplingTensors.from_params`), generators one per tree (unkeyed rows' random
     stream; None: the global RNG). positions: per tree the output position of the token drawn at
-    its root (needed when `sampling` has keyed rows).
+    its root (needed when `sampling` has keyed rows): host ints, or an int64 tensor [T] already on
+    the device (then nothing is copied to the device inside verification).
 
     Keyed trees (seeded random rows) are verified by matching their keyed samples
     (`keyed_choices`, the module docstring) on the greedy walk.
@@ -534,7 +545,7 @@ def verify_batched(packed: PackedTrees, target_logits: torch.Tensor, sampling: S
         matched = target_logits.argmax(dim=-1)                                 # [T, N]
         if keyed:
             assert positions is not None, "keyed rows need the positions of their roots"
-            ix = torch.tensor(keyed, dtype=torch.int64, device=dev)
+            ix = _keyed_index(sampling, dev)
             matched = matched.index_copy(0, ix, keyed_choices(packed, target_logits, sampling, positions,
                                                               dev.type == "cpu" if compact is None else compact))
         greedy_res = verify_greedy_batched(packed, matched)
@@ -549,7 +560,7 @@ def verify_batched(packed: PackedTrees, target_logits: torch.Tensor, sampling: S
 
     g = sampling.temperature == 0                                              # [T] rows decided by the match walk
     if keyed:
-        g = g.index_fill(0, torch.tensor(keyed, dtype=torch.int64, device=dev), True)
+        g = g.index_fill(0, _keyed_index(sampling, dev), True)
     sampled = _sampling_walk(packed, probs_at, V, generators, ~g if greedy_res is not None else None,
                              dev.type == "cpu" if compact is None else compact)
     if greedy_res is None:

@@ -458,11 +458,12 @@ def test_batched_verification_does_no_host_sync(device):
     st_random = SamplingTensors.from_params([SamplingParams(temperature=1.0, top_k=4)] * T, device)
     probs = torch.softmax(logits, -1)
     argmax = logits.argmax(-1)
+    positions = torch.arange(T, device=device)     # staged with the step's inputs, as the runner does
     with no_host_sync(device):
         # compact=False: the CUDA path (the compacting CPU path reads row counts, free on a CPU)
         out = [verify_batched(packed, logits, st, gens, compact=False),
                verify_batched(packed, logits, st_greedy, gens, compact=False),
-               verify_batched(packed, logits, st_keyed, gens, compact=False, positions=list(range(T))),
+               verify_batched(packed, logits, st_keyed, gens, compact=False, positions=positions),
                verify_batched(packed, logits, st_random, gens, any_greedy=False, compact=False),
                verify_greedy_batched(packed, argmax), verify_sampling_batched(packed, probs, gens, compact=False)]
         stacked = [r.stacked() for r in out]

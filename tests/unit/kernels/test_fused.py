@@ -1,0 +1,103 @@
+"""kernels/fused.py against its torch references: RMSNorm (with and without the residual add),
+SiLU-mul, RoPE with the KV-cache write; on the CPU under the Triton interpreter (fp32, fp16: it
+must be switched on before triton is first imported, so this file runs itself as a script in a
+child process), on CUDA (-m gpu) in fp32 and bf16 too. And a decoder layer of the engine's model
+with the fused kernels gives the unfused layer's output."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_kernels(device: str, dtype: torch.dtype) -> None:
+    from specserve.kernels import fused
+
+    errors = fused.max_errors(device, dtype)
+    assert set(errors) == {"rms_norm", "add_rms_norm", "silu_mul", "rope_and_cache"}
+    assert all(e <= 4 * TOL[dtype] for e in errors.values()), errors
+
+
+def check_layer(device: str) -> None:
+    """One decode step of a 2-layer Llama, fused (SPECSERVE_FUSED=1 or CUDA) against unfused, fp32."""
+    from specserve.engine import model as model_mod
+    from specserve.engine.attention import build_attn_metadata
+    from specserve.engine.config import ModelConfig
+    from specserve.engine.kv_cache import KVCache
+    from specserve.engine.model import LlamaModel
+    from specserve.kernels import fused
+    import transformers
+
+    hf_cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = ModelConfig.from_hf(hf_cfg)
+    torch.manual_seed(0)
+    sd = {k: v for k, v in transformers.LlamaForCausalLM(hf_cfg).state_dict().items()}
+    model = LlamaModel.from_state_dict(cfg, sd, max_positions=64, dtype=torch.float32, device=torch.device(device))
+    outs = []
+    for enabled in (True, False):
+        fused.ENABLED = enabled
+        cache = KVCache(2, 4, 4, 2, 16, torch.float32, torch.device(device))
+        pos, meta = build_attn_metadata([[0, 1], [2, 3]], 4, [0, 0], [5, 3], None, torch.device(device))
+        ids = torch.tensor([1, 5, 9, 2, 7, 3, 3, 8], device=device)
+        outs.append((model(ids, pos, cache, meta), cache.kv.clone()))
+        assert (model_mod.fused_kernels(ids) is not None) == (enabled and (device == "cuda" or
+                                                                           os.environ.get("SPECSERVE_FUSED") == "1"))
+    fused.ENABLED = True
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+
+
+def run_interpreted() -> dict[str, str | None]:
+    results = {}
+    checks = {"fp32": lambda: check_kernels("cpu", torch.float32), "fp16": lambda: check_kernels("cpu", torch.float16),
+              "layer": lambda: check_layer("cpu")}
+    for name, check in checks.items():
+        try:
+            check()
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SPECSERVE_FUSED": "1", "SPECSERVE_ATTENTION": "triton"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["fp32", "fp16", "layer"])
+def test_fused_kernels_equal_their_references_interpreted(interpreted, name):
+    assert interpreted[name] is None, interpreted[name]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_kernels_equal_their_references_on_cuda(dtype):
+    check_kernels("cuda", DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_layer_equals_unfused_on_cuda():
+    check_layer("cuda")
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_interpreted()))
