@@ -192,6 +192,56 @@ def decode(engine, prompts, max_tokens: int, drafter: str, tag: str):
     return n, secs, outs, (generated / forwards if forwards else None)
 
 
+# configurations the engine can run on CUDA, fastest first: (label, CUDA graphs, fused kernels)
+CONFIGS = (("graphs+fused", True, True), ("graphs", True, False), ("fused", False, True))
+
+
+def probe(model: str, device: str, graphs: bool, fused_on: bool, prompts: list[list[int]]) -> dict:
+    """In this process: greedy tokens of an engine with this configuration against an eager engine
+    without fused kernels, fp32, plain decoding and two drafters (trees through the graphs)."""
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.core import LLMEngine
+    from specserve.engine.loader import load_model
+    from specserve.kernels import fused
+
+    loaded = load_model(model)
+    layers = max(1, min(4, loaded.hf_config.num_hidden_layers // 2))
+    outputs = {}
+    for label, eager, enabled in (("reference", True, False), ("probe", not graphs, fused_on)):
+        fused.ENABLED = enabled
+        e = LLMEngine(EngineConfig(model=model, device=device, dtype="float32", max_num_seqs=4, max_model_len=1024,
+                                   drafters=(PLAIN, "ngram", "draft_model"), draft_budget="fixed",
+                                   drafter_options={"draft_model": {"draft_layers": layers}}, enforce_eager=eager),
+                      loaded=loaded)
+        outputs[label] = {d: decode(e, prompts, 32, d, f"probe-{d}")[2] for d in (PLAIN, "ngram", "draft_model")}
+        del e
+    ref, got = outputs["reference"], outputs["probe"]
+    return {"ok": got == ref, "equal": {d: got[d] == ref[d] for d in ref}}
+
+
+def probe_configs(args, prompts) -> dict:
+    """Each of `CONFIGS` in a child process of its own (a fault on the device ends only the child):
+    {label: {"ok", "equal"} or {"ok": False, "error"}}."""
+    import subprocess
+
+    out = {}
+    for label, graphs, fused_on in CONFIGS:
+        cmd = [sys.executable, "-m", "specserve.bench.gpu", "--probe", json.dumps(
+            {"model": args.model, "device": args.device if args.device != "auto" else "cuda", "graphs": graphs,
+             "fused": fused_on, "prompts": prompts})]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+            lines = proc.stdout.strip().splitlines()
+            out[label] = json.loads(lines[-1]) if proc.returncode == 0 and lines else \
+                {"ok": False, "error": f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}"}
+        except subprocess.TimeoutExpired:
+            out[label] = {"ok": False, "error": "timed out"}
+        print(f"bench gpu: probe {label}: {out[label].get('ok')}", file=sys.stderr, flush=True)
+        if out[label].get("ok"):
+            break
+    return out
+
+
 def check_fused(device, dtype) -> dict:
     """The layers' fused kernels against their references on this machine (`kernels.fused.max_errors`);
     above FUSED_TOLERANCE the model runs without them (and the summary says so)."""
@@ -394,6 +444,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     if device.type == "cuda" or os.environ.get("SPECSERVE_FUSED") == "1":
         summary["fused_kernels"] = step("fused kernels", lambda: check_fused(device, dtype)) or {"enabled": False}
+    if device.type == "cuda" and args.graphs:
+        # graphs and fused kernels are used only in a configuration whose greedy tokens were the eager,
+        # unfused engine's in a child process (a device fault there does not end this run)
+        probes = step("probe configurations", lambda: probe_configs(args, [p[:48] for p in mixed[:3]])) or {}
+        summary["probes"] = probes
+        passed = next((c for c in CONFIGS if probes.get(c[0], {}).get("ok")), ("eager", False, False))
+        from specserve.kernels import fused
+        args.graphs = passed[1]
+        fused.ENABLED = fused.ENABLED and passed[2]
+        summary.setdefault("fused_kernels", {})["enabled"] = fused.ENABLED
+        summary["meta"]["configuration"] = passed[0]
     main_engine = step("load engine", lambda: engine(drafters, eager=not args.graphs))
     if main_engine is None and args.graphs:        # the graphs' capture failed? measure eagerly then
         main_engine = step("load engine, eager", lambda: engine(drafters, eager=True))
@@ -545,6 +606,10 @@ def markdown(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--probe"]:          # a child of `probe_configs`
+        spec = json.loads(argv[1])
+        print(json.dumps(probe(spec["model"], spec["device"], spec["graphs"], spec["fused"], spec["prompts"])))
+        return 0
     return run(build_parser().parse_args(argv), argv)
 
 

@@ -14,16 +14,19 @@ fp32 sums:
                                 the cache slots of their rows
 
 One program per row (RMSNorm, SiLU-mul) or per (row, head) (RoPE). `ENABLED` switches the model's
-use of them (engine/model.py: CUDA tensors only); the references are what the CPU runs.
+use of them (engine/model.py: CUDA tensors only; SPECSERVE_FUSED=0 turns them off); the references
+are what the CPU runs.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-ENABLED = True
+ENABLED = os.environ.get("SPECSERVE_FUSED") != "0"     # SPECSERVE_FUSED=0: the model runs the torch ops
 
 
 def _pow2(n: int) -> int:
