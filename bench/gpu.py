@@ -267,10 +267,10 @@ def measure_anatomy(engine, prompt, max_tokens: int = 64) -> dict:
         sync(engine.device)
         walls.append(time.perf_counter() - t0)
     graphs = engine.runner.graphs
-    meta = graphs._meta(1, 1)
+    meta = graphs._meta(1)
     with torch.inference_mode():
         repeats = 20 if engine.device.type == "cuda" else 2
-        replay = time_us(graphs.replays[(1, 1)], engine.device, repeats)
+        replay = time_us(graphs.replays[1], engine.device, repeats)
         eager = time_us(lambda: engine.model(graphs.input_ids[:1], graphs.positions[:1], engine.cache, meta),
                         engine.device, repeats)
     return {"step_ms": statistics.median(walls[2:] or walls) * 1e3, "graph_replay_ms": replay / 1e3,
@@ -311,12 +311,14 @@ def measure_drafters(engine, drafters, batches, max_tokens: int, anchor_every: i
     anchors = [plain_rate]
     pending: list[tuple[str, float, list, float]] = []
     results = {}
+    drafted: dict[str, dict] = {}     # per drafter: draft steps, drafted and accepted tokens in its runs
 
     def settle():
         ref = statistics.mean(anchors[-2:])
         for name, rate, outs, tau in pending:
             bad = sum(a != b for a, b in zip(outs, plain_outs))
-            results[name] = {"tok_s": rate, "speedup": rate / ref, "tau": tau, "mismatch_rate": bad / len(outs)}
+            results[name] = {"tok_s": rate, "speedup": rate / ref, "tau": tau, "mismatch_rate": bad / len(outs),
+                             **drafted.get(name, {})}
         pending.clear()
 
     for i, d in enumerate(drafters):
@@ -324,7 +326,12 @@ def measure_drafters(engine, drafters, batches, max_tokens: int, anchor_every: i
             results[d] = {"error": "skipped: out of time budget"}
             continue
         try:
+            before = engine.drafter_stats[d].copy()
             pending.append((d, *run(d, f"{d}")))
+            after = engine.drafter_stats[d]
+            drafted[d] = {"draft_steps": after.num_steps - before.num_steps,
+                          "draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
+                          "accepted_tokens": after.num_accepted_tokens - before.num_accepted_tokens}
         except Exception as exc:   # a drafter that fails is reported, the others still run
             results[d] = {"error": f"{type(exc).__name__}: {exc}"}
         if len(pending) >= anchor_every or i == len(drafters) - 1:
@@ -390,7 +397,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     json_path, md_path = out_dir / "gpu_summary.json", out_dir / f"gpu_{slug}.md"
     now = datetime.now().astimezone()
     summary: dict = {
-        "device": name, "date": now.date().isoformat(), "datetime": now.isoformat(timespec="seconds"),
+        "benchmark": "gpu", "device": name, "date": now.date().isoformat(), "datetime": now.isoformat(timespec="seconds"),
         "dtype": dtype_name, "dry_run": args.dry_run,
         "plain_tok_s": {}, "plain_eager_tok_s": {}, "hf_tok_s": {}, "hf_mode": None,
         "speedup": {}, "tau": {}, "greedy_mismatch_rate": {}, "drafter_tok_s": {},
@@ -507,7 +514,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                     summary["errors"].append(f"{d} at batch {b}, {policy}: {r['error']}")
                 else:
                     for key, value in (("speedup", r["speedup"]), ("drafter_tok_s", r["tok_s"]), ("tau", r["tau"]),
-                                       ("greedy_mismatch_rate", r["mismatch_rate"])):
+                                       ("greedy_mismatch_rate", r["mismatch_rate"]),
+                                       ("draft_steps", r.get("draft_steps"))):
                         summary.setdefault(key + suffix, {}).setdefault(d, {})[str(b)] = value
             save()
     del fixed_engine
@@ -573,13 +581,20 @@ def markdown(s: dict) -> str:
         for d in sorted(s["speedup"], key=lambda d: -max(s["speedup"][d].values())):
             cells = []
             for b in spec_sizes:
-                cells += [_f(s["speedup"][d].get(b), ".2f") + "×" if b in s["speedup"][d] else "–",
+                # drafted nothing (runs that record draft steps), or accepted nothing: the anchors' noise
+                idle = s.get("draft_steps", {}).get(d, {}).get(b, 1) == 0 or s["tau"][d].get(b) == 1.0
+                cells += [_f(s["speedup"][d].get(b), ".2f") + ("×†" if idle else "×") if b in s["speedup"][d] else "–",
                           _f(s["tau"][d].get(b), ".2f"), _f(s["drafter_tok_s"][d].get(b), ".0f"),
                           _f(s["greedy_mismatch_rate"][d].get(b), ".2f")]
             lines.append(f"| {d} | " + " | ".join(cells) + " |")
         anchors = s.get("plain_anchor_tok_s", {})
         lines += ["", "Plain decoding in those runs (mean of the anchors): "
-                  + ", ".join(f"batch {b} {_f(v, '.0f')} tok/s" for b, v in anchors.items()) + ".", ""]
+                  + ", ".join(f"batch {b} {_f(v, '.0f')} tok/s" for b, v in anchors.items()) + "."]
+        if any(v == 1.0 for t in s["tau"].values() for v in t.values()):
+            lines += ["† τ 1.00: no draft token was accepted (the draft policy drafted nothing, or nothing it drafted "
+                      "was accepted), so the speedup only shows how far the plain runs around it moved and what the "
+                      "drafter's per-step work costs."]
+        lines.append("")
     fixed = s.get("speedup_fixed") or {}
     if fixed:
         sizes_f = sorted({b for v in fixed.values() for b in v}, key=int)

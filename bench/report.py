@@ -49,6 +49,12 @@ BENCHMARKS: dict[str, Benchmark] = {
         "improvement; α: accepted / drafted tokens. With several draft-budget policies a method reads "
         "`drafter@policy`. At temperature 0 every drafter must reproduce plain decoding token for token: the "
         "greedy mismatches column counts the prompts where it did not."),
+    "gpu": Benchmark(
+        "GPU bring-up", "specserve.bench.gpu", "gpu",
+        "One run on a lent GPU machine (`tools/gpu-check`): the weight-read floor, plain decoding by batch size "
+        "(with CUDA graphs of the decode step where the run had them), every drafter against plain decoding at "
+        "batch 1 and 32 under the goodput draft policy, transformers `generate` at batch 1, and the Triton tree "
+        "attention against the torch reference on verification shapes."),
     "plain_decode": Benchmark(
         "Plain decoding", "specserve.bench.plain_decode", "plain",
         "Our engine's plain (non-speculative) decoding against transformers `generate`: batch 1, greedy, the same "

@@ -41,6 +41,7 @@ def test_the_dry_run_measures_every_figure_and_prints_the_table(tmp_path, tiny_l
         assert s["tau"][drafter]["1"] >= 1.0
         # fp32 on the CPU: speculation is lossless, token for token
         assert s["greedy_mismatch_rate"][drafter] == {"1": 0.0, "2": 0.0}
+    assert set(s["draft_steps"]) == {"ngram", "mag"}
     assert s["hf_tok_s"]["1"] > 0 and s["hf_mode"] == "eager"
     assert s["floor_ms_per_token"] > 0 and all(v["triton_us"] > 0 for v in s["kernel_us"].values())
     assert (out / "gpu_dry-run.md").read_text().startswith("## GPU bring-up")
