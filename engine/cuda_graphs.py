@@ -74,6 +74,9 @@ class CudaGraphBackend:
         def replay() -> torch.Tensor:
             graph.replay()
             return out
+        # the graph reads whatever `fn` closes over (static buffers, the bucket's metadata) at the
+        # addresses of capture time: they must live as long as the graph, not be freed and reused
+        replay.captured = fn
         return replay
 
 
