@@ -384,7 +384,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.dry_run:
         args.device, args.dtype = "cpu", "float32"
         args.batch_sizes, args.spec_batch_sizes = [1, 2], [1, 2]
-        args.prompts_at_1, args.max_tokens, args.hf_compile = 1, 8, False
+        args.prompts_at_1, args.max_tokens, args.hf_compile = 1, 6, False
         args.drafters = args.drafters or ["ngram", "eagle"]
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
@@ -436,6 +436,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     pools = {ds: [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, 32)] for ds in DATASETS}
     mixed = [p for group in zip(*pools.values()) for p in group]      # mt_bench, humaneval, gsm8k, ...
     at_1 = [p for ps in pools.values() for p in ps[:args.prompts_at_1]]
+    if args.dry_run:          # one prompt: the steps are what is checked, not the figures
+        at_1 = at_1[:1]
     longest = max(len(p) for p in mixed)
     max_len = -(-(longest + args.max_tokens + 64) // 256) * 256
     max_seqs = max(args.batch_sizes + args.spec_batch_sizes)
