@@ -154,6 +154,7 @@ class GoodputPolicy:
         self.seqs: dict[int, _Seq] = {}
         self.step = 0
         self.clock: dict[str, int] = {}   # drafter -> the steps it had candidates in (its keys' time)
+        self._step_memo: dict = {}         # what every sequence of one allocation reads alike (`gains`)
 
     def calibrate(self, profile_forward: Callable[[int], float], max_tokens: int, **kwargs) -> dict[int, float]:
         """Set the step cost curve from timed forwards (`cost.calibrate_step_cost`)."""
@@ -186,11 +187,12 @@ class GoodputPolicy:
             prior = mean   # a depth not measured yet is expected to accept as the one above it
         return means, uppers
 
-    def rates(self, own: _Evidence, key: _Evidence, optimist: bool = True) -> list[float]:
+    def rates(self, own: _Evidence, key: _Evidence, optimist: bool = True,
+              key_rates: tuple[list[float], list[float]] | None = None) -> list[float]:
         """A sequence's per-depth acceptance: its key's upper bound (its mean, when not `optimist`)
         plus its own deviation from its key's means (`own.hits` holds hits less those means),
-        shrunk by SEQ_WEIGHT trials."""
-        means, uppers = self.key_rates(key)
+        shrunk by SEQ_WEIGHT trials. `key_rates`: `key_rates(key)` when already computed."""
+        means, uppers = key_rates or self.key_rates(key)
         return [min(1.0, max(0.0, u + dev / (t + SEQ_WEIGHT)))
                 for u, dev, t in zip(uppers if optimist else means, own.hits, own.trials)]
 
@@ -206,21 +208,32 @@ class GoodputPolicy:
         key = self._key(st.key)
         optimist = st.key not in optimists
         optimists.add(st.key)
-        p, rates = key.p_tree(), self.rates(st.own, key, optimist)
+        # within a step a key's rates and a drafter's tree shapes are the same for every sequence
+        # reading them: computed once per step (`_step_memo`, reset by `allocate`)
+        memo = self._step_memo
+        key_rates = memo.get(id(key))
+        if key_rates is None:
+            key_rates = memo[id(key)] = self.key_rates(key)
+        p, rates = key.p_tree(), self.rates(st.own, key, optimist, key_rates)
         shape = self.shapes.setdefault(cand.drafter, _Shape())
+        means = memo.get((cand.drafter, tuple(sizes)))
+        if means is None:
+            means = memo[(cand.drafter, tuple(sizes))] = (
+                [shape.mean(shape.depth, s) for s in sizes], [shape.mean(shape.nodes, s) for s in sizes])
         gains, best = [], 0.0
-        for s in sizes:
-            best = max(best, min(float(s), p * expected_accepted(rates, shape.mean(shape.depth, s))))
+        for s, depth in zip(sizes, means[0]):
+            best = max(best, min(float(s), p * expected_accepted(rates, depth)))
             gains.append(best)
-        return gains, [p * shape.mean(shape.nodes, s) for s in sizes], p
+        return gains, [p * n for n in means[1]], p
 
     # ---- the allocation ----
 
     def allocate(self, candidates: list[Candidate], caps: StepCaps) -> list[int]:
         self.step += 1
+        self._step_memo = {}
         for name in {c.drafter for c in candidates}:
             self.clock[name] = self.clock.get(name, 0) + 1
-        predict, memo = self.step_cost.predict, {}
+        predict, memo, draft_memo = self.step_cost.predict, {}, {}
 
         def step_seconds(tokens: float) -> float:
             if tokens not in memo:
@@ -228,7 +241,10 @@ class GoodputPolicy:
             return memo[tokens]
 
         def draft_seconds(name: str, group: tuple[int, int, int]) -> float:
-            return self._drafter_cost(name).predict(*group)
+            key = (name, group)
+            if key not in draft_memo:
+                draft_memo[key] = self._drafter_cost(name).predict(*group)
+            return draft_memo[key]
 
         any_tree, per_tree = self.step_cost.tree_terms
         cands = []   # [candidate, sizes, gains, nodes, index of its size now, P(tree)]
@@ -287,6 +303,7 @@ class GoodputPolicy:
             draft_s += d_delta
             now_s = seconds(no_tree, extra, trees) + draft_s
             c[4] = j
+        self._step_memo = {}
         return [sizes[cur] for _, sizes, _, _, cur, _ in cands]
 
     # ---- observations ----
