@@ -36,7 +36,7 @@ def test_shipped_checkpoint_reproduces_plain_greedy_decoding(default_model):
     assert drafter.checkpoint_meta is not None and drafter.checkpoint_meta.kind == "ctc"   # the shipped one
     assert drafter.vocab.size == drafter.checkpoint_meta.hyperparams["vocab"]
     tok = engine.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False) for p in PROMPTS]
     plain = run_staggered(engine, prompts, "none", 40)
     assert all(len(t) > 5 for t in plain)
     assert run_staggered(engine, prompts, "ctc", 40) == plain

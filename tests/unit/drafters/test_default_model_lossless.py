@@ -42,7 +42,7 @@ def test_every_drafter_reproduces_plain_greedy_decoding(default_model):
                          "cascade": {"level_options": {"mag": {"corpus": str(corpus)}} if corpus.is_file() else None}}),
         loaded=default_model)
     tok = engine.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False) for p in PROMPTS]
     plain = run_staggered(engine, prompts, "none")
     assert all(len(t) > 5 for t in plain)
     for name in DRAFTERS:

@@ -47,7 +47,7 @@ def test_shipped_checkpoint_reproduces_plain_greedy_decoding(default_model):
     assert meta.tree and drafter.tree_name == meta.tree["name"] and drafter.order == meta.tree["order"]
     assert drafter.vocab.size == 8192                        # the default draft vocabulary, from its ranking
     tok = engine.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False) for p in PROMPTS]
     plain = run(engine, prompts, "none")
     assert all(len(t) > 5 for t in plain) and sum(map(len, plain)) > 60
     assert run(engine, prompts, "falcon") == plain

@@ -236,7 +236,7 @@ def test_mag_is_lossless_on_smollm2(default_model, tmp_path):
     questions = ["What is the capital of France? Answer in one sentence.",
                  "List the days of the week, separated by commas.",
                  "Repeat after me: the cat sat on the mat, the cat sat on the mat."]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False, tokenize=True)
                for q in questions]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     kw = dict(max_model_len=256, num_kv_blocks=256, max_num_batched_tokens=256)

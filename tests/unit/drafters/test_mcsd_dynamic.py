@@ -281,7 +281,7 @@ def test_dynamic_mcsd_on_the_default_model_is_lossless(default_model, tmp_path):
 
     static = engine({})
     tok = static.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False) for t in texts]
     rows = log_outcomes(static, "student", prompts, max_tokens=24, temperature=0.0).tensors()
     top1 = rows["topk"][:, 0]
     rule = (top1 > top1.median()).float()

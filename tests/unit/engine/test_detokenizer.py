@@ -250,7 +250,8 @@ def test_smollm2_tokenizer_streaming():
         tokenizer = load_model("default").tokenizer
     except Exception as e:  # the loader or the GGUF may be missing here
         pytest.skip(f"SmolLM2 tokenizer unavailable: {e}")
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                           return_dict=False)
     if isinstance(prompt, str):
         prompt = tokenizer.encode(prompt)
     for text in TEXTS + ["Héllo wörld, 你好世界 🤗🚀 ok"]:

@@ -80,7 +80,7 @@ def test_smollm2_greedy_equals_hf_generate(default_model):
     questions = ["What is the capital of France?", "Write a haiku about autumn.", "Explain gravity to a child.",
                  "List three prime numbers.", "def fibonacci(n):", "Translate 'good morning' to Spanish.",
                  "Why is the sky blue?", "Give me a recipe for pancakes.", "What is 17 times 3?"]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False) for q in questions]
     staggered_greedy_matches_hf(engine, hf, prompts, max_new=24)
 
 

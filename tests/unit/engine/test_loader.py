@@ -16,6 +16,9 @@ import torch
 from specserve.engine import loader
 from specserve.engine.errors import ModelNotFoundError, UnsupportedModelError
 from specserve.engine.loader import SUPPORTED_ARCHITECTURES, LoadedModel, load_model, locate_default_gguf
+from specserve.engine.model import hf_rope_parameters
+
+TRANSFORMERS_MAJOR = int(__import__("transformers").__version__.split(".")[0])
 
 
 def reference_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -48,6 +51,7 @@ def test_tiny_llama_folder_loads_the_saved_tensors(tiny_llama_dir):
     assert m.tokenizer.decode(m.tokenizer(text).input_ids) == text
 
 
+@pytest.mark.skipif(TRANSFORMERS_MAJOR >= 5, reason="transformers 5 saves safetensors only (no .bin to read back)")
 def test_path_object_and_sharded_bin_weights(tmp_path, tiny_llama_dir):
     import transformers
     folder = tmp_path / "sharded"
@@ -187,7 +191,7 @@ def write_tiny_gguf(folder: Path, out: Path) -> Path:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_rope_freq_base(hf_rope_parameters(cfg)[0])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
@@ -243,9 +247,10 @@ def test_gguf_file_converts_then_loads_from_cache(tmp_path, tiny_gguf, tiny_llam
     assert tok("Hello world").input_ids == original("Hello world").input_ids
 
     (folder,) = (cache / "gguf").iterdir()
-    assert sorted(p.name for p in folder.iterdir()) == [
+    # no GGUF copy as tokenizer.model (transformers 5 writes no special_tokens_map.json)
+    assert sorted(p.name for p in folder.iterdir() if p.name != "special_tokens_map.json") == [
         "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
-        "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]  # no GGUF copy as tokenizer.model
+        "tokenizer.json", "tokenizer_config.json"]
 
     monkeypatch.setattr(loader, "_convert_gguf", lambda *a: pytest.fail("cache not used"))
     second = load_model(str(tiny_gguf), cache_dir=cache)

@@ -36,7 +36,7 @@ ENGINE = dict(max_model_len=256, num_kv_blocks=512, max_num_batched_tokens=256, 
 @pytest.fixture(scope="module")
 def prompts(default_model):
     tok = default_model.tokenizer
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False, tokenize=True)
             for q in QUESTIONS]
 
 
