@@ -190,6 +190,12 @@ def _load_hf_folder(folder: Path, name: str) -> LoadedModel:
                        tokenizer=tokenizer, eos_token_ids=_eos_token_ids(config, generation_config, tokenizer))
 
 
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
 def _tokenizer_as_saved(tokenizer: Any, folder: Path) -> Any:
     """`tokenizer`, or the folder's tokenizer.json read as it is where their pipelines differ.
 
@@ -201,7 +207,7 @@ def _tokenizer_as_saved(tokenizer: Any, folder: Path) -> Any:
     from tokenizers import Tokenizer
 
     file = folder / "tokenizer.json"
-    if int(transformers.__version__.split(".")[0]) < 5 or not file.is_file():
+    if _transformers_major() < 5 or not file.is_file():
         return tokenizer
     saved = json.loads(Tokenizer.from_file(str(file)).to_str())
     built = json.loads(tokenizer.backend_tokenizer.to_str())
@@ -278,10 +284,8 @@ def _gguf_cache_key(path: Path, chunk: int = 1 << 20) -> str:
     """16 hex digits identifying the file cheaply: its size and sha256 of its first and last MiB; from
     transformers 5 on, its major version too (transformers 4 misreads the config.json that 5 writes, where
     rope_theta lives in rope_parameters, and cannot build its tokenizer class, TokenizersBackend)."""
-    import transformers
-
     size = path.stat().st_size
-    major = int(transformers.__version__.split(".")[0])
+    major = _transformers_major()
     version = f"transformers{major}:" if major >= 5 else ""
     h = hashlib.sha256(f"specserve-gguf-v{GGUF_CACHE_VERSION}:{size}:{version}".encode())
     with path.open("rb") as f:

@@ -233,13 +233,14 @@ def apply_rope_rows(x: torch.Tensor, rope: RopeRows) -> torch.Tensor:
 
 
 _FUSED = None   # kernels.fused once imported; False where triton is missing
+_FUSED_ON_CPU = os.environ.get("SPECSERVE_FUSED") == "1"   # tests under TRITON_INTERPRET=1
 
 
 def fused_kernels(x: torch.Tensor):
     """`kernels.fused` when the layer of `x` runs them: a CUDA tensor (or SPECSERVE_FUSED=1, for
     tests under TRITON_INTERPRET=1 on the CPU), triton importable and `fused.ENABLED`; else None."""
     global _FUSED
-    if not x.is_cuda and os.environ.get("SPECSERVE_FUSED") != "1":
+    if not x.is_cuda and not _FUSED_ON_CPU:
         return None
     if _FUSED is None:
         try:
@@ -264,13 +265,14 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
+        self.fusable = cfg.head_dim & (cfg.head_dim - 1) == 0   # the fused RoPE kernel tiles a power of two
 
     def forward(self, h, rope: RopeRows, k_cache, v_cache, meta: AttnMetadata):
         """h [T, hidden] -> [T, hidden]; the new keys and values go to the cache slots `meta`
         names before attention. `rope`: `rope_rows` of the rows' positions. On CUDA the element-wise
         parts run as fused kernels (`kernels/fused.py`: the same maths, one launch each)."""
-        fused = fused_kernels(h)
-        if fused is not None and self.head_dim & (self.head_dim - 1) == 0:
+        fused = fused_kernels(h) if self.fusable else None
+        if fused is not None:
             x = fused.rms_norm(h, self.input_norm, self.eps)
             qkv = linear(x, self.qkv.weight, self.qkv.bias)
             q = fused.rope_and_cache(qkv, rope.cos, rope.sin_signed, meta.slot_mapping, k_cache, v_cache,

@@ -29,10 +29,6 @@ import triton.language as tl
 ENABLED = os.environ.get("SPECSERVE_FUSED") != "0"     # SPECSERVE_FUSED=0: the model runs the torch ops
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 # ---- RMSNorm, with the residual add before it ---------------------------------------------------
 
 
@@ -60,7 +56,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     T, H = x.shape
     _rms_norm_kernel[(T,)](x, x, weight, out, out, H, eps, x.stride(0), 0, out.stride(0), 0,
-                           HAS_RES=False, BLOCK=_pow2(H))
+                           HAS_RES=False, BLOCK=triton.next_power_of_2(H))
     return out
 
 
@@ -70,7 +66,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     out, h = torch.empty_like(x), torch.empty_like(x)
     T, H = x.shape
     _rms_norm_kernel[(T,)](x, residual, weight, out, h, H, eps, x.stride(0), residual.stride(0), out.stride(0),
-                           h.stride(0), HAS_RES=True, BLOCK=_pow2(H))
+                           h.stride(0), HAS_RES=True, BLOCK=triton.next_power_of_2(H))
     return out, h
 
 
@@ -103,7 +99,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     T, two_i = gate_up.shape
     n = two_i // 2
     out = torch.empty(T, n, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, _pow2(n))
+    block = min(1024, triton.next_power_of_2(n))
     _silu_mul_kernel[(T, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block)
     return out
 

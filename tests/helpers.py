@@ -202,3 +202,19 @@ def two_part_drafter() -> str:
 
     TwoPartDrafter.name = name
     return name
+
+
+def run_interpreted_child(script: str, *args: str, env: dict[str, str], cwd=None) -> dict:
+    """Run the test module `script` as a script in a child process with Triton's CPU interpreter on
+    (TRITON_INTERPRET=1 must be set before triton is first imported) and `env` added; returns the
+    JSON of the last line it prints."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, script, *args], env={**os.environ, "TRITON_INTERPRET": "1", **env},
+                          capture_output=True, text=True, timeout=600, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+

@@ -154,7 +154,6 @@ class GoodputPolicy:
         self.seqs: dict[int, _Seq] = {}
         self.step = 0
         self.clock: dict[str, int] = {}   # drafter -> the steps it had candidates in (its keys' time)
-        self._step_memo: dict = {}         # what every sequence of one allocation reads alike (`gains`)
 
     def calibrate(self, profile_forward: Callable[[int], float], max_tokens: int, **kwargs) -> dict[int, float]:
         """Set the step cost curve from timed forwards (`cost.calibrate_step_cost`)."""
@@ -196,7 +195,8 @@ class GoodputPolicy:
         return [min(1.0, max(0.0, u + dev / (t + SEQ_WEIGHT)))
                 for u, dev, t in zip(uppers if optimist else means, own.hits, own.trials)]
 
-    def gains(self, cand: Candidate, sizes: list[int], optimists: set) -> tuple[list[float], list[float], float]:
+    def gains(self, cand: Candidate, sizes: list[int], optimists: set,
+              memo: dict) -> tuple[list[float], list[float], float]:
         """(expected accepted tokens, expected draft nodes) for each of `sizes`, and P(tree). The
         first candidate of each key in a step reads the key at its upper bound, the others at its
         mean (`optimists`: the keys already read so this step)."""
@@ -209,8 +209,7 @@ class GoodputPolicy:
         optimist = st.key not in optimists
         optimists.add(st.key)
         # within a step a key's rates and a drafter's tree shapes are the same for every sequence
-        # reading them: computed once per step (`_step_memo`, reset by `allocate`)
-        memo = self._step_memo
+        # reading them: computed once per step (`memo`, the allocation's)
         key_rates = memo.get(id(key))
         if key_rates is None:
             key_rates = memo[id(key)] = self.key_rates(key)
@@ -230,7 +229,6 @@ class GoodputPolicy:
 
     def allocate(self, candidates: list[Candidate], caps: StepCaps) -> list[int]:
         self.step += 1
-        self._step_memo = {}
         for name in {c.drafter for c in candidates}:
             self.clock[name] = self.clock.get(name, 0) + 1
         predict, memo, draft_memo = self.step_cost.predict, {}, {}
@@ -249,9 +247,10 @@ class GoodputPolicy:
         any_tree, per_tree = self.step_cost.tree_terms
         cands = []   # [candidate, sizes, gains, nodes, index of its size now, P(tree)]
         optimists: set = set()
+        shared: dict = {}   # what every candidate reads alike (`gains`)
         for c in candidates:
             sizes = [s for s in self.sizes if s <= c.cap] if caps.max_total > 0 else [0]
-            gains, nodes, p = self.gains(c, sizes, optimists) if len(sizes) > 1 else ([0.0], [0.0], 0.0)
+            gains, nodes, p = self.gains(c, sizes, optimists, shared) if len(sizes) > 1 else ([0.0], [0.0], 0.0)
             cands.append([c, sizes, gains, nodes, 0, p])
         n0 = float(caps.base_tokens)
         t0 = step_seconds(n0)
@@ -303,7 +302,6 @@ class GoodputPolicy:
             draft_s += d_delta
             now_s = seconds(no_tree, extra, trees) + draft_s
             c[4] = j
-        self._step_memo = {}
         return [sizes[cur] for _, sizes, _, _, cur, _ in cands]
 
     # ---- observations ----

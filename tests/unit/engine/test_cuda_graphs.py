@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -69,12 +67,10 @@ def compare_with_eager(model_dir: str, device: str, stand_in: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted(tiny_llama_dir):
+    from helpers import run_interpreted_child   # (not at the top: this file also runs as a script)
     # the layers' fused kernels too, as on CUDA
-    env = {**os.environ, "TRITON_INTERPRET": "1", "SPECSERVE_ATTENTION": "triton", "SPECSERVE_FUSED": "1"}
-    proc = subprocess.run([sys.executable, __file__, str(tiny_llama_dir)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted_child(__file__, str(tiny_llama_dir), cwd=ROOT,
+                                 env={"SPECSERVE_ATTENTION": "triton", "SPECSERVE_FUSED": "1"})
 
 
 @needs_triton

@@ -15,8 +15,6 @@ import importlib.util
 import json
 import os
 import random
-import subprocess
-import sys
 import traceback
 
 import pytest
@@ -165,10 +163,8 @@ def run_interpreted() -> dict[str, str | None]:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "SPECSERVE_ATTENTION": "triton"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from helpers import run_interpreted_child   # (not at the top: this file also runs as a script)
+    return run_interpreted_child(__file__, env={"SPECSERVE_ATTENTION": "triton"})
 
 
 @needs_triton
