@@ -36,9 +36,11 @@ drafts. Three ideas make it:
 
 3. Exploration by optimism. Each r_key_d is read at its upper confidence bound, its mean plus
    one standard deviation of its evidence (a Beta posterior's, about sqrt(r (1 - r) / (n + 1))),
-   by the first candidate of its key in a step; the others read its mean. One tree a step is
-   enough to learn from, and in a crowd optimism for every sequence alike drafts where the
-   means say it does not pay (n-gram drafters at 16 streams on a CPU: 0.94x plain). Evidence
+   by one candidate of each drafter in a step, the one whose key has the least evidence (its
+   first depth's trials); the others read their keys' means. One tree a step is enough to learn
+   from, and in a crowd optimism for every key alike drafts where the means say it does not pay
+   (an n-gram drafter has 5 contexts x 4 outcomes = 20 keys: at 16 streams nearly every sequence
+   was the first of its key, and ngram read 0.92x plain under continuous admission). Evidence
    fades with time: a key's by KEY_DECAY per step its drafter serves in (a step with a candidate
    of that drafter: a drafter idle while others serve keeps what it learnt), a sequence's own by
    SEQ_DECAY per step it could draft. A depth, context or drafter not
@@ -195,19 +197,20 @@ class GoodputPolicy:
         return [min(1.0, max(0.0, u + dev / (t + SEQ_WEIGHT)))
                 for u, dev, t in zip(uppers if optimist else means, own.hits, own.trials)]
 
-    def gains(self, cand: Candidate, sizes: list[int], optimists: set,
-              memo: dict) -> tuple[list[float], list[float], float]:
-        """(expected accepted tokens, expected draft nodes) for each of `sizes`, and P(tree). The
-        first candidate of each key in a step reads the key at its upper bound, the others at its
-        mean (`optimists`: the keys already read so this step)."""
+    def _seq_key(self, cand: Candidate) -> tuple[_Seq, _Evidence]:
+        """The candidate's sequence state (its own evidence faded to now) and its key's evidence."""
         st = self.seqs.get(cand.seq_id)
         if st is None:
             st = self.seqs[cand.seq_id] = _Seq(_Evidence(self.depth, SEQ_DECAY, self.step))
         st.own.fade(self.step)
         st.key = (cand.drafter, cand.context, st.outcome)
-        key = self._key(st.key)
-        optimist = st.key not in optimists
-        optimists.add(st.key)
+        return st, self._key(st.key)
+
+    def gains(self, cand: Candidate, sizes: list[int], optimist: bool,
+              memo: dict) -> tuple[list[float], list[float], float]:
+        """(expected accepted tokens, expected draft nodes) for each of `sizes`, and P(tree); the
+        key read at its upper bound when `optimist`, else at its mean."""
+        st, key = self._seq_key(cand)
         # within a step a key's rates and a drafter's tree shapes are the same for every sequence
         # reading them: computed once per step (`memo`, the allocation's)
         key_rates = memo.get(id(key))
@@ -226,6 +229,17 @@ class GoodputPolicy:
         return gains, [p * n for n in means[1]], p
 
     # ---- the allocation ----
+
+    def optimists(self, candidates: list[Candidate]) -> set[int]:
+        """The candidates (indices) that read their key at its upper bound this step: one per
+        drafter, the one whose key has the least evidence at its first depth (the earliest on a tie)."""
+        best: dict[str, tuple[float, int]] = {}
+        for i, c in enumerate(candidates):
+            trials = self._seq_key(c)[1].trials[0]
+            if c.drafter not in best or trials < best[c.drafter][0]:
+                best[c.drafter] = (trials, i)
+        return {i for _, i in best.values()}
+
 
     def allocate(self, candidates: list[Candidate], caps: StepCaps) -> list[int]:
         self.step += 1
@@ -246,11 +260,12 @@ class GoodputPolicy:
 
         any_tree, per_tree = self.step_cost.tree_terms
         cands = []   # [candidate, sizes, gains, nodes, index of its size now, P(tree)]
-        optimists: set = set()
+        optimists = self.optimists(candidates)
         shared: dict = {}   # what every candidate reads alike (`gains`)
-        for c in candidates:
+        for i, c in enumerate(candidates):
             sizes = [s for s in self.sizes if s <= c.cap] if caps.max_total > 0 else [0]
-            gains, nodes, p = self.gains(c, sizes, optimists, shared) if len(sizes) > 1 else ([0.0], [0.0], 0.0)
+            gains, nodes, p = (self.gains(c, sizes, i in optimists, shared) if len(sizes) > 1
+                               else ([0.0], [0.0], 0.0))
             cands.append([c, sizes, gains, nodes, 0, p])
         n0 = float(caps.base_tokens)
         t0 = step_seconds(n0)

@@ -215,14 +215,38 @@ def test_finished_sequences_are_forgotten(name):
     assert not getattr(policy, "seqs", {})
 
 
-def test_one_optimist_per_key_and_step():
-    """Sixteen new sequences of one drafter, where a tree pays only if acceptance is better than
-    the prior's even odds: the first reads the key optimistically and drafts (to find out), the
-    others read its mean and do not. At batch 1 the one sequence is the optimist."""
+def test_one_optimist_per_drafter_and_step():
+    """Sixteen new sequences of one drafter in four contexts (four keys), where a tree pays only if
+    acceptance is better than the prior's even odds: one sequence reads its key optimistically and
+    drafts (to find out), the others read their keys' means and do not, whatever their keys; with
+    two drafters, one of each. At batch 1 the one sequence is the optimist."""
     policy = GoodputPolicy(8, 160)
     policy.calibrate(STEEP, 160)
-    crowd = policy.allocate([Candidate(i, "d", 8) for i in range(16)], StepCaps(64, 16, 16, 16))
+    crowd = policy.allocate([Candidate(i, "d", 8, i % 4) for i in range(16)], StepCaps(64, 16, 16, 16))
     assert crowd[0] > 0 and crowd[1:] == [0] * 15
+    mixed = GoodputPolicy(8, 160)
+    mixed.calibrate(STEEP, 160)
+    sizes = mixed.allocate([Candidate(i, "de"[i % 2], 8, i % 4) for i in range(16)], StepCaps(64, 16, 16, 16))
+    assert [i for i, b in enumerate(sizes) if b] == [0, 1]
     alone = GoodputPolicy(8, 160)
     alone.calibrate(STEEP, 160)
     assert alone.allocate([Candidate(0, "d", 8)], StepCaps(64, 1, 1, 1))[0] > 0
+
+
+def test_the_optimist_is_the_least_tried_key():
+    """Once a key has evidence, the optimism goes to a sequence whose key has none, though it
+    comes later in the step."""
+    policy = GoodputPolicy(8, 160)
+    policy.calibrate(STEEP, 160)
+    crowd = [Candidate(i, "d", 8, 0 if i == 0 else 1) for i in range(16)]
+    sizes = policy.allocate(crowd, StepCaps(64, 16, 16, 16))
+    assert sizes[0] > 0 and sizes[1:] == [0] * 15
+    seq = SimpleNamespace(seq_id=0, drafter="d")
+    policy.observe(StepReport(granted=dict(enumerate(sizes)),
+                              drafts=[DraftCall("d", [0], [sizes[0]], [sizes[0]], 0.0)],
+                              outcomes=[TreeOutcome(seq, sizes[0], sizes[0], 0)], num_tokens=16 + sizes[0],
+                              num_trees=1, seconds=STEEP(16 + sizes[0]), finished=[0]))
+    # a new sequence in the tried key (context 0, first tree) comes first; the untried key's next
+    crowd = [Candidate(16, "d", 8, 0)] + crowd[1:]
+    again = policy.allocate(crowd, StepCaps(64, 16, 16, 16))
+    assert again[0] == 0 and again[1] > 0 and again[2:] == [0] * 14
