@@ -1,12 +1,14 @@
 """The target forward's cost by step size: seconds of one forward plus the LM head on every row,
-for n new tokens (a decode row and the nodes of a draft tree) after a prefix, with the CPU's
-prepacked weights (`LlamaModel.pack_weights`) and without. This is the curve the goodput budget
-learns: what a draft tree of n - 1 nodes adds to a step.
+for n new tokens (a decode row and the nodes of a draft tree) after a prefix, for each variant of
+the weights: fp32 as they are (`unpacked`), fp32 with the CPU's prepacked copies
+(`LlamaModel.pack_weights`, `prepacked`), and weight-only quantized (`engine/quant.py`: `int8`,
+`int4`, with fp32 activations, or `int8-bf16`, `int4-bf16` with bf16 ones). This is the curve the
+goodput budget learns (what a draft tree of n - 1 nodes adds to a step) and what quantization buys.
 
-    python -m specserve.bench.forward_cost --prefix 256 --tokens 1 2 3 5 9 17 33
+    python -m specserve.bench.forward_cost --prefix 256 --tokens 1 2 3 5 9 17 33 [--variants unpacked prepacked int8 int4]
 
-Both variants run on the same model, interleaved (A B A B ...), and each figure is the median of
-`--repeats` timings, so a machine that slows down during the run slows both alike.
+The variants run on the same model, interleaved (A B C A B C ...), and each figure is the median of
+`--repeats` timings, so a machine that slows down during the run slows all alike.
 """
 
 from __future__ import annotations
@@ -22,39 +24,65 @@ from pathlib import Path
 import torch
 
 
-def _take_packed(model) -> dict:
-    """Remove the prepacked copies from `model`'s weights; returns them ({name: copy}) to put back."""
+COPIES = ("_specserve_packed", "_specserve_quant")   # what `engine.model.linear` computes with, where present
+VARIANTS = ("unpacked", "prepacked", "int8", "int8-bf16", "int4", "int4-bf16")
+
+
+def _take(model) -> dict:
+    """Remove the prepacked and quantized copies from `model`'s weights; returns them ({(name,
+    attribute): copy}) to put back."""
     out = {}
     for name, p in model.named_parameters():
-        if hasattr(p, "_specserve_packed"):
-            out[name] = p._specserve_packed
-            del p._specserve_packed
+        for attr in COPIES:
+            if hasattr(p, attr):
+                out[(name, attr)] = getattr(p, attr)
+                delattr(p, attr)
     return out
 
 
-def _put_packed(model, copies: dict) -> None:
+def _put(model, copies: dict) -> None:
     for name, p in model.named_parameters():
-        if name in copies:
-            p._specserve_packed = copies[name]
+        for attr in COPIES:
+            if (name, attr) in copies:
+                setattr(p, attr, copies[(name, attr)])
+
+
+def _variant_copies(model, variant: str) -> tuple[dict, int]:
+    """The weight copies `variant` computes with, made on a bare `model` and taken off it again."""
+    from specserve.engine.quant import quantize_model
+
+    if variant == "prepacked":
+        done = model.pack_weights()
+    elif variant != "unpacked":
+        kind, _, act = variant.partition("-")
+        done = quantize_model(model, kind, act_dtype=torch.bfloat16 if act == "bf16" else torch.float32)["weights"]
+    else:
+        done = 0
+    return _take(model), done
 
 
 def markdown(result: dict) -> str:
-    """The table of a run's JSON: milliseconds per forward by new tokens, unpacked and prepacked weights."""
+    """The table of a run's JSON: milliseconds per forward by new tokens, per variant of the weights,
+    and each against the first variant and against its own 1-token forward."""
     m, ms = result["machine"], result["forward_ms"]
-    tokens = sorted(ms["unpacked"], key=int)
+    variants = list(ms)
+    first = variants[0]
+    tokens = sorted(ms[first], key=int)
     lines = [f"## Target forward + LM head by new tokens: {result['model']} (cpu, {result['dtype']})", "",
              f"{result['date']}; {m['platform']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch threads; torch "
              f"{result['torch']}; prefix {result['prefix']} tokens; median of {result['repeats']}, variants "
              "interleaved.", ""]
     if result.get("command"):
         lines += [f"`{result['command']}`", ""]
-    lines += ["| new tokens | unpacked ms | prepacked ms | prepacked / unpacked | unpacked vs 1 token | "
-              "prepacked vs 1 token |", "|---|---|---|---|---|---|"]
-    base = {v: ms[v][tokens[0]] for v in ms}
+    lines += ["| new tokens | " + " | ".join(f"{v} ms" for v in variants) + " | "
+              + " | ".join(f"{v} / {first}" for v in variants[1:]) + " | "
+              + " | ".join(f"{v} vs 1 token" for v in variants) + " |",
+              "|---" * (1 + 3 * len(variants) - 1) + "|"]
+    base = {v: ms[v][tokens[0]] for v in variants}
     for n in tokens:
-        u, p = ms["unpacked"][n], ms["prepacked"][n]
-        lines.append(f"| {n} | {u:.1f} | {p:.1f} | {p / u:.2f} | {u / base['unpacked']:.2f} | "
-                     f"{p / base['prepacked']:.2f} |")
+        lines.append(f"| {n} | " + " | ".join(f"{ms[v][n]:.1f}" for v in variants) + " | "
+                     + " | ".join(f"{ms[v][n] / ms[first][n]:.2f}" for v in variants[1:]) + " | "
+                     + " | ".join(f"{ms[v][n] / base[v]:.2f}" for v in variants) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -66,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="new tokens per forward (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=15, help="timings per variant and size (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--variants", nargs="+", default=["unpacked", "prepacked"], choices=VARIANTS,
+                    help="weights to time, the first the reference (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/cpu_linear_pack",
                     help="writes OUT.json and OUT.md (default: %(default)s)")
     args = ap.parse_args(argv)
@@ -107,28 +137,28 @@ def main(argv: list[str] | None = None) -> int:
         model.compute_logits(model(ids, positions, cache, meta))
         return time.perf_counter() - t0
 
-    variants = ("unpacked", "prepacked")
+    variants = list(dict.fromkeys(args.variants))
     times: dict[str, dict[int, list[float]]] = {v: {n: [] for n in args.tokens} for v in variants}
-    packed = model.pack_weights()
-    copies = _take_packed(model)   # kept alive throughout: both variants run with the same memory in use
+    copies, done = {}, {}
+    for v in variants:   # all kept alive throughout: every variant runs with the same memory in use
+        copies[v], done[v] = _variant_copies(model, v)
     for r in range(args.repeats + 1):           # the first round warms up and is discarded
         for v in variants:
-            if v == "prepacked":
-                _put_packed(model, copies)
-            else:
-                _take_packed(model)
+            _take(model)
+            _put(model, copies[v])
             for n in args.tokens:
                 s = forward(n)
                 if r:
                     times[v][n].append(s)
-    if not packed:
-        print("forward_cost: this torch/CPU cannot prepack weights; both columns are unpacked", file=sys.stderr)
+    for v in variants:
+        if v != "unpacked" and not done[v]:
+            print(f"forward_cost: this torch/CPU cannot make the {v} weights; that column is unpacked", file=sys.stderr)
     ms = {v: {n: 1000 * statistics.median(times[v][n]) for n in args.tokens} for v in variants}
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     cmd = "python -m specserve.bench.forward_cost " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {"benchmark": "forward_cost", "command": cmd.strip(), "date": stamp, "machine": machine_info("cpu"),
               "torch": torch.__version__, "transformers": transformers.__version__, "model": loaded.name,
-              "dtype": "float32", "prefix": args.prefix, "repeats": args.repeats, "weights_packed": packed,
+              "dtype": "float32", "prefix": args.prefix, "repeats": args.repeats, "weights_done": done,
               "forward_ms": {v: {str(n): round(t, 2) for n, t in ms[v].items()} for v in variants}}
     text = markdown(result)
     print(text)

@@ -1,7 +1,11 @@
 """Plain (non-speculative) decoding: our engine vs transformers `generate`, batch 1, same prompts,
 same greedy settings, same number of new tokens. Prints a markdown table and writes JSON.
 
-    python -m specserve.bench.plain_decode --num-prompts 8 --max-tokens 128
+    python -m specserve.bench.plain_decode --num-prompts 8 --max-tokens 128 [--quantization none int8 int4]
+
+With several `--quantization` kinds, one engine per kind from the same load, run prompt by prompt in
+turn (a slow stretch of the machine hits every kind alike); each kind's greedy outputs are compared
+with the unquantized engine's (same tokens: prompts whose whole continuation is identical).
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=("none", "int8", "int4"),
+                    help="weight-only quantization of our engine, one engine per kind (default: none)")
+    ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers generate")
     ap.add_argument("--out", default="bench/results/plain_decode.json")
     args = ap.parse_args(argv)
     if args.threads:
@@ -54,39 +61,64 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     loaded = load_model(args.model)
-    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_model_len=2048,
-                                    max_num_seqs=1), loaded=loaded)
-    hf = build_hf_model(loaded)
+    kinds = list(dict.fromkeys(args.quantization))
+    engines = {kind: LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_model_len=2048,
+                                            max_num_seqs=1, quantization=kind), loaded=loaded) for kind in kinds}
+    hf = build_hf_model(loaded) if args.hf else None
     prompts = [chat_ids(loaded.tokenizer, t) for t in load_prompts(args.dataset, args.num_prompts)]
-    # warm-up both on a short prompt
-    run_ours(engine, prompts[:1], 8)
-    run_hf(hf, prompts[:1], 8)
-    ours_n, ours_t, ours_out = run_ours(engine, prompts, args.max_tokens)
-    hf_n, hf_t, hf_out = run_hf(hf, prompts, args.max_tokens)
-    same = sum(a == b for a, b in zip(ours_out, hf_out))
+    # warm-up on a short prompt
+    for engine in engines.values():
+        run_ours(engine, prompts[:1], 8)
+    if hf is not None:
+        run_hf(hf, prompts[:1], 8)
+    tally = {kind: [0, 0.0, []] for kind in kinds}
+    for p in prompts:   # prompt by prompt, every kind in turn
+        for kind, engine in engines.items():
+            n, t, out = run_ours(engine, [p], args.max_tokens)
+            tally[kind][0] += n
+            tally[kind][1] += t
+            tally[kind][2] += out
+    ours = {kind: n / t for kind, (n, t, _) in tally.items()}
+    first = kinds[0]
     result = {
         "benchmark": "plain_decode",
         "command": "python -m specserve.bench.plain_decode " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": date.today().isoformat(), "machine": f"{platform.machine()} {torch.get_num_threads()} threads, CPU",
         "model": loaded.name, "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
-        "ours_tok_s": ours_n / ours_t, "hf_tok_s": hf_n / hf_t, "speedup_vs_hf": (ours_n / ours_t) / (hf_n / hf_t),
-        "identical_outputs": f"{same}/{len(prompts)}", "torch": torch.__version__, "transformers": transformers.__version__,
+        "ours_tok_s": ours[first], "quantization": ours, "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "same_as_unquantized": {kind: f"{sum(a == b for a, b in zip(tally[kind][2], tally['none'][2]))}/{len(prompts)}"
+                                for kind in kinds if kind != "none" and "none" in tally},
     }
+    if hf is not None:
+        hf_n, hf_t, hf_out = run_hf(hf, prompts, args.max_tokens)
+        result.update(hf_tok_s=hf_n / hf_t, speedup_vs_hf=ours[first] / (hf_n / hf_t),
+                      identical_outputs=f"{sum(a == b for a, b in zip(tally[first][2], hf_out))}/{len(prompts)}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(markdown(result))
 
 
 def markdown(result: dict) -> str:
-    """The table of a run's JSON: batch-1 greedy tokens/s of our plain decoding and of transformers."""
-    return "\n".join([
-        f"## Plain decoding: {result['model']} (batch 1, fp32, {result['num_prompts']} {result['dataset']} prompts "
-        f"× {result['max_tokens']} tokens)", "",
-        "| engine | tokens/s (batch 1, fp32) |", "|---|---|",
-        f"| specserve plain decoding | {result['ours_tok_s']:.1f} |",
-        f"| transformers generate | {result['hf_tok_s']:.1f} |", "",
-        f"speed-up {result['speedup_vs_hf']:.2f}x, identical greedy outputs {result['identical_outputs']}, "
-        f"{result['machine']}, {result['date']}; torch {result['torch']}, transformers {result['transformers']}."]) + "\n"
+    """The table of a run's JSON: batch-1 greedy tokens/s of our plain decoding (per quantization)
+    and of transformers."""
+    kinds = result.get("quantization") or {"none": result["ours_tok_s"]}
+    base = kinds.get("none")
+    lines = [f"## Plain decoding: {result['model']} (batch 1, {result['num_prompts']} {result['dataset']} prompts "
+             f"× {result['max_tokens']} tokens)", "",
+             "| engine | weights | tokens/s | vs unquantized | same greedy output |", "|---|---|---|---|---|"]
+    same = result.get("same_as_unquantized", {})
+    for kind, tok_s in kinds.items():
+        ratio = f"{tok_s / base:.2f}x" if base else "–"
+        lines.append(f"| specserve plain decoding | {'fp32' if kind == 'none' else kind} | {tok_s:.1f} | {ratio} | "
+                     f"{same.get(kind, '–')} |")
+    if result.get("hf_tok_s"):
+        lines.append(f"| transformers generate | fp32 | {result['hf_tok_s']:.1f} | – | – |")
+    tail = [f"{result['machine']}, {result['date']}; torch {result['torch']}, transformers {result['transformers']}."]
+    if result.get("speedup_vs_hf"):
+        tail.insert(0, f"speed-up over transformers {result['speedup_vs_hf']:.2f}x, identical greedy outputs "
+                       f"{result['identical_outputs']},")
+    return "\n".join(lines + ["", " ".join(tail)]) + "\n"
 
 
 if __name__ == "__main__":

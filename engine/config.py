@@ -11,6 +11,7 @@ from specserve.engine.errors import InvalidRequestError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.draft_policy.POLICIES
+QUANTIZATIONS = ("none", "int8", "int4")          # engine.quant.QUANTIZATIONS
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class EngineConfig:
     # CUDA: decode steps replay CUDA graphs captured at start-up for batch-size buckets
     # (engine/cuda_graphs.py); True runs every step eagerly (as vLLM's --enforce-eager)
     enforce_eager: bool = False
+    # CPU: weight-only quantized projections (engine/quant.py): none | int8 (per row) | int4 (per
+    # group of 32); the LM head too unless quantize_lm_head is False
+    quantization: str = "none"
+    quantize_lm_head: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -59,6 +64,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queue_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.draft_budget not in DRAFT_BUDGETS:
             raise ValueError(f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {self.draft_budget!r}")
 

@@ -21,6 +21,7 @@ from specserve.engine.loader import LoadedModel, load_model
 from specserve.engine.model import LlamaModel, pack_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
+from specserve.engine.quant import native_bf16, quantize_model
 from specserve.engine.sampler import sample_key
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -62,6 +63,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model = LlamaModel.from_state_dict(mc, loaded.state_dict, max_positions=self.max_model_len,
                                                 dtype=self.dtype, device=self.device)
+        if config.quantization != "none":
+            self._quantize(config)
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         min_blocks = -(-self.max_model_len // config.block_size)
         if num_blocks < min_blocks:
@@ -340,6 +343,17 @@ class LLMEngine:
             self._export_step_cost()
             self.stats.num_steps_total += 1
         return self._collect()
+
+    def _quantize(self, config: EngineConfig) -> None:
+        """Weight-only quantized projections (`engine/quant.py`), before the drafters are built: a
+        drafter sharing the target's weights computes with the same quantized copies."""
+        if self.device.type != "cpu":
+            raise ValueError(f"--quantization {config.quantization} runs on the CPU only (device {self.device})")
+        act = torch.bfloat16 if self.dtype == torch.float32 and native_bf16() else self.dtype
+        done = quantize_model(self.model, config.quantization, lm_head=config.quantize_lm_head, act_dtype=act)
+        logger.info("quantized %d weight matrices to %s (%s activations): %.0f MB -> %.0f MB", done["weights"],
+                    config.quantization, str(act).removeprefix("torch."), done["bytes_before"] / 1e6,
+                    done["bytes_after"] / 1e6)
 
     def _export_step_cost(self) -> None:
         """The goodput policy's step cost estimates, for the metrics."""

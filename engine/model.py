@@ -17,6 +17,7 @@ from torch import nn
 
 from specserve.engine.attention import AttnMetadata, paged_attention
 from specserve.engine.config import ModelConfig
+from specserve.engine.quant import quantized, quantized_linear
 
 
 def _onednn_linear():
@@ -92,7 +93,7 @@ def pack_linear_weight(weight: torch.Tensor, min_rows: int = 1) -> bool:
     `bench/results/cpu_linear_pack.json`). The copy doubles the weight's memory; it is dropped
     with the weight, and ignored once the weight is changed in place (its version moves)."""
     if (weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in _PACK_DTYPES
-            or weight.is_inference()):
+            or weight.is_inference() or quantized(weight) is not None):
         return False
     old = getattr(weight, "_specserve_packed", None)
     if old is not None and old[1] == weight._version:   # shared by two models (a truncated draft model)
@@ -107,10 +108,15 @@ def pack_linear_weight(weight: torch.Tensor, min_rows: int = 1) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through oneDNN for 2-D inputs on the CPU in the dtypes it supports here (see
     `_onednn_linear`, `onednn_linear_dtypes`), on the weight's prepacked copy when it has one
-    (`pack_linear_weight`). oneDNN's op has no backward: where a gradient is wanted, F.linear."""
+    (`pack_linear_weight`), or with its quantized copy when it has one (`engine/quant.py`).
+    Neither has a backward: where a gradient is wanted, F.linear on the weight itself."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+    q = quantized(weight) if x.dim() == 2 and x.device.type == "cpu" and not grad else None
+    if q is not None:
+        return quantized_linear(x, q, bias)
     if (x.dtype in _ONEDNN_DTYPES and x.device.type == "cpu" and x.dim() == 2 and weight.dtype == x.dtype
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))):
+            and not grad):
         packed = getattr(weight, "_specserve_packed", None)
         if packed is not None and x.shape[0] >= packed[2] and packed[1] == weight._version:
             return _ONEDNN_LINEAR(x, packed[0], bias, "none", [], "")

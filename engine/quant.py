@@ -1,0 +1,166 @@
+"""Weight-only quantized linears on the CPU: int8 per output channel, int4 per group.
+
+A decode step on the CPU is bound by reading the weights: the default model's projections and LM
+head are ~540 MB in fp32, read once per step. Quantized, each weight is read as int8 (a quarter)
+or int4 (an eighth) and widened inside torch's packed kernels:
+
+* **int8** (`torch._weight_int8pack_mm`): symmetric, one scale per output row,
+  w ~= s[n] * q[n, k], q in [-127, 127], s = max |w[n, :]| / 127.
+* **int4** (`torch._weight_int4pack_mm_for_cpu`): asymmetric, one scale and zero per group of
+  `group_size` inputs of a row, w ~= (q - 8) * s + z, q in [0, 15], s = (max - min) / 15,
+  z = min + 8 s. A GGUF Q4_1 block (32 weights, w = d q + m) is such a group with s = d and
+  z = m + 8 d: where a block's codes reach both 0 and 15 (the quantizer puts its min and max
+  there), quantizing the dequantized block again recovers it exactly.
+
+The activations go in as they are (fp32 on the CPU by default) or, with `act_dtype=bfloat16`
+where the CPU has native bf16 (AVX-512 BF16 / AMX), as bf16; the output comes back in the
+input's dtype. The quantized copy is attached to the weight tensor (`quantize_weight`), so every
+module that shares the weight (a truncated draft model, a head reading the target's LM head)
+computes with the same numbers as the target: losslessness holds against the quantized target
+actually served. `engine.model.linear` dispatches to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("specserve")
+
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP = 32            # inputs per int4 group (a GGUF Q4_0 / Q4_1 block)
+INT4_INNER_K_TILES = 2     # the int4 packing's tile (torch's CPU kernel takes 2, 4 or 8)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight's quantized copy: `kind` int8 (data int8 [N, K], scales [N]) or int4 (data packed
+    by torch [N, K / 2] uint8, scales [K / group, N, 2] scale and zero); `version`: the weight's
+    `_version` when quantized (a weight changed in place since is no longer represented)."""
+
+    kind: str
+    data: torch.Tensor
+    scales: torch.Tensor
+    group_size: int
+    out_features: int
+    in_features: int
+    act_dtype: torch.dtype
+    version: int
+
+
+def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: (q int8 [N, K], s fp32 [N]) with w ~= s[:, None] * q."""
+    w = weight.detach().float()
+    s = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, s
+
+
+def int4_codes(weight: torch.Tensor, group_size: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4: (q int32 [N, K] in 0..15, s fp32 [N, K / g], z fp32 [N, K / g])
+    with w ~= (q - 8) * s + z per group (module docstring)."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    s = ((hi - lo) / 15.0).clamp_min(1e-12)
+    q = torch.round((w - lo[..., None]) / s[..., None]).clamp_(0, 15).to(torch.int32)
+    return q.reshape(n, k), s, lo + 8.0 * s
+
+
+def dequantize(q: QuantizedWeight, codes: tuple | None = None) -> torch.Tensor:
+    """The fp32 weight that `q` computes with (for tests and references); `codes`: the codes it was
+    made from (`int8_codes` / `int4_codes`), needed for int4, whose packed layout is torch's."""
+    if q.kind == "int8":
+        return q.data.float() * q.scales.float()[:, None]
+    if codes is None:
+        raise ValueError("int4 dequantization needs the codes the weight was packed from")
+    codes_q, s, z = codes
+    n, k = codes_q.shape
+    g = q.group_size
+    w = (codes_q.float().reshape(n, k // g, g) - 8.0) * s[..., None] + z[..., None]
+    return w.reshape(n, k)
+
+
+def can_quantize(weight: torch.Tensor, kind: str, group_size: int = INT4_GROUP) -> bool:
+    """Whether torch's CPU kernel takes `weight` as `kind` (int4: rows a multiple of 16, inputs of
+    the group size)."""
+    return (kind in ("int8", "int4") and weight.device.type == "cpu" and weight.dim() == 2
+            and (kind == "int8" or (weight.shape[0] % 16 == 0 and weight.shape[1] % group_size == 0)))
+
+
+def quantize_weight(weight: torch.Tensor, kind: str, act_dtype: torch.dtype = torch.float32,
+                    group_size: int = INT4_GROUP) -> bool:
+    """Attach a `kind` quantized copy to `weight` ([out, in], on the CPU) that `engine.model.linear`
+    computes with from now on; False (nothing done) for "none" or a weight it cannot hold."""
+    if not can_quantize(weight, kind, group_size):
+        return False
+    old = getattr(weight, "_specserve_quant", None)
+    if old is not None and old.kind == kind and old.version == weight._version:
+        return True   # shared with a model quantized already
+    n, k = weight.shape
+    with torch.no_grad():
+        if kind == "int8":
+            q, s = int8_codes(weight)
+            data, scales = q.contiguous(), s.to(act_dtype)
+        else:
+            q, s, z = int4_codes(weight, group_size)
+            data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), INT4_INNER_K_TILES)
+            scales = torch.stack([s.t(), z.t()], dim=2).contiguous().to(act_dtype)   # [K / g, N, 2]
+    weight._specserve_quant = QuantizedWeight(kind, data, scales, group_size, n, k, act_dtype, weight._version)
+    return True
+
+
+def quantized(weight: torch.Tensor) -> QuantizedWeight | None:
+    """The weight's quantized copy, if it has a current one."""
+    q = getattr(weight, "_specserve_quant", None)
+    return q if q is not None and q.version == weight._version else None
+
+
+def quantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) with W's quantized copy; the result in x's dtype."""
+    a = x.to(q.act_dtype).contiguous()
+    if q.kind == "int8":
+        out = torch.ops.aten._weight_int8pack_mm(a, q.data, q.scales)
+    else:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(a, q.data, q.group_size, q.scales)
+    out = out.to(x.dtype)
+    return out + bias if bias is not None else out
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 / AMX): then bf16 activations pay."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:
+        return False
+
+
+def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True,
+                   act_dtype: torch.dtype = torch.float32) -> dict[str, int]:
+    """Quantize the projections of every decoder layer of `model` (an `engine.model.LlamaModel`)
+    and, with `lm_head`, its LM head (the embedding itself stays as it is: a lookup reads one row).
+    Returns {"weights": how many, "bytes_before": their fp bytes, "bytes_after": the quantized}."""
+    if kind == "none":
+        return {"weights": 0, "bytes_before": 0, "bytes_after": 0}
+    if kind not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
+    weights = [w for layer in model.layers for w in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight,
+                                                     layer.down.weight)]
+    if lm_head:
+        weights.append(model.lm_head_weight)
+    done = before = after = 0
+    for w in weights:
+        if quantize_weight(w, kind, act_dtype):
+            q = quantized(w)
+            done += 1
+            before += w.numel() * w.element_size()
+            after += q.data.numel() * q.data.element_size() + q.scales.numel() * q.scales.element_size()
+    return {"weights": done, "bytes_before": before, "bytes_after": after}
+
+
+__all__ = ["INT4_GROUP", "QUANTIZATIONS", "QuantizedWeight", "can_quantize", "dequantize", "int4_codes",
+           "int8_codes", "native_bf16", "quantize_model", "quantize_weight", "quantized", "quantized_linear"]

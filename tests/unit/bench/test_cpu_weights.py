@@ -1,0 +1,37 @@
+"""The two CPU weight benchmarks on the default model, at their smallest: the forward's cost by step
+size per weight variant (`specserve bench forward --variants ...`) and plain decoding per
+quantization (`specserve bench plain --quantization ...`). Each writes its JSON and renders its
+table, and the quantized variants did quantize the weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.bench import forward_cost, plain_decode
+
+pytestmark = pytest.mark.slow
+
+
+def test_forward_cost_times_every_weight_variant(default_model, tmp_path):
+    out = tmp_path / "fwd"
+    assert forward_cost.main(["--prefix", "16", "--tokens", "1", "3", "--repeats", "1",
+                              "--variants", "prepacked", "int8", "int4", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert list(result["forward_ms"]) == ["prepacked", "int8", "int4"]
+    assert all(result["weights_done"][v] > 0 for v in ("int8", "int4"))
+    assert all(ms > 0 for v in result["forward_ms"].values() for ms in v.values())
+    table = forward_cost.markdown(result)
+    assert "int4 / prepacked" in table and "| 3 |" in table
+
+
+def test_plain_decode_per_quantization(default_model, tmp_path):
+    out = tmp_path / "plain.json"
+    plain_decode.main(["--num-prompts", "2", "--max-tokens", "6", "--no-hf", "--quantization", "none", "int8",
+                       "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["quantization"]) == {"none", "int8"} and all(v > 0 for v in result["quantization"].values())
+    assert result["same_as_unquantized"]["int8"].endswith("/2")
+    table = plain_decode.markdown(result)
+    assert "| specserve plain decoding | int8 |" in table and "transformers generate" not in table
