@@ -2,10 +2,9 @@
 
 * Step cost (`StepCostModel`): piecewise linear over knots at powers of two; calibrated at start-up
   from a few timed forwards (`calibrate_step_cost`), then corrected by an exponentially weighted
-  ridge fit of (tokens, seconds) of real steps without a tree: an offset per knot with a smoothness
-  prior (neighbouring offsets alike), so the overhead real steps have and the calibration forward has
-  not carries over to token counts not seen yet, while regions that are observed keep their own
-  shape; the steps with trees fit only what a tree adds to that.
+  ridge fit of (tokens, seconds) of real steps: an offset per knot with a smoothness prior
+  (neighbouring offsets alike), so the overhead real steps have and the calibration forward has not
+  carries over to token counts not seen yet, while regions that are observed keep their own shape.
 * Draft cost (`DraftCostModel`): per drafter, seconds ~ a + b * sequences + c * node budget
   + e[the call's largest budget size], the same kind of weighted ridge fit over its `propose` calls
   (0 before the first: optimistic). A drafter that drafts level by level (EAGLE, a draft model's
@@ -73,8 +72,8 @@ class _Ridge:
         """The fit with theta[i] >= 0 for each i in `indices`: a coordinate the unconstrained fit
         puts below 0 is pinned at 0 and the rest refitted without it (active set, repeated until
         none is negative). Pinning after the fit instead would drop what that coordinate explained:
-        where two terms are confounded (a step's and a tree's cost, at batch 1: one tree a step),
-        the pinned one's share is left in the other."""
+        where two terms are confounded (a tree's verification cost and the curve's slope, at batch
+        1), the curve's share of it is left in the other."""
         indices, theta, pinned = tuple(indices), self.theta, set()
         while True:
             negative = [i for i in indices if i not in pinned and theta[i] < 0]
@@ -131,12 +130,12 @@ class StepCostModel:
     """Seconds of one engine step (target forward, verification, commit) as a function of its
     tokens and of the draft trees it verifies: F(n) + any_tree * [a tree in it] + per_tree * trees.
     F is piecewise linear between knots 1, 2, 4, ... (the first power of two >= `max_tokens`),
-    linear beyond the last; `calibrate` sets its base curve B, the steps without a tree correct it
-    online: F(n) = B(n) * (1 + s) + offset(n), a scale s (the machine running slower or faster than when it
+    linear beyond the last; `calibrate` sets its base curve B, `observe` corrects all of it online:
+    F(n) = B(n) * (1 + s) + offset(n), a scale s (the machine running slower or faster than when it
     was calibrated: most of a CPU's drift is memory bandwidth, which scales every step alike) and
     offsets at the knots (work the calibration forward does not do). The tree terms are the
     verification work a tree costs beyond its tokens (0 until observed), fitted non-negative
-    (`_Ridge.theta_nonnegative`) on the steps with trees, as their seconds beyond F."""
+    (`_Ridge.theta_nonnegative`)."""
 
     def __init__(self, max_tokens: int):
         top = 1
@@ -146,17 +145,15 @@ class StepCostModel:
         self.base: list[float] | None = None       # the calibrated (or scaled prior) curve at the knots
         self.calibrated = False
         k = len(self.knots)
-        # F from the steps without a tree: offsets at the knots alike (one step's precision on each
-        # difference) and weakly near 0; the scale as weakly as one offset (a step slower at one n
-        # is as likely a slower machine)
-        prior = [[0.0] * (k + 1) for _ in range(k + 1)]
+        # priors: offsets at the knots alike (one step's precision on each difference) and weakly
+        # near 0; the tree terms held at 0 where the data cannot tell them from the curve (batch 1);
+        # the scale as weakly as one offset (a step slower at one n is as likely a slower machine)
+        prior = [[0.0] * (k + 3) for _ in range(k + 3)]
         _hold_offsets_alike(prior, 0, k)
-        prior[k][k] = STEP_SCALE_PRECISION
+        prior[k][k] = 0.2          # a step-level cost (a CPU forward's path for non-decode rows) is
+        prior[k + 1][k + 1] = 2.0  # likelier than one per tree where the data cannot tell them apart
+        prior[k + 2][k + 2] = STEP_SCALE_PRECISION
         self._fit = _Ridge(prior, STEP_FORGET)
-        # the tree terms from the steps with trees, as their seconds beyond F: a step-level cost (a
-        # CPU forward's path for non-decode rows) is likelier than one per tree where the data
-        # cannot tell them apart (batch 1: one tree a step)
-        self._trees = _Ridge([0.2, 2.0], STEP_FORGET)
         self._values: list[float] | None = None
         self._tree_terms = (0.0, 0.0)
 
@@ -187,10 +184,6 @@ class StepCostModel:
     # -- online --
 
     def observe(self, num_tokens: int, seconds: float, num_trees: int = 0) -> None:
-        """A step of `num_tokens` tokens and `num_trees` trees took `seconds`. A step without a tree
-        corrects F; one with trees only the tree terms, as its seconds beyond F (n): when a crowd
-        drafts in every step, nothing measures a plain step, and a joint fit would be free to
-        explain the trees' cost as a dearer F, which is what drafting is compared with."""
         if num_tokens <= 0 or not (seconds > 0) or not math.isfinite(seconds):
             return
         if self.base is None:   # no calibration: the prior shape, scaled to the first step seen
@@ -199,14 +192,14 @@ class StepCostModel:
             return
         base = _interp_knots(self.knots, self.base, num_tokens)
         seconds = min(seconds, MAX_STEP_RATIO * max(self.predict(num_tokens, num_trees), base))
+        k = len(self.knots)
+        phi: dict[int, float] = {}
+        for i, w in self._hat(num_tokens):
+            phi[i] = phi.get(i, 0.0) + w
         if num_trees > 0:
-            self._trees.update({0: 1.0, 1: float(num_trees)}, seconds - self.predict(num_tokens))
-        else:
-            phi: dict[int, float] = {}
-            for i, w in self._hat(num_tokens):
-                phi[i] = phi.get(i, 0.0) + w
-            phi[len(self.knots)] = base / self.base[0]   # the scale, in units of B(1): as one offset at 1 token
-            self._fit.update(phi, seconds - base)
+            phi[k], phi[k + 1] = 1.0, float(num_trees)
+        phi[k + 2] = base / self.base[0]      # the scale, in units of B(1): as one offset at 1 token
+        self._fit.update(phi, seconds - base)
         self._values = None
 
     # -- prediction --
@@ -225,10 +218,10 @@ class StepCostModel:
     def _solve(self) -> None:
         base = self.base if self.base is not None else [UNCALIBRATED_FLAT + k for k in self.knots]
         k = len(self.knots)
-        theta = self._fit.theta
-        scale = theta[k] / base[0]
+        theta = self._fit.theta_nonnegative((k, k + 1))
+        scale = theta[k + 2] / base[0]
         self._values = _monotone([max(1e-6, b * (1.0 + scale) + theta[i]) for i, b in enumerate(base)])
-        self._tree_terms = tuple(self._trees.theta_nonnegative((0, 1)))
+        self._tree_terms = (theta[k], theta[k + 1])
 
     @property
     def values(self) -> list[float]:

@@ -52,21 +52,3 @@ def test_a_tree_term_seen_a_few_times_is_kept_over_many_plain_steps():
     for _ in range(500):
         cost.observe(16, curve(16))
     assert cost.predict(20, 1) - cost.predict(20) > 0.8 * learnt
-
-
-def test_a_crowd_drafting_every_step_leaves_the_plain_step_as_measured():
-    """Plain steps of 16 tokens measured, then a crowd that drafts in every step (17 to 32 tokens,
-    one to four trees, each step with a tree 15 ms dearer than its tokens): the model keeps the
-    plain step at what was measured and charges the trees what they cost."""
-    cost = StepCostModel(64)
-    calibration = lambda n: 0.020 + 0.0025 * n
-    real = lambda n: calibration(n) + 0.012          # the engine's step: work no calibration forward does
-    cost.calibrate({n: calibration(n) for n in (1, 2, 4, 8, 16, 32, 64)})
-    for _ in range(100):
-        cost.observe(16, real(16))
-    for i in range(300):
-        trees = 1 + i % 4
-        n = 16 + 4 * trees
-        cost.observe(n, real(n) + 0.015, num_trees=trees)
-    assert abs(cost.predict(16) - real(16)) < 0.002
-    assert abs(cost.predict(24, 2) - (real(24) + 0.015)) < 0.002
