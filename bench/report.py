@@ -58,12 +58,14 @@ BENCHMARKS: dict[str, Benchmark] = {
     "plain_decode": Benchmark(
         "Plain decoding", "specserve.bench.plain_decode", "plain",
         "Our engine's plain (non-speculative) decoding against transformers `generate`: batch 1, greedy, the same "
-        "prompts and number of new tokens."),
+        "prompts and number of new tokens; with `--quantization`, one row per weight quantization (`engine/quant.py`) "
+        "and how many prompts it continues exactly as the unquantized model does."),
     "forward_cost": Benchmark(
         "Target forward cost", "specserve.bench.forward_cost", "forward",
-        "The target's forward and LM head by the number of new tokens in the step (the size of a draft tree), with "
-        "and without the oneDNN-prepacked weights (`--prepack-weights`, on by default on the CPU): what a draft "
-        "tree costs against a 1-token decode, the cost table behind the goodput draft budget."),
+        "The target's forward and LM head by the number of new tokens in the step (the size of a draft tree), per "
+        "variant of the weights: fp32 with and without the oneDNN-prepacked copies (`--prepack-weights`, on by "
+        "default on the CPU), weight-only int8 / int4 with fp32 or bf16 activations (`--quantization`): what a "
+        "draft tree costs against a 1-token decode, the cost table behind the goodput draft budget."),
     "budget_replay": Benchmark(
         "Draft-budget policies replayed", "specserve.bench.budget_replay", "replay",
         "The draft-budget policies replayed offline on one recorded decoding (ngram, mag): the same acceptance "

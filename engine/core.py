@@ -97,7 +97,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device, self.features.capture_layers)
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}
-        self.stats = EngineStats(num_total_blocks=num_blocks)
+        self.stats = EngineStats(num_total_blocks=num_blocks, memory_bytes=self.memory_bytes())
+        logger.info("memory: %s", ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in self.stats.memory_bytes.items()))
         calibrate = getattr(self.scheduler.policy, "calibrate", None)   # the goodput policy's step cost curve
         if self.drafters and calibrate is not None and config.step_cost_calibration:
             t0 = time.perf_counter()
@@ -350,10 +351,54 @@ class LLMEngine:
         if self.device.type != "cpu":
             raise ValueError(f"--quantization {config.quantization} runs on the CPU only (device {self.device})")
         act = torch.bfloat16 if self.dtype == torch.float32 and native_bf16() else self.dtype
+        if act == torch.float32:
+            logger.warning("this CPU has no native bf16: the quantized kernels take fp32 activations, which torch "
+                           "runs about 2x slower than unquantized fp32 weights (measured on an AVX-512 CPU)")
         done = quantize_model(self.model, config.quantization, lm_head=config.quantize_lm_head, act_dtype=act)
         logger.info("quantized %d weight matrices to %s (%s activations): %.0f MB -> %.0f MB", done["weights"],
                     config.quantization, str(act).removeprefix("torch."), done["bytes_before"] / 1e6,
                     done["bytes_after"] / 1e6)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held by component: the target's weights, their oneDNN-prepacked and quantized copies
+        (the drafters' own included), the KV cache, and the drafters' own tensors (parameters,
+        buffers and draft KV caches not shared with the target). Each tensor counts once."""
+        seen: set[int] = set()
+
+        def nbytes(t) -> int:
+            if not isinstance(t, torch.Tensor) or id(t) in seen:
+                return 0
+            seen.add(id(t))
+            return t.numel() * t.element_size()
+
+        def copies(params) -> tuple[int, int]:
+            packed = quant = 0
+            for p in params:
+                pk = getattr(p, "_specserve_packed", None)
+                packed += nbytes(pk[0]) if pk is not None else 0
+                q = getattr(p, "_specserve_quant", None)
+                quant += nbytes(q.data) + nbytes(q.scales) if q is not None else 0
+            return packed, quant
+
+        target = list(self.model.parameters()) + list(self.model.buffers())
+        out = {"weights": sum(nbytes(t) for t in target)}
+        out["prepacked"], out["quantized"] = copies(target)
+        out["kv_cache"] = nbytes(self.cache.kv)
+        own = []
+        for drafter in self.drafters.values():
+            for value in vars(drafter).values():
+                if isinstance(value, torch.nn.Module):
+                    own += list(value.parameters()) + list(value.buffers())
+                elif isinstance(value, torch.Tensor):
+                    own.append(value)
+                kv = getattr(getattr(value, "cache", None), "kv", None)   # a draft KV cache
+                if isinstance(kv, torch.Tensor):
+                    own.append(kv)
+        drafter_copies = copies(own)
+        out["drafters"] = sum(nbytes(t) for t in own)
+        out["prepacked"] += drafter_copies[0]
+        out["quantized"] += drafter_copies[1]
+        return out
 
     def _export_step_cost(self) -> None:
         """The goodput policy's step cost estimates, for the metrics."""

@@ -48,6 +48,9 @@ class EngineStats:
     # tokens (target forward + verification + commit); empty under the other budgets
     step_cost_tokens: list[int] = field(default_factory=list)
     step_cost_seconds: list[float] = field(default_factory=list)
+    # bytes held at start-up, by component (`LLMEngine.memory_bytes`): weights, prepacked, quantized,
+    # kv_cache, drafters
+    memory_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -32,6 +32,8 @@ num_requests_running                       gauge      sequences in the running b
 num_requests_waiting                       gauge      sequences waiting for admission
 kv_cache_usage_ratio                       gauge      fraction of KV blocks in use (0..1)
 model_info{model,max_model_len}            gauge      1, labels describe the served model
+memory_bytes{component}                    gauge      bytes held since start-up: weights, prepacked,
+                                                      quantized, kv_cache, drafters
 =========================================  =========  =================================================
 
 ``status``: ``stop``/``length`` are the finish reason of a completed request (``length`` when any
@@ -210,7 +212,8 @@ class _EngineStatsCollector(Collector):
         ]
 
     def describe(self) -> Iterable[Metric]:
-        return self._families(None) + _drafter_families({}) + _part_families(None) + _cost_families(None)
+        return (self._families(None) + _drafter_families({}) + _part_families(None) + _cost_families(None)
+                + _memory_families(None))
 
     def collect(self) -> Iterable[Metric]:
         stats = self._engine.get_stats()
@@ -218,7 +221,18 @@ class _EngineStatsCollector(Collector):
         return (self._families(stats)
                 + _drafter_families(drafters, self._max_position, self._budget_buckets)
                 + _part_families(drafters)
-                + _cost_families(stats))
+                + _cost_families(stats)
+                + _memory_families(stats))
+
+
+def _memory_families(stats) -> list[Metric]:
+    memory = GaugeMetricFamily("specserve_memory_bytes", "Bytes the engine holds since start-up, by component: "
+                               "weights (the target's), prepacked and quantized (their CPU copies, the drafters' "
+                               "included), kv_cache, drafters (their own weights and draft KV caches).",
+                               labels=["component"])
+    for component, value in sorted((getattr(stats, "memory_bytes", None) or {}).items()):
+        memory.add_metric([component], float(value))
+    return [memory]
 
 
 def _cost_families(stats) -> list[Metric]:

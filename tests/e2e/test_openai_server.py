@@ -337,6 +337,10 @@ def test_metrics(client, tiny_server, idle):
     assert after["specserve_num_requests_running"] == 0 and after["specserve_num_requests_waiting"] == 0
     assert after["specserve_kv_cache_usage_ratio"] == 0
     assert after["specserve_model_info{max_model_len=512,model=tiny}"] == 1
+    weights = after["specserve_memory_bytes{component=weights}"]
+    model = tiny_server.engine.engine.model
+    assert weights == sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    assert after["specserve_memory_bytes{component=kv_cache}"] > 0
     text = httpx.get(tiny_server.base_url + "/metrics").text
     for name in ("specserve_requests_total", "specserve_time_to_first_token_seconds",
                  "specserve_inter_token_latency_seconds", "specserve_e2e_request_latency_seconds",

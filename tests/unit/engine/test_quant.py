@@ -94,6 +94,9 @@ def test_drafters_are_lossless_against_the_quantized_target(tiny_llama_dir, kind
                              {"draft_model": {"draft_layers": 1}}, quantization=kind)
     layer = engine.model.layers[0]
     assert all(quantized(w).kind == kind for w in (layer.qkv.weight, layer.down.weight, engine.model.lm_head_weight))
+    memory = engine.get_stats().memory_bytes
+    assert 0 < memory["quantized"] < memory["weights"] / (3 if kind == "int8" else 6)
+    assert memory["prepacked"] == 0      # a quantized weight keeps no fp32 oneDNN copy
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = run_requests(engine, prompts, params, prefix="p", drafter="none")
     for name in ("ngram", "draft_model"):
