@@ -143,18 +143,21 @@ def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True,
                    act_dtype: torch.dtype = torch.float32) -> dict[str, int]:
     """Quantize the projections of every decoder layer of `model` (an `engine.model.LlamaModel`)
     and, with `lm_head`, its LM head (the embedding itself stays as it is: a lookup reads one row).
+    Under int4 the LM head is int8: GGUF files keep it at 8 bits or more (the default model's is
+    Q8_0), and an int4 head changes answers (the default model, asked for the capital of France,
+    said "L'Étoile (The City of Lights)" instead of "Paris").
     Returns {"weights": how many, "bytes_before": their fp bytes, "bytes_after": the quantized}."""
     if kind == "none":
         return {"weights": 0, "bytes_before": 0, "bytes_after": 0}
     if kind not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
-    weights = [w for layer in model.layers for w in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight,
-                                                     layer.down.weight)]
+    weights = [(w, kind) for layer in model.layers for w in (layer.qkv.weight, layer.o.weight,
+                                                             layer.gate_up.weight, layer.down.weight)]
     if lm_head:
-        weights.append(model.lm_head_weight)
+        weights.append((model.lm_head_weight, "int8"))
     done = before = after = 0
-    for w in weights:
-        if quantize_weight(w, kind, act_dtype):
+    for w, k in weights:
+        if quantize_weight(w, k, act_dtype):
             q = quantized(w)
             done += 1
             before += w.numel() * w.element_size()

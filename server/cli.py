@@ -105,7 +105,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "of the fp32 weights. Speculative decoding stays lossless against the quantized model "
                         "(default: %(default)s)")
     g.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=d["quantize_lm_head"],
-                   help="with --quantization, quantize the LM head too (default: on)")
+                   help="with --quantization, quantize the LM head too, to int8 under either kind (GGUF files keep "
+                        "it at 8 bits or more) (default: on)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--drafter", dest="drafters", action=_AppendReplacingDefault, default=None, metavar="NAME",
                    help="load this drafter (repeatable); the first one is the default of requests that name none, "
