@@ -25,6 +25,7 @@ from specserve.bench.datasets import load_prompts
 from specserve.engine.config import EngineConfig
 from specserve.engine.core import LLMEngine
 from specserve.engine.loader import load_model
+from specserve.engine.quant import QUANTIZATIONS
 from specserve.engine.sampling_params import SamplingParams
 
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--quantization", nargs="+", default=["none"], choices=("none", "int8", "int4"),
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=QUANTIZATIONS,
                     help="weight-only quantization of our engine, one engine per kind (default: none)")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers generate")
     ap.add_argument("--out", default="bench/results/plain_decode.json")

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from specserve.engine.errors import InvalidRequestError, UnsupportedModelError
+from specserve.engine.quant import QUANTIZATIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.draft_policy.POLICIES
-QUANTIZATIONS = ("none", "int8", "int4")          # engine.quant.QUANTIZATIONS
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,10 @@ actually served. `engine.model.linear` dispatches to it.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-logger = logging.getLogger("specserve")
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32            # inputs per int4 group (a GGUF Q4_0 / Q4_1 block)
@@ -45,8 +42,6 @@ class QuantizedWeight:
     data: torch.Tensor
     scales: torch.Tensor
     group_size: int
-    out_features: int
-    in_features: int
     act_dtype: torch.dtype
     version: int
 
@@ -100,7 +95,6 @@ def quantize_weight(weight: torch.Tensor, kind: str, act_dtype: torch.dtype = to
     old = getattr(weight, "_specserve_quant", None)
     if old is not None and old.kind == kind and old.version == weight._version:
         return True   # shared with a model quantized already
-    n, k = weight.shape
     with torch.no_grad():
         if kind == "int8":
             q, s = int8_codes(weight)
@@ -109,7 +103,7 @@ def quantize_weight(weight: torch.Tensor, kind: str, act_dtype: torch.dtype = to
             q, s, z = int4_codes(weight, group_size)
             data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), INT4_INNER_K_TILES)
             scales = torch.stack([s.t(), z.t()], dim=2).contiguous().to(act_dtype)   # [K / g, N, 2]
-    weight._specserve_quant = QuantizedWeight(kind, data, scales, group_size, n, k, act_dtype, weight._version)
+    weight._specserve_quant = QuantizedWeight(kind, data, scales, group_size, act_dtype, weight._version)
     return True
 
 

@@ -33,6 +33,7 @@ ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seq
                        max_draft_tokens_per_step=64, draft_budget="goodput",
                        prepack_weights=True, enforce_eager=False, quantization="none", quantize_lm_head=True)
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config.DRAFT_BUDGETS (a unit test keeps them equal)
+QUANTIZATIONS = ("none", "int8", "int4")            # engine.quant.QUANTIZATIONS (a unit test keeps them equal)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 # option dest -> environment variable giving its default (flags win). Empty values count as unset.
@@ -99,7 +100,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
                    help="on CUDA, run every step eagerly instead of replaying the decode step's CUDA graphs "
                         "captured at start-up (default: off)")
-    g.add_argument("--quantization", default=d["quantization"], choices=("none", "int8", "int4"),
+    g.add_argument("--quantization", default=d["quantization"], choices=QUANTIZATIONS,
                    help="on the CPU, weight-only quantized projections: int8 (one scale per row) or int4 (scale "
                         "and zero per group of 32, a GGUF Q4_0/Q4_1 block); a step reads a quarter or an eighth "
                         "of the fp32 weights. Speculative decoding stays lossless against the quantized model "

@@ -206,11 +206,11 @@ class GoodputPolicy:
         st.key = (cand.drafter, cand.context, st.outcome)
         return st, self._key(st.key)
 
-    def gains(self, cand: Candidate, sizes: list[int], optimist: bool,
+    def gains(self, cand: Candidate, st: _Seq, key: _Evidence, sizes: list[int], optimist: bool,
               memo: dict) -> tuple[list[float], list[float], float]:
-        """(expected accepted tokens, expected draft nodes) for each of `sizes`, and P(tree); the
-        key read at its upper bound when `optimist`, else at its mean."""
-        st, key = self._seq_key(cand)
+        """(expected accepted tokens, expected draft nodes) for each of `sizes`, and P(tree), of
+        `cand` (its state and key's evidence: `_seq_key`); the key read at its upper bound when
+        `optimist`, else at its mean."""
         # within a step a key's rates and a drafter's tree shapes are the same for every sequence
         # reading them: computed once per step (`memo`, the allocation's)
         key_rates = memo.get(id(key))
@@ -230,16 +230,16 @@ class GoodputPolicy:
 
     # ---- the allocation ----
 
-    def optimists(self, candidates: list[Candidate]) -> set[int]:
-        """The candidates (indices) that read their key at its upper bound this step: one per
-        drafter, the one whose key has the least evidence at its first depth (the earliest on a tie)."""
+    @staticmethod
+    def optimists(candidates: list[Candidate], keys: list[_Evidence]) -> set[int]:
+        """The candidates (indices) that read their key (`keys`, in order) at its upper bound this
+        step: one per drafter, the one whose key has the least evidence at its first depth (the
+        earliest on a tie)."""
         best: dict[str, tuple[float, int]] = {}
-        for i, c in enumerate(candidates):
-            trials = self._seq_key(c)[1].trials[0]
-            if c.drafter not in best or trials < best[c.drafter][0]:
-                best[c.drafter] = (trials, i)
+        for i, (c, key) in enumerate(zip(candidates, keys)):
+            if c.drafter not in best or key.trials[0] < best[c.drafter][0]:
+                best[c.drafter] = (key.trials[0], i)
         return {i for _, i in best.values()}
-
 
     def allocate(self, candidates: list[Candidate], caps: StepCaps) -> list[int]:
         self.step += 1
@@ -260,11 +260,12 @@ class GoodputPolicy:
 
         any_tree, per_tree = self.step_cost.tree_terms
         cands = []   # [candidate, sizes, gains, nodes, index of its size now, P(tree)]
-        optimists = self.optimists(candidates)
+        keyed = [self._seq_key(c) for c in candidates]
+        optimists = self.optimists(candidates, [key for _, key in keyed])
         shared: dict = {}   # what every candidate reads alike (`gains`)
-        for i, c in enumerate(candidates):
+        for i, (c, (st, key)) in enumerate(zip(candidates, keyed)):
             sizes = [s for s in self.sizes if s <= c.cap] if caps.max_total > 0 else [0]
-            gains, nodes, p = (self.gains(c, sizes, i in optimists, shared) if len(sizes) > 1
+            gains, nodes, p = (self.gains(c, st, key, sizes, i in optimists, shared) if len(sizes) > 1
                                else ([0.0], [0.0], 0.0))
             cands.append([c, sizes, gains, nodes, 0, p])
         n0 = float(caps.base_tokens)

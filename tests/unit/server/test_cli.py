@@ -23,6 +23,12 @@ def test_engine_defaults_match_engine_config():
     assert cli.ENGINE_DEFAULTS == {name: defaults[name] for name in cli.ENGINE_DEFAULTS}
 
 
+def test_quantization_choices_match_the_engine():
+    from specserve.engine.quant import QUANTIZATIONS
+
+    assert cli.QUANTIZATIONS == QUANTIZATIONS
+
+
 def test_serve_args_build_the_engine_config():
     args = cli.build_parser().parse_args(
         ["serve", "--model", "/m", "--port", "9000", "--dtype", "float32", "--device", "cpu", "--max-num-seqs", "4",
