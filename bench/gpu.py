@@ -267,10 +267,10 @@ def measure_anatomy(engine, prompt, max_tokens: int = 64) -> dict:
         sync(engine.device)
         walls.append(time.perf_counter() - t0)
     graphs = engine.runner.graphs
-    meta = graphs._meta(1)
+    meta = graphs.metas[(1, 1)]
     with torch.inference_mode():
         repeats = 20 if engine.device.type == "cuda" else 2
-        replay = time_us(graphs.replays[1], engine.device, repeats)
+        replay = time_us(graphs.replays[(1, 1)], engine.device, repeats)
         eager = time_us(lambda: engine.model(graphs.input_ids[:1], graphs.positions[:1], engine.cache, meta),
                         engine.device, repeats)
     return {"step_ms": statistics.median(walls[2:] or walls) * 1e3, "graph_replay_ms": replay / 1e3,

@@ -118,16 +118,19 @@ class LLMEngine:
                     config.block_size, self.max_model_len)
 
     def capture_graphs(self, backend) -> None:
-        """Capture the target's decode forward for every batch-size bucket up to max_num_seqs
-        (engine/cuda_graphs.py); decode steps replay them from then on. `backend`: how to capture
-        (`CudaGraphBackend` on CUDA; `EagerReplay`, the CPU stand-in, in tests)."""
-        from specserve.engine.cuda_graphs import DecodeGraphs
+        """Capture the target's forward for every (batch, nodes) bucket: batch sizes up to
+        max_num_seqs, rows per sequence 1 (decode) up to num_speculative_tokens + 1 (a tree and
+        its root) (engine/cuda_graphs.py); decode and verification steps replay them from then on.
+        `backend`: how to capture (`CudaGraphBackend` on CUDA; `EagerReplay`, the CPU stand-in)."""
+        from specserve.engine.cuda_graphs import StepGraphs
 
         cfg = self.config
-        max_blocks = -(-(self.max_model_len + cfg.num_speculative_tokens + 1) // cfg.block_size)
-        graphs = DecodeGraphs(self.model, self.cache, cfg.block_size, cfg.max_num_seqs, max_blocks, self.device,
-                              backend)
-        logger.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, graphs.buckets)))
+        max_nodes = cfg.num_speculative_tokens + 1
+        max_blocks = -(-(self.max_model_len + max_nodes) // cfg.block_size) + 1
+        graphs = StepGraphs(self.model, self.cache, cfg.block_size, cfg.max_num_seqs, max_nodes, max_blocks,
+                            self.device, backend)
+        logger.info("capturing %d step graphs (batch sizes %s; rows per sequence %s)", len(graphs.buckets),
+                    ", ".join(map(str, graphs.batch_sizes)), ", ".join(map(str, graphs.node_sizes)))
         graphs.capture()
         self.runner.graphs = graphs
 

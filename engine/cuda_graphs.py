@@ -1,33 +1,44 @@
-"""CUDA graphs of the target's decode forward: one graph per batch-size bucket, captured at start-up.
+"""CUDA graphs of the target's forward for decode and verification steps, captured at start-up.
 
-A decode step (every sequence feeds one token, causally; no tree, no prefill chunk) is the same
-kernels every time; only the values of its few integer inputs change. Each bucket B owns a graph of
-`LlamaModel.forward` over B rows whose inputs live in static buffers: token ids, positions, cache
-slots, context lengths and block tables (the Triton attention kernel reads nothing else; its
-grid depends on B alone and its key loop on the context lengths it loads). A step of b ≤ B rows is
-padded to the next bucket by `ModelRunner.prepare`, which repeats the last row (same token, same
-position, same cache slot: the repeated rows write the same key and value to the same slot and
-attend like the row they copy), so padding needs no scratch memory; its inputs arrive on the
-device in the step's one staging copy, are copied into the static buffers (five small copies), and
-the graph replays. The hidden states come back as [B, hidden], of which the first b rows are real.
+A step whose every sequence feeds either one decode token or a draft tree (no prefill chunk) is the
+same kernels every time for a given shape; only the values of a few integer inputs change. Each
+bucket (B sequences, N rows per sequence) owns a graph of `LlamaModel.forward` over B * N rows
+whose inputs live in static buffers: token ids, RoPE positions, cache slots, context lengths,
+block tables and the tree masks (the Triton attention kernel reads nothing else; its grid depends
+on (B, N) alone and its key loop on the context lengths it loads). N = 1 is plain decoding
+(causal, no mask); N > 1 verifies trees of up to N nodes, every sequence with an [N, N] mask:
 
-Steps with a draft tree, a prefill chunk, more rows than the largest bucket, or captured
-intermediate layers (EAGLE-3-style features) run eagerly. `--enforce-eager` (EngineConfig) turns
-graphs off, as in vLLM.
+* a tree of s <= N nodes is padded by repeating its last node: same token, position and cache
+  slot, and the same mask row, so the repeated rows write the same key and value to the same slot
+  and attend exactly like the row they copy; mask columns s..N-1 are hidden from every row;
+* a sequence without a tree this step is a 1-node tree (its decode token; mask column 0 only);
+* the kernel sees context length = committed length + N, the mask covering the last N key
+  positions (those past the tree's own nodes are hidden, whatever their slots hold);
+* sequences b >= the step's count repeat its last sequence entirely.
+
+So padding needs no scratch memory. `ModelRunner.prepare` builds the step as usual (the ragged
+layout every other part of the step reads) plus a `GraphPlan`: for each padded row its row in the
+ragged layout (`gather`), for each padded sequence its batch entry, the context lengths, the mask
+bytes and, for each ragged row, its padded row (`scatter`); all of it rides the step's one staged
+upload. `forward` fills the static buffers with a few gathers, replays, and returns the hidden
+states in the ragged layout. Steps with a prefill chunk, more sequences than the largest bucket,
+a tree larger than the largest node bucket, or captured intermediate layers (EAGLE-3-style
+features) run eagerly. `--enforce-eager` (EngineConfig) turns graphs off, as in vLLM.
 
 The capture itself is behind a small protocol (`GraphBackend.capture(fn) -> replay`), so the
 bookkeeping (buckets, padding, static buffers) is tested on the CPU through `EagerReplay`, which
-runs the function again at each replay, reading the same static buffers; only `torch.cuda.graph`
-is left to the GPU. Graph capture needs the Triton attention backend (the torch reference reads
-host-side lists).
+runs the function again at each replay over the same static buffers; only `torch.cuda.graph` is
+left to the GPU. Graphs capture the Triton attention kernel (the torch reference reads host lists).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from specserve.engine.attention import AttnMetadata, triton_available
@@ -37,13 +48,19 @@ logger = logging.getLogger("specserve")
 # batch-size buckets (vLLM's shape: powers of two to 8, then every 8); the largest is max_num_seqs
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 8
+NODE_BUCKETS = (2, 4, 8)       # rows per sequence of verification graphs, then the largest tree
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """The captured batch sizes for at most `max_batch` rows: 1, 2, 4, 8, 16, 24, ..., max_batch."""
+    """The captured batch sizes for at most `max_batch` sequences: 1, 2, 4, 8, 16, 24, ..., max_batch."""
     sizes = [b for b in SMALL_BUCKETS if b < max_batch]
     sizes += list(range(2 * BUCKET_STEP, max_batch, BUCKET_STEP))
     return sorted(set(sizes + [max_batch]))
+
+
+def node_buckets(max_nodes: int) -> list[int]:
+    """Rows per sequence: 1 (decode) and 2, 4, 8, ..., max_nodes (trees of up to that many nodes)."""
+    return sorted({1, *(n for n in NODE_BUCKETS if n < max_nodes), max(1, max_nodes)})
 
 
 class GraphBackend(Protocol):
@@ -88,39 +105,66 @@ class EagerReplay:
         return fn
 
 
-class DecodeGraphs:
-    """The captured decode forwards of one model over one KV cache (see the module docstring)."""
+@dataclass
+class GraphPlan:
+    """How one step maps onto the padded bucket (B, N) (see the module docstring): host lists,
+    uploaded with the step's other integers, then device tensors (`ModelRunner.prepare`)."""
 
-    def __init__(self, model, cache, block_size: int, max_batch: int, max_blocks_per_seq: int,
+    B: int
+    N: int
+    gather: list[int]         # [B * N] ragged row of each padded row
+    seqs: list[int]           # [B] batch entry of each padded sequence
+    context_lens: list[int]   # [B] committed length + N (decode graphs, N = 1: committed length + 1)
+    scatter: list[int]        # [num ragged rows] padded row of each ragged row
+    mask: list[int]           # [B * N * N] 0/1 (empty for N = 1)
+
+    def sizes(self) -> list[int]:
+        return [len(self.gather), len(self.seqs), len(self.context_lens), len(self.scatter), len(self.mask)]
+
+
+class StepGraphs:
+    """The captured forwards of one model over one KV cache, for every (batch, nodes) bucket."""
+
+    def __init__(self, model, cache, block_size: int, max_batch: int, max_nodes: int, max_blocks_per_seq: int,
                  device: torch.device, backend: GraphBackend):
         self.model, self.cache, self.block_size, self.device = model, cache, block_size, device
         self.backend = backend
         if not triton_available():
             raise RuntimeError("CUDA graphs capture the Triton attention kernel, and triton is not installed")
-        self.buckets = batch_buckets(max_batch)
-        n = self.buckets[-1]
+        self.batch_sizes = batch_buckets(max_batch)
+        self.node_sizes = node_buckets(max_nodes)
+        B, N = self.batch_sizes[-1], self.node_sizes[-1]
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slots = torch.zeros(n, **i64)
-        self.context_lens = torch.ones(n, **i32)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)
-        self.cu_query_lens = torch.arange(n + 1, **i32)      # one row per sequence, always
-        self.zeros = torch.zeros(n, **i32)                   # mask offsets and widths: no masks
-        self.mask_data = torch.zeros(1, dtype=torch.uint8, device=device)
-        self.replays: dict[int, Callable[[], torch.Tensor]] = {}
-        self.num_replays = 0
+        self.input_ids = torch.zeros(B * N, **i64)
+        self.positions = torch.zeros(B * N, **i64)
+        self.slots = torch.zeros(B * N, **i64)
+        self.context_lens = torch.full((B,), N, **i32)
+        self.block_tables = torch.zeros(B, max_blocks_per_seq, **i32)
+        self.mask_data = torch.zeros(max(1, B * N * N), dtype=torch.uint8, device=device)
+        self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self.metas: dict[tuple[int, int], AttnMetadata] = {}   # each graph's metadata, alive as long as it
+        self.num_replays: dict[tuple[int, int], int] = {}   # per bucket, replays so far
 
-    def bucket(self, num_rows: int) -> int | None:
-        """The smallest captured batch size holding `num_rows` rows (None: more than the largest)."""
-        return next((b for b in self.buckets if b >= num_rows), None)
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        return [(b, n) for n in self.node_sizes for b in self.batch_sizes]
 
-    def _meta(self, b: int) -> AttnMetadata:
+    def bucket(self, num_seqs: int, max_nodes: int) -> tuple[int, int] | None:
+        """The smallest captured (B, N) holding `num_seqs` sequences of at most `max_nodes` rows each."""
+        b = next((x for x in self.batch_sizes if x >= num_seqs), None)
+        n = next((x for x in self.node_sizes if x >= max_nodes), None)
+        return None if b is None or n is None else (b, n)
+
+    def _meta(self, B: int, N: int) -> AttnMetadata:
+        i32 = dict(dtype=torch.int32, device=self.device)
+        widths = torch.full((B,), N if N > 1 else 0, **i32)
+        placeholder = torch.ones(N, N, dtype=torch.bool) if N > 1 else None   # host lists: shapes only
         meta = AttnMetadata(
-            query_lens=[1] * b, context_lens=[1] * b, cu_query_lens=list(range(b + 1)),
-            slot_mapping=self.slots[:b], context_slots=self.slots[:b, None], block_tables=self.block_tables[:b],
-            masks=[None] * b, block_size=self.block_size, cu_query_lens_t=self.cu_query_lens[:b + 1],
-            context_lens_t=self.context_lens[:b], mask_offsets=self.zeros[:b], mask_widths=self.zeros[:b],
+            query_lens=[N] * B, context_lens=[N] * B, cu_query_lens=list(range(0, B * N + 1, N)),
+            slot_mapping=self.slots[:B * N], context_slots=self.slots[:B * N, None],
+            block_tables=self.block_tables[:B], masks=[placeholder] * B, block_size=self.block_size,
+            cu_query_lens_t=torch.arange(0, B * N + 1, N, **i32), context_lens_t=self.context_lens[:B],
+            mask_offsets=torch.arange(0, B * N * N, N * N, **i32), mask_widths=widths,
             mask_data=self.mask_data)
         meta._backend = "triton"
         return meta
@@ -129,22 +173,57 @@ class DecodeGraphs:
     def capture(self) -> float:
         """Capture every bucket, largest first; returns the seconds it took."""
         t0 = time.perf_counter()
-        for b in reversed(self.buckets):
-            meta = self._meta(b)
-            self.replays[b] = self.backend.capture(
-                lambda b=b, meta=meta: self.model(self.input_ids[:b], self.positions[:b], self.cache, meta))
+        for B, N in sorted(self.buckets, key=lambda bn: -bn[0] * bn[1]):
+            meta = self.metas[(B, N)] = self._meta(B, N)
+            self.replays[(B, N)] = self.backend.capture(
+                lambda B=B, N=N, meta=meta: self.model(self.input_ids[:B * N], self.positions[:B * N], self.cache, meta))
         seconds = time.perf_counter() - t0
-        logger.info("captured decode graphs for batch sizes %s in %.1f s",
-                    ", ".join(map(str, self.buckets)), seconds)
+        logger.info("captured %d step graphs (batch sizes %s; rows per sequence %s) in %.1f s", len(self.replays),
+                    ", ".join(map(str, self.batch_sizes)), ", ".join(map(str, self.node_sizes)), seconds)
         return seconds
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        """The hidden states [B, hidden] of a decode step padded to bucket B = meta.num_seqs."""
-        b = meta.num_seqs
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(positions)
-        self.slots[:b].copy_(meta.slot_mapping)
-        self.context_lens[:b].copy_(meta.context_lens_t)
-        self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        self.num_replays += 1
-        return self.replays[b]()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, plan: GraphPlan,
+                tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The hidden states [num ragged rows, hidden] of a step, through the graph of its bucket.
+        `tensors`: the plan's lists on the device (`GraphPlan.sizes` order)."""
+        B, N = plan.B, plan.N
+        gather, seqs, context_lens, scatter, mask = tensors
+        rows = B * N
+        torch.index_select(input_ids, 0, gather, out=self.input_ids[:rows])
+        torch.index_select(positions, 0, gather, out=self.positions[:rows])
+        torch.index_select(meta.slot_mapping, 0, gather, out=self.slots[:rows])
+        self.context_lens[:B].copy_(context_lens)
+        self.block_tables[:B, :meta.block_tables.shape[1]].copy_(meta.block_tables.index_select(0, seqs))
+        if N > 1:
+            self.mask_data[:rows * N].copy_(mask)
+        self.num_replays[(B, N)] = self.num_replays.get((B, N), 0) + 1
+        return self.replays[(B, N)]().index_select(0, scatter)
+
+
+def make_plan(B: int, N: int, cu_rows: list[int], starts: list[int], sizes: list[int],
+              masks: list[torch.Tensor | None]) -> GraphPlan:
+    """The plan of a step of len(starts) sequences padded to (B, N). Sequence b owns ragged rows
+    cu_rows[b] .. cu_rows[b] + sizes[b] - 1 (a decode row: size 1, mask None; a tree: its
+    ancestor-or-self mask [s, s] on the host)."""
+    R = len(starts)
+    seqs = list(range(R)) + [R - 1] * (B - R)
+    gather: list[int] = []
+    for b in seqs:
+        gather += [cu_rows[b] + min(r, sizes[b] - 1) for r in range(N)]
+    scatter: list[int] = []
+    for b in range(R):
+        scatter += range(b * N, b * N + sizes[b])
+    mask: list[int] = []
+    if N > 1:
+        grid = np.zeros((B, N, N), dtype=np.int64)
+        for i, b in enumerate(seqs):
+            m, s = masks[b], sizes[b]
+            if m is None:                                   # a decode row: sees its own column only
+                grid[i, :, 0] = 1
+            else:                                           # rows past the tree repeat its last row
+                m = m.numpy()
+                grid[i, :s, :s] = m
+                grid[i, s:, :s] = m[s - 1]
+        mask = grid.ravel().tolist()
+    context_lens = [starts[b] + (N if N > 1 else 1) for b in seqs]
+    return GraphPlan(B, N, gather, seqs, context_lens, scatter, mask)

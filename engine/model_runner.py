@@ -30,13 +30,14 @@ import numpy as np
 import torch
 
 from specserve.engine.attention import AttnMetadata, build_attn_metadata
+from specserve.engine.cuda_graphs import GraphPlan, StepGraphs, make_plan
 from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine.model import LlamaModel
 from specserve.engine.outputs import TokenLogprob
 from specserve.engine.sampler import SamplingTensors, sample
 from specserve.engine.scheduler import ScheduledBatch
 from specserve.engine.sequence import Sequence
-from specserve.engine.tree import PackedTrees, TokenTree, pack_trees, tree_depths
+from specserve.engine.tree import PackedTrees, TokenTree, pack_trees, tree_depths, tree_topology
 from specserve.engine.verify import BatchVerifyResult, VerifyResult, verify_batched, verify_results_from_stacked
 from specserve.kernels.kv_compact import compact_tree_kv
 
@@ -81,7 +82,8 @@ class StepInputs:
     tree_starts: torch.Tensor | None = None      # [T] int64 committed lengths of the tree sequences
     tree_block_tables: torch.Tensor | None = None   # [T, max_blocks] their block tables
     tree_positions: torch.Tensor | None = None      # [T] int64 output position of each tree's root token
-    graph: bool = False              # a decode step padded to a captured bucket: `DecodeGraphs` replays it
+    graph: GraphPlan | None = None   # the step's captured bucket and padding (`StepGraphs` replays it)
+    graph_tensors: list[torch.Tensor] = field(default_factory=list)   # the plan's lists on the device
 
 
 class _Staging:
@@ -121,15 +123,15 @@ class ModelRunner:
         self.capture_layers = tuple(capture_layers)
         if self.capture_layers:
             model.check_capture_layers(self.capture_layers)
-        self.graphs = None   # engine.cuda_graphs.DecodeGraphs once captured (LLMEngine.capture_graphs)
+        self.graphs: StepGraphs | None = None   # once captured (LLMEngine.capture_graphs)
 
     # ---- inputs ---------------------------------------------------------------------------
 
     def prepare(self, batch: ScheduledBatch, trees: dict[int, TokenTree], graph_ok: bool = True) -> StepInputs:
         """Flatten the batch: each entry's new tokens (a prefill chunk, one decode token, or a
-        tree's nodes), their positions, the rows needing logits, and the packed trees. A decode
-        step that a captured graph can run (`graph_ok` and `self.graphs`) is padded to its bucket
-        by repeating its last row (see engine/cuda_graphs.py)."""
+        tree's nodes), their positions, the rows needing logits, and the packed trees. A step that
+        a captured graph can run (`graph_ok` and `self.graphs`: decode rows and trees only) also
+        gets its `GraphPlan`, the padding onto its bucket (engine/cuda_graphs.py)."""
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         bucket = self._graph_bucket(batch, trees, starts) if graph_ok else None
         tree_idx = [b for b in range(len(batch.seqs)) if b in trees]
@@ -167,18 +169,21 @@ class ModelRunner:
                 offset += size
         tree_start_list = [starts[b] for b in tree_idx] + [batch.seqs[b].num_output_tokens for b in tree_idx]
         tables = [self.blocks.block_tables[seq.seq_id] for seq in batch.seqs]
-        meta_starts = starts
-        if bucket is not None:   # padding rows repeat the last one: same token, position, slot and table
-            extra = bucket - len(ids)
-            ids, positions = ids + ids[-1:] * extra, positions + positions[-1:] * extra
-            tables, meta_starts = tables + tables[-1:] * extra, starts + starts[-1:] * extra
-            qlens, masks = qlens + [1] * extra, masks + [None] * extra
+        plan = None
+        if bucket is not None:
+            cu_rows = np.cumsum([0] + qlens[:-1]).tolist()
+            host_masks = [tree_topology(trees[b].parents).mask if b in trees else None for b in range(len(qlens))]
+            plan = make_plan(*bucket, cu_rows, starts, qlens, host_masks)
+        extra = [v for part in (plan.gather, plan.seqs, plan.context_lens, plan.scatter, plan.mask) for v in part] \
+            if plan is not None else []
         n_tok, n_logit = len(ids), len(logit_rows)
-        staged = self._staging.upload(ids + positions + logit_rows + pad_index + tree_start_list + tree_idx)
-        input_ids, pos, rows, rest = staged.split([n_tok, n_tok, n_logit, len(pad_index) + 3 * len(tree_idx)])
-        _, meta = build_attn_metadata(tables, self.block_size, meta_starts, qlens, masks, self.device)
-        inputs = StepInputs(input_ids, pos, meta, rows, starts, plain, tree_idx, tree_rows, packed,
-                            graph=bucket is not None)
+        staged = self._staging.upload(ids + positions + logit_rows + pad_index + tree_start_list + tree_idx + extra)
+        input_ids, pos, rows, rest, graph = staged.split([n_tok, n_tok, n_logit, len(pad_index) + 3 * len(tree_idx),
+                                                          len(extra)])
+        _, meta = build_attn_metadata(tables, self.block_size, starts, qlens, masks, self.device)
+        inputs = StepInputs(input_ids, pos, meta, rows, starts, plain, tree_idx, tree_rows, packed, graph=plan)
+        if plan is not None:
+            inputs.graph_tensors = list(graph.split(plan.sizes()))
         if packed is not None:
             pad, tree_starts, tree_positions, tree_batch_idx = rest.split([len(pad_index)] + [len(tree_idx)] * 3)
             inputs.tree_positions = tree_positions
@@ -187,16 +192,22 @@ class ModelRunner:
             inputs.tree_block_tables = meta.block_tables.index_select(0, tree_batch_idx)
         return inputs
 
-    def _graph_bucket(self, batch: ScheduledBatch, trees: dict, starts: list[int]) -> int | None:
-        """The captured batch size of a pure decode step (one new token per sequence, at its end,
-        no tree), or None: the step runs eagerly."""
-        if self.graphs is None or trees:
+    def _graph_bucket(self, batch: ScheduledBatch, trees: dict, starts: list[int]) -> tuple[int, int] | None:
+        """The captured (batch, nodes) bucket of a step made of decode rows (one new token per
+        sequence, at its end) and draft trees, or None: the step runs eagerly."""
+        if self.graphs is None:
             return None
-        for seq, start, n in zip(batch.seqs, starts, batch.num_tokens):
-            if n != 1 or start + 1 != len(seq.token_ids):
+        nodes = 1
+        for b, (seq, start, n) in enumerate(zip(batch.seqs, starts, batch.num_tokens)):
+            tree = trees.get(b)
+            if tree is not None:
+                nodes = max(nodes, tree.num_nodes)
+            elif n != 1 or start + 1 != len(seq.token_ids):
                 return None
         width = max(len(self.blocks.block_tables[seq.seq_id]) for seq in batch.seqs)
-        return self.graphs.bucket(len(batch.seqs)) if width <= self.graphs.block_tables.shape[1] else None
+        if width > self.graphs.block_tables.shape[1]:
+            return None
+        return self.graphs.bucket(len(batch.seqs), nodes)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -216,8 +227,8 @@ class ModelRunner:
         layers = None
         if want_layers:
             hidden, layers = self.model(inp.input_ids, inp.positions, self.cache, inp.meta, self.capture_layers)
-        elif inp.graph:
-            hidden = self.graphs.forward(inp.input_ids, inp.positions, inp.meta)
+        elif inp.graph is not None:
+            hidden = self.graphs.forward(inp.input_ids, inp.positions, inp.meta, inp.graph, inp.graph_tensors)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.cache, inp.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows))   # [P + nodes, V]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.engine.cuda_graphs import batch_buckets
+from specserve.engine.cuda_graphs import batch_buckets, node_buckets
 
 ROOT = Path(__file__).resolve().parents[3]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -28,13 +28,14 @@ def test_buckets_cover_every_batch_size_up_to_the_largest():
     assert batch_buckets(16) == [1, 2, 4, 8, 16]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert node_buckets(1) == [1] and node_buckets(9) == [1, 2, 4, 8, 9] and node_buckets(4) == [1, 2, 4]
 
 
 def compare_with_eager(model_dir: str, device: str, stand_in: bool) -> dict:
     """Greedy tokens of three prompts of different lengths, added one every two steps (prefill and
-    decode steps interleave; a decode step of 3 rows pads to the bucket of 4), plain and with the
-    n-gram drafter (verification steps run eagerly between graph replays), and both mixed, with
-    graphs and without."""
+    decode steps interleave; a step of 3 sequences pads to the bucket of 4), plain and with the
+    n-gram drafter (verification steps replay the tree graphs, trees padded to their node bucket),
+    with graphs and without."""
     from specserve.engine.sampling_params import SamplingParams
     from tests.helpers import make_llm_engine, run_requests, step_and_collect
 
@@ -51,7 +52,7 @@ def compare_with_eager(model_dir: str, device: str, stand_in: bool) -> dict:
         got = [run_requests(e, prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                             drafter=drafter, prefix=f"{drafter}-") for e in (eager, graphed)]
         out[f"equal_{drafter}"] = len(got[0]) == 3 and got[0] == got[1]
-    mixed = []     # plain and drafted requests in the same steps
+    mixed = []     # plain and drafted requests in the same steps: decode rows ride in the tree graphs
     for e in (eager, graphed):
         got: dict[str, list[int]] = {}
         for i, p in enumerate(prompts):
@@ -61,7 +62,10 @@ def compare_with_eager(model_dir: str, device: str, stand_in: bool) -> dict:
             step_and_collect(e, got)
         mixed.append(got)
     out["equal_mixed"] = len(mixed[0]) == 3 and mixed[0] == mixed[1]
-    out["replays"] = graphed.runner.graphs.num_replays if graphed.runner.graphs else 0
+    replays = graphed.runner.graphs.num_replays if graphed.runner.graphs else {}
+    out["decode_replays"] = sum(n for (b, rows), n in replays.items() if rows == 1)
+    out["tree_replays"] = sum(n for (b, rows), n in replays.items() if rows > 1)
+    out["padded_batches"] = any(b == 4 for b, _ in replays)     # 3 sequences run in the bucket of 4
     return out
 
 
@@ -76,7 +80,7 @@ def interpreted(tiny_llama_dir):
 @needs_triton
 def test_replayed_decode_steps_give_the_eager_tokens(interpreted):
     assert interpreted["captured"] and not interpreted["eager_has_graphs"]
-    assert interpreted["replays"] > 0
+    assert interpreted["decode_replays"] > 0 and interpreted["tree_replays"] > 0 and interpreted["padded_batches"]
     assert interpreted["equal_None"], "plain decoding differs with graphs"
     assert interpreted["equal_ngram"], "speculative decoding differs with graphs"
     assert interpreted["equal_mixed"], "plain and drafted requests together differ with graphs"
@@ -86,7 +90,7 @@ def test_replayed_decode_steps_give_the_eager_tokens(interpreted):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_give_the_eager_tokens(tiny_llama_dir):
     got = compare_with_eager(str(tiny_llama_dir), "cuda", stand_in=False)
-    assert got["captured"] and not got["eager_has_graphs"] and got["replays"] > 0
+    assert got["captured"] and not got["eager_has_graphs"] and got["decode_replays"] > 0 and got["tree_replays"] > 0
     assert got["equal_None"] and got["equal_ngram"] and got["equal_mixed"], got
 
 
