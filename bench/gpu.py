@@ -192,18 +192,21 @@ def decode(engine, prompts, max_tokens: int, drafter: str, tag: str):
     return n, secs, outs, (generated / forwards if forwards else None)
 
 
-# configurations the engine can run on CUDA, fastest first: (label, CUDA graphs, fused kernels)
-CONFIGS = (("graphs+fused", True, True), ("graphs", True, False), ("fused", False, True))
+# configurations the engine can run on CUDA, fastest first: (label, CUDA graphs, tree graphs, fused kernels)
+CONFIGS = (("graphs+fused", True, True, True), ("decode graphs+fused", True, False, True),
+           ("decode graphs", True, False, False), ("fused", False, False, True))
 
 
-def probe(model: str, device: str, graphs: bool, fused_on: bool, prompts: list[list[int]]) -> dict:
+def probe(model: str, device: str, graphs: bool, trees: bool, fused_on: bool, prompts: list[list[int]]) -> dict:
     """In this process: greedy tokens of an engine with this configuration against an eager engine
     without fused kernels, fp32, plain decoding and two drafters (trees through the graphs)."""
+    from specserve.engine import cuda_graphs
     from specserve.engine.config import EngineConfig
     from specserve.engine.core import LLMEngine
     from specserve.engine.loader import load_model
     from specserve.kernels import fused
 
+    cuda_graphs.TREES = trees
     loaded = load_model(model)
     layers = max(1, min(4, loaded.hf_config.num_hidden_layers // 2))
     outputs = {}
@@ -225,10 +228,10 @@ def probe_configs(args, prompts) -> dict:
     import subprocess
 
     out = {}
-    for label, graphs, fused_on in CONFIGS:
+    for label, graphs, trees, fused_on in CONFIGS:
         cmd = [sys.executable, "-m", "specserve.bench.gpu", "--probe", json.dumps(
             {"model": args.model, "device": args.device if args.device != "auto" else "cuda", "graphs": graphs,
-             "fused": fused_on, "prompts": prompts})]
+             "trees": trees, "fused": fused_on, "prompts": prompts})]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
             lines = proc.stdout.strip().splitlines()
@@ -458,10 +461,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         # unfused engine's in a child process (a device fault there does not end this run)
         probes = step("probe configurations", lambda: probe_configs(args, [p[:48] for p in mixed[:3]])) or {}
         summary["probes"] = probes
-        passed = next((c for c in CONFIGS if probes.get(c[0], {}).get("ok")), ("eager", False, False))
+        passed = next((c for c in CONFIGS if probes.get(c[0], {}).get("ok")), ("eager", False, False, False))
+        from specserve.engine import cuda_graphs
         from specserve.kernels import fused
-        args.graphs = passed[1]
-        fused.ENABLED = fused.ENABLED and passed[2]
+        args.graphs, cuda_graphs.TREES = passed[1], passed[2]
+        fused.ENABLED = fused.ENABLED and passed[3]
         summary.setdefault("fused_kernels", {})["enabled"] = fused.ENABLED
         summary["meta"]["configuration"] = passed[0]
     main_engine = step("load engine", lambda: engine(drafters, eager=not args.graphs))
@@ -625,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--probe"]:          # a child of `probe_configs`
         spec = json.loads(argv[1])
-        print(json.dumps(probe(spec["model"], spec["device"], spec["graphs"], spec["fused"], spec["prompts"])))
+        print(json.dumps(probe(spec["model"], spec["device"], spec["graphs"], spec["trees"], spec["fused"],
+                                spec["prompts"])))
         return 0
     return run(build_parser().parse_args(argv), argv)
 

@@ -34,6 +34,7 @@ left to the GPU. Graphs capture the Triton attention kernel (the torch reference
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -49,6 +50,8 @@ logger = logging.getLogger("specserve")
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 8
 NODE_BUCKETS = (2, 4, 8)       # rows per sequence of verification graphs, then the largest tree
+# SPECSERVE_GRAPH_TREES=0 captures the decode buckets only (N = 1); verification steps then run eagerly
+TREES = os.environ.get("SPECSERVE_GRAPH_TREES") != "0"
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -132,7 +135,7 @@ class StepGraphs:
         if not triton_available():
             raise RuntimeError("CUDA graphs capture the Triton attention kernel, and triton is not installed")
         self.batch_sizes = batch_buckets(max_batch)
-        self.node_sizes = node_buckets(max_nodes)
+        self.node_sizes = node_buckets(max_nodes if TREES else 1)
         B, N = self.batch_sizes[-1], self.node_sizes[-1]
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(B * N, **i64)
