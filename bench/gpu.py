@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                     help="auto: bfloat16 on CUDA, float32 on the CPU (default: %(default)s)")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="measure without CUDA graphs only")
+    ap.add_argument("--no-probe", dest="probe", action="store_false",
+                    help="take the fastest configuration (graphs with trees, fused kernels) without probing it "
+                         "in a child first (when the gpu tests of this tree passed on this machine)")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers baseline")
     ap.add_argument("--no-hf-compile", dest="hf_compile", action="store_false",
                     help="transformers eager only (no static cache + torch.compile)")
@@ -459,7 +462,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if device.type == "cuda" and args.graphs:
         # graphs and fused kernels are used only in a configuration whose greedy tokens were the eager,
         # unfused engine's in a child process (a device fault there does not end this run)
-        probes = step("probe configurations", lambda: probe_configs(args, [p[:48] for p in mixed[:3]])) or {}
+        if args.probe:
+            probes = step("probe configurations", lambda: probe_configs(args, [p[:48] for p in mixed[:3]])) or {}
+        else:
+            probes = {CONFIGS[0][0]: {"ok": True, "equal": "not probed (--no-probe)"}}
         summary["probes"] = probes
         passed = next((c for c in CONFIGS if probes.get(c[0], {}).get("ok")), ("eager", False, False, False))
         from specserve.engine import cuda_graphs

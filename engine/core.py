@@ -128,7 +128,7 @@ class LLMEngine:
         max_nodes = cfg.num_speculative_tokens + 1
         max_blocks = -(-(self.max_model_len + max_nodes) // cfg.block_size) + 1
         graphs = StepGraphs(self.model, self.cache, cfg.block_size, cfg.max_num_seqs, max_nodes, max_blocks,
-                            self.device, backend)
+                            self.device, backend, self.runner.capture_layers)
         logger.info("capturing %d step graphs (batch sizes %s; rows per sequence %s)", len(graphs.buckets),
                     ", ".join(map(str, graphs.batch_sizes)), ", ".join(map(str, graphs.node_sizes)))
         graphs.capture()

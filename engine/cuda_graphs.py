@@ -22,8 +22,9 @@ ragged layout (`gather`), for each padded sequence its batch entry, the context 
 bytes and, for each ragged row, its padded row (`scatter`); all of it rides the step's one staged
 upload. `forward` fills the static buffers with a few gathers, replays, and returns the hidden
 states in the ragged layout. Steps with a prefill chunk, more sequences than the largest bucket,
-a tree larger than the largest node bucket, or captured intermediate layers (EAGLE-3-style
-features) run eagerly. `--enforce-eager` (EngineConfig) turns graphs off, as in vLLM.
+or a tree larger than the largest node bucket run eagerly. The intermediate layers feature-reading
+drafters need (EAGLE-3's) are written by every graph when any loaded drafter reads them, so such a
+drafter's steps replay too. `--enforce-eager` (EngineConfig) turns graphs off, as in vLLM.
 
 The capture itself is behind a small protocol (`GraphBackend.capture(fn) -> replay`), so the
 bookkeeping (buckets, padding, static buffers) is tested on the CPU through `EagerReplay`, which
@@ -129,9 +130,12 @@ class StepGraphs:
     """The captured forwards of one model over one KV cache, for every (batch, nodes) bucket."""
 
     def __init__(self, model, cache, block_size: int, max_batch: int, max_nodes: int, max_blocks_per_seq: int,
-                 device: torch.device, backend: GraphBackend):
+                 device: torch.device, backend: GraphBackend, capture_layers: tuple[int, ...] = ()):
         self.model, self.cache, self.block_size, self.device = model, cache, block_size, device
         self.backend = backend
+        # intermediate layers the drafters read (EAGLE-3's features): every graph writes them too,
+        # so a step with a feature-reading drafter replays like any other
+        self.capture_layers = tuple(capture_layers)
         if not triton_available():
             raise RuntimeError("CUDA graphs capture the Triton attention kernel, and triton is not installed")
         self.batch_sizes = batch_buckets(max_batch)
@@ -179,15 +183,17 @@ class StepGraphs:
         for B, N in sorted(self.buckets, key=lambda bn: -bn[0] * bn[1]):
             meta = self.metas[(B, N)] = self._meta(B, N)
             self.replays[(B, N)] = self.backend.capture(
-                lambda B=B, N=N, meta=meta: self.model(self.input_ids[:B * N], self.positions[:B * N], self.cache, meta))
+                lambda B=B, N=N, meta=meta: self.model(self.input_ids[:B * N], self.positions[:B * N], self.cache, meta,
+                                                       self.capture_layers))
         seconds = time.perf_counter() - t0
         logger.info("captured %d step graphs (batch sizes %s; rows per sequence %s) in %.1f s", len(self.replays),
                     ", ".join(map(str, self.batch_sizes)), ", ".join(map(str, self.node_sizes)), seconds)
         return seconds
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, plan: GraphPlan,
-                tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The hidden states [num ragged rows, hidden] of a step, through the graph of its bucket.
+                tensors: list[torch.Tensor], want_layers: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states [num ragged rows, hidden], the captured layers [rows, len(capture_layers),
+        hidden] when `want_layers`, else None) of a step, through the graph of its bucket.
         `tensors`: the plan's lists on the device (`GraphPlan.sizes` order)."""
         B, N = plan.B, plan.N
         gather, seqs, context_lens, scatter, mask = tensors
@@ -200,7 +206,11 @@ class StepGraphs:
         if N > 1:
             self.mask_data[:rows * N].copy_(mask)
         self.num_replays[(B, N)] = self.num_replays.get((B, N), 0) + 1
-        return self.replays[(B, N)]().index_select(0, scatter)
+        out = self.replays[(B, N)]()
+        if not self.capture_layers:
+            return out.index_select(0, scatter), None
+        hidden, layers = out
+        return hidden.index_select(0, scatter), layers.index_select(0, scatter) if want_layers else None
 
 
 def make_plan(B: int, N: int, cu_rows: list[int], starts: list[int], sizes: list[int],

@@ -127,13 +127,13 @@ class ModelRunner:
 
     # ---- inputs ---------------------------------------------------------------------------
 
-    def prepare(self, batch: ScheduledBatch, trees: dict[int, TokenTree], graph_ok: bool = True) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, trees: dict[int, TokenTree]) -> StepInputs:
         """Flatten the batch: each entry's new tokens (a prefill chunk, one decode token, or a
         tree's nodes), their positions, the rows needing logits, and the packed trees. A step that
-        a captured graph can run (`graph_ok` and `self.graphs`: decode rows and trees only) also
+        a captured graph can run (`self.graphs`: decode rows and trees only) also
         gets its `GraphPlan`, the padding onto its bucket (engine/cuda_graphs.py)."""
         starts = [seq.num_computed_tokens for seq in batch.seqs]
-        bucket = self._graph_bucket(batch, trees, starts) if graph_ok else None
+        bucket = self._graph_bucket(batch, trees, starts)
         tree_idx = [b for b in range(len(batch.seqs)) if b in trees]
         packed = pack_trees([trees[b] for b in tree_idx], self.device) if tree_idx else None
         ids: list[int] = []
@@ -223,12 +223,13 @@ class ModelRunner:
         computed length after the step (`StepResult.num_computed`), which the scheduler applies."""
         trees = trees or {}
         want_layers = bool(self.capture_layers and feature_idx)
-        inp = self.prepare(batch, trees, graph_ok=not want_layers)
+        inp = self.prepare(batch, trees)
         layers = None
-        if want_layers:
+        if inp.graph is not None:     # the graphs write the capture layers too (engine/cuda_graphs.py)
+            hidden, layers = self.graphs.forward(inp.input_ids, inp.positions, inp.meta, inp.graph, inp.graph_tensors,
+                                                 want_layers)
+        elif want_layers:
             hidden, layers = self.model(inp.input_ids, inp.positions, self.cache, inp.meta, self.capture_layers)
-        elif inp.graph is not None:
-            hidden = self.graphs.forward(inp.input_ids, inp.positions, inp.meta, inp.graph, inp.graph_tensors)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.cache, inp.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows))   # [P + nodes, V]

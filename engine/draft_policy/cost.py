@@ -12,6 +12,15 @@
   the deepest tree it is asked for; e has one offset per budget size, neighbouring offsets held
   alike, so a size not measured yet costs what the nearest measured one does, and c is held near 0
   unless calls with the same largest size but different node totals (a batch) show it.
+
+Outliers. A fit that keeps what it learnt where nothing new is observed (`_Ridge`) must not learn
+from a one-off: the first step that verifies a tree on a GPU compiles kernels (hundreds of ms
+against 2 ms), a drafter's first call initialises its libraries, a pause can land anywhere. Once
+learnt, "trees are slow" would never be tested again, since the policy stops drafting. So a
+drafter's first call is not observed, and an observation more than MAX_STEP_RATIO times the
+current estimate (and OUTLIER_SECONDS above it: an extrapolation to a shape not seen yet is rough)
+is held back (`_Outliers`): it is fitted, clamped at that ratio, only when the
+next observation of its kind (a step with or without trees; a drafter's call) is an outlier too.
 """
 
 from __future__ import annotations
@@ -24,8 +33,32 @@ STEP_FORGET = 0.98          # step cost fit: weight of an observation decays by 
 STEP_SCALE_PRECISION = 0.05 # ... its scale of the calibrated curve held as weakly as one knot's offset
 DRAFT_FORGET = 0.95         # draft cost fit: the same per `propose` call
 DRAFT_NODE_PRECISION = 100.0 # ... its cost per node budget held near 0 this firmly
-MAX_STEP_RATIO = 4.0        # a step slower than this times the estimate counts as this much (GC, noise)
+MAX_STEP_RATIO = 4.0        # a step or call slower than this times the estimate ...
+OUTLIER_SECONDS = 0.005     # ... and by this much is an outlier (module docstring)
 UNCALIBRATED_FLAT = 32      # without calibration: T(n) ~ UNCALIBRATED_FLAT + n, scaled by the first step
+
+
+class _Outliers:
+    """Per kind, the last observation held back as an outlier (module docstring)."""
+
+    def __init__(self):
+        self.held: dict = {}
+
+    def admit(self, kind, obs: tuple, seconds: float, expected: float) -> list[tuple[tuple, float]]:
+        """The (observation, seconds) pairs to fit now: none while `seconds` is the first outlier of
+        its kind in a row; the held one and this one, each clamped at the ceiling of its estimate,
+        when it is the second; this one alone when it is no outlier."""
+        ceiling = max(MAX_STEP_RATIO * expected, expected + OUTLIER_SECONDS)
+        if not (expected > 0) or seconds <= ceiling:
+            self.held.pop(kind, None)
+            return [(obs, seconds)]
+        held = self.held.pop(kind, None)
+        if held is None:
+            self.held[kind] = (obs, ceiling)
+            return []
+        return [held, (obs, ceiling)]
+
+
 # ---- small weighted ridge regression -----------------------------------------------------------
 
 
@@ -154,6 +187,7 @@ class StepCostModel:
         prior[k + 1][k + 1] = 2.0  # likelier than one per tree where the data cannot tell them apart
         prior[k + 2][k + 2] = STEP_SCALE_PRECISION
         self._fit = _Ridge(prior, STEP_FORGET)
+        self._outliers = _Outliers()
         self._values: list[float] | None = None
         self._tree_terms = (0.0, 0.0)
 
@@ -190,8 +224,12 @@ class StepCostModel:
             self.base = self._prior_base(num_tokens, seconds)
             self._values = None
             return
+        for (n, trees), s in self._outliers.admit(num_trees > 0, (num_tokens, num_trees), seconds,
+                                                  self.predict(num_tokens, num_trees)):
+            self._update(n, s, trees)
+
+    def _update(self, num_tokens: int, seconds: float, num_trees: int) -> None:
         base = _interp_knots(self.knots, self.base, num_tokens)
-        seconds = min(seconds, MAX_STEP_RATIO * max(self.predict(num_tokens, num_trees), base))
         k = len(self.knots)
         phi: dict[int, float] = {}
         for i, w in self._hat(num_tokens):
@@ -315,6 +353,8 @@ class DraftCostModel:
         prior[2][2] = DRAFT_NODE_PRECISION
         _hold_offsets_alike(prior, 3, k)
         self._fit = _Ridge(prior, DRAFT_FORGET)
+        self._outliers = _Outliers()
+        self.num_calls = 0
 
     def _phi(self, num_seqs: int, num_nodes: int, largest: int) -> dict[int, float]:
         # the offset of the smallest budget size holding `largest` (the last one beyond them all)
@@ -329,5 +369,11 @@ class DraftCostModel:
         return max(0.0, sum(theta[i] * x for i, x in self._phi(num_seqs, num_nodes, largest).items()))
 
     def observe(self, num_seqs: int, num_nodes: int, largest: int, seconds: float) -> None:
-        if num_seqs > 0 and math.isfinite(seconds):
-            self._fit.update(self._phi(num_seqs, num_nodes, largest), seconds)
+        if num_seqs <= 0 or not math.isfinite(seconds):
+            return
+        self.num_calls += 1
+        if self.num_calls == 1:      # the first call: libraries initialised, kernels compiled
+            return
+        for obs, s in self._outliers.admit(0, (num_seqs, num_nodes, largest), seconds,
+                                           self.predict(num_seqs, num_nodes, largest)):
+            self._fit.update(self._phi(*obs), s)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from specserve.engine.draft_policy.cost import StepCostModel, calibrate_step_cost
+from specserve.engine.draft_policy.cost import DraftCostModel, StepCostModel, calibrate_step_cost
 
 
 def test_a_knot_timed_high_by_noise_does_not_raise_the_ones_after_it():
@@ -52,3 +52,46 @@ def test_a_tree_term_seen_a_few_times_is_kept_over_many_plain_steps():
     for _ in range(500):
         cost.observe(16, curve(16))
     assert cost.predict(20, 1) - cost.predict(20) > 0.8 * learnt
+
+
+def test_a_one_off_slow_tree_step_is_not_learnt_and_a_repeated_one_is():
+    """The first step verifying a tree on a GPU compiles kernels: 1 s against 2 ms. Learnt, it would
+    say trees cost half a second, and since the policy then never drafts, it would never be tested
+    again. Held back, it is forgotten when the next tree step is normal, and learnt (clamped) when
+    the next one is slow too."""
+    def fresh() -> StepCostModel:
+        cost = StepCostModel(64)
+        cost.calibrate({n: 0.010 for n in (1, 2, 4, 8, 16, 32, 64)})   # eager forwards; steps replay graphs
+        for _ in range(60):
+            cost.observe(1, 0.002)
+        return cost
+
+    cost = fresh()
+    before = cost.predict(9, 1)
+    assert before < 0.004
+    cost.observe(9, 1.0, num_trees=1)
+    assert cost.predict(9, 1) == before
+    cost.observe(9, 0.003, num_trees=1)     # the next tree step is normal: the outlier is dropped
+    cost.observe(9, 0.9, num_trees=1)       # a new one-off
+    assert cost.predict(9, 1) < 0.004
+
+    slow = fresh()
+    slow.observe(9, 1.0, num_trees=1)
+    slow.observe(9, 1.0, num_trees=1)       # twice in a row: trees really cost more
+    assert 0.004 < slow.predict(9, 1) <= 4 * 0.0035
+    assert slow.predict(1) < 0.0025         # plain steps keep their own estimate
+
+
+def test_a_drafters_first_call_and_one_off_slow_calls_are_not_learnt():
+    cost = DraftCostModel([1, 2, 4, 8])
+    cost.observe(1, 8, 8, 0.5)                       # the first call: libraries initialised
+    assert cost.predict(1, 8, 8) == 0.0
+    for _ in range(30):
+        cost.observe(1, 8, 8, 0.001)
+    assert abs(cost.predict(1, 8, 8) - 0.001) < 2e-4
+    cost.observe(1, 8, 8, 0.3)                       # a pause
+    cost.observe(1, 8, 8, 0.001)
+    assert abs(cost.predict(1, 8, 8) - 0.001) < 2e-4
+    cost.observe(1, 8, 8, 0.010)
+    cost.observe(1, 8, 8, 0.010)                     # the drafter got slower: learnt
+    assert cost.predict(1, 8, 8) > 0.0012
