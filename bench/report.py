@@ -52,7 +52,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "gpu": Benchmark(
         "GPU bring-up", "specserve.bench.gpu", "gpu",
         "One run on a lent GPU machine (`tools/gpu-check`): the weight-read floor, plain decoding by batch size "
-        "(with CUDA graphs of the decode step where the run had them), every drafter against plain decoding at "
+        "(with CUDA graphs of decode and verification steps where the run had them), every drafter against plain decoding at "
         "batch 1 and 32 under the goodput draft policy, transformers `generate` at batch 1, and the Triton tree "
         "attention against the torch reference on verification shapes."),
     "plain_decode": Benchmark(

@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step (engine/cuda_graphs.py).
+"""CUDA graphs of decode and verification steps (engine/cuda_graphs.py).
 
 On the CPU the capture/replay bookkeeping (buckets, padding by repeating the last row, static
 buffers) runs through the eager stand-in `EagerReplay` over the Triton kernel under the
