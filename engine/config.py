@@ -44,9 +44,14 @@ class EngineConfig:
     # drafters' own layers), so that a step of a few rows (draft trees, small batches) costs little
     # more than a 1-row decode; doubles those weights' memory
     prepack_weights: bool = True
-    # CUDA: decode steps replay CUDA graphs captured at start-up for batch-size buckets
-    # (engine/cuda_graphs.py); True runs every step eagerly (as vLLM's --enforce-eager)
+    # CUDA: decode and verification steps replay CUDA graphs captured at start-up for (batch,
+    # rows per sequence) buckets (engine/cuda_graphs.py); True runs every step eagerly (as vLLM's
+    # --enforce-eager)
     enforce_eager: bool = False
+    # run each drafter's drafting and verification once before serving (`LLMEngine.warm_up`), so
+    # that kernels compile there and not in a served step or the draft policy's cost models;
+    # None: on CUDA only (a CPU compiles nothing on first use)
+    warm_up: bool | None = None
     # CPU: weight-only quantized projections (engine/quant.py): none | int8 (per row) | int4 (per
     # group of 32); the LM head too unless quantize_lm_head is False
     quantization: str = "none"

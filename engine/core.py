@@ -112,10 +112,46 @@ class LLMEngine:
                 self.capture_graphs(CudaGraphBackend(self.device))
             else:
                 logger.warning("triton is not installed: no CUDA graphs, every step runs eagerly")
+        if config.warm_up if config.warm_up is not None else self.device.type == "cuda":
+            self.warm_up()
         self._export_step_cost()
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
                     config.block_size, self.max_model_len)
+
+    def warm_up(self, num_tokens: int = 6) -> float:
+        """Each drafter's drafting and verification paths once before serving: two short greedy
+        requests per drafter decoded together, every sequence drafting its full tree (the fixed
+        budget), so that kernels compile and libraries initialise here rather than in a served step,
+        where the draft policy would learn from a second-long compile that trees do not pay.
+        The policy sees none of it, and the engine's and drafters' statistics start at zero after
+        it. Returns the seconds it took."""
+        from specserve.engine.draft_policy.fixed import FixedPolicy
+
+        if not self.drafters:
+            return 0.0
+        t0 = time.perf_counter()
+        vocab = self.model_config.vocab_size
+        prompt = [(7 + 3 * i) % vocab for i in range(5)] * 4     # repeats: lookup drafters find matches
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+        policy, self.scheduler.policy = self.scheduler.policy, FixedPolicy(self.config.num_speculative_tokens)
+        try:
+            for name in self.drafters:
+                for i in range(2):
+                    self.add_request(f"warm-up-{name}-{i}", prompt[i:], params, drafter=name)
+                while self.has_unfinished_requests():
+                    self.step()
+        finally:
+            self.scheduler.policy = policy
+            for rid in list(self.requests):
+                self.abort_request(rid)
+        self.stats = EngineStats(num_total_blocks=self.stats.num_total_blocks, memory_bytes=self.stats.memory_bytes)
+        for name, stats in self.drafter_stats.items():
+            fresh = self.drafter_stats[name] = DrafterStats()
+            fresh.observe_parts({part: (0, 0) for part in stats.parts})
+        seconds = time.perf_counter() - t0
+        logger.info("warmed up %d drafters in %.1f s", len(self.drafters), seconds)
+        return seconds
 
     def capture_graphs(self, backend) -> None:
         """Capture the target's forward for every (batch, nodes) bucket: batch sizes up to
