@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import time
 from datetime import datetime
@@ -93,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run plain decoding again after every K drafted methods of a batch (and at both ends) "
                          "and compare each method with plain decoding at the same moment, interpolated in time "
                          "between those runs; 0: plain once per batch (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=1, metavar="R",
+                    help="run each batch's methods R times over (order reversed every other time); a cell's "
+                         "speedup is then the median of its R repeats' speedups, each anchored as above "
+                         "(default: %(default)s)")
     ap.add_argument("--num-speculative-tokens", type=int, default=8, metavar="N",
                     help="most draft-tree nodes per sequence per step (default: %(default)s)")
     ap.add_argument("--max-draft-tokens-per-step", type=int, default=64, metavar="N",
@@ -160,18 +165,20 @@ class Tally:
         self.num_target_forwards = 0
         self.num_spec_tokens = 0     # generated tokens of requests that report speculation figures
         self.batches: list[tuple[int, float]] = []   # (tokens, seconds) of each batch, in the order run
-        self.runs: list[tuple[int, float, float]] = []   # (batch, middle time, tokens/s) of each run
+        # (batch, middle time, tokens/s, seconds, repeat) of each run
+        self.runs: list[tuple[int, float, float, float, int]] = []
         self.error: str | None = None
 
     def add(self, num_tokens: int, seconds: float, outputs: list[list[int]], specs=(), batch: int | None = None,
-            at: float | None = None) -> None:
+            at: float | None = None, repeat: int = 0) -> None:
         """A run of a batch: `batch` its index in the cell and `at` the time of its middle (both
-        default to the order of the calls). A batch run again (plain decoding's anchors) adds its
-        time and tokens to the totals; its outputs are kept from the first run."""
+        default to the order of the calls), `repeat` which pass over the cell's batches it belongs
+        to (--repeats). A batch run again (plain decoding's anchors, a repeat) adds its time and
+        tokens to the totals; its outputs and speculation figures are kept from the first run."""
         batch = len(self.batches) if batch is None else batch
         at = float(len(self.runs)) if at is None else at
         if seconds > 0:
-            self.runs.append((batch, at, num_tokens / seconds))
+            self.runs.append((batch, at, num_tokens / seconds, seconds, repeat))
         self.num_tokens += num_tokens
         self.seconds += seconds
         if batch < len(self.batches):
@@ -193,7 +200,7 @@ class Tally:
 def anchored(plain: Tally, batch: int, at: float) -> float | None:
     """Plain decoding's tokens/s on `batch` at time `at`: linear in time between its runs of that
     batch just before and just after `at`, the nearest one's beyond them (one run: its figure)."""
-    runs = sorted((t, r) for b, t, r in plain.runs if b == batch)
+    runs = sorted((t, r) for b, t, r, _, _ in plain.runs if b == batch)
     if not runs:
         return None
     if at <= runs[0][0]:
@@ -211,7 +218,7 @@ def batch_speedups(tally: Tally, plain: Tally) -> list[float] | None:
     if tally.error is not None or plain.error is not None or len(tally.batches) != len(plain.batches):
         return None
     out = []
-    for batch, at, rate in tally.runs:
+    for batch, at, rate, _, _ in tally.runs:
         anchor = anchored(plain, batch, at)
         if anchor:
             out.append(rate / anchor)
@@ -219,14 +226,20 @@ def batch_speedups(tally: Tally, plain: Tally) -> list[float] | None:
 
 
 def cell_speedup(tally: Tally, plain: Tally) -> float | None:
-    """The cell's speedup: the seconds plain decoding would have taken for the method's batches at
-    the moments they ran (`anchored`) over the seconds they took, i.e. its batch speedups averaged
-    weighted by the method's time per batch (so it lies between their extremes). With one plain run
-    per batch this is the ratio of the two tallies' tokens/s."""
-    per_batch = batch_speedups(tally, plain)
-    if not per_batch or len(per_batch) != len(tally.batches) or not tally.seconds:
+    """The cell's speedup: per repeat, the seconds plain decoding would have taken for the method's
+    batches at the moments they ran (`anchored`) over the seconds they took, i.e. its batch
+    speedups averaged weighted by the method's time per batch (so it lies between their extremes);
+    then the median over repeats (one repeat: its figure). With one plain run per batch this is the
+    ratio of the two tallies' tokens/s."""
+    per_run = batch_speedups(tally, plain)
+    if not per_run or len(per_run) != len(tally.runs):
         return None
-    return sum(s * x for (_, s), x in zip(tally.batches, per_batch)) / tally.seconds
+    repeats: dict[int, list[float]] = {}
+    for (_, _, _, seconds, repeat), x in zip(tally.runs, per_run):
+        sums = repeats.setdefault(repeat, [0.0, 0.0])
+        sums[0] += seconds * x
+        sums[1] += seconds
+    return statistics.median(x / s for x, s in repeats.values() if s > 0)
 
 
 def anchored_order(order: list[str], every: int, plain: str) -> list[str]:
@@ -467,13 +480,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             for start in range(0, len(ps), group):
                 chunk = ps[start:start + group]
                 seeds = [args.seed + start + i for i in range(len(chunk))]
-                order = anchored_order(method_order(methods, batch_no), args.anchor_every, methods[0])
-                for k, m in enumerate(order):
-                    t0 = time.perf_counter()
-                    n, secs, outs, specs = run_engine_batch(m.engine, chunk, params_for(t, seeds, args.max_tokens),
-                                                            m.drafter, f"{ds}-{t}-{m.label}-{start}-{k}")
-                    tallies[m.label].add(n, secs, outs, specs, batch=start // group, at=t0 + secs / 2)
-                batch_no += 1
+                for rep in range(args.repeats):
+                    order = anchored_order(method_order(methods, batch_no), args.anchor_every, methods[0])
+                    for k, m in enumerate(order):
+                        t0 = time.perf_counter()
+                        n, secs, outs, specs = run_engine_batch(
+                            m.engine, chunk, params_for(t, seeds, args.max_tokens), m.drafter,
+                            f"{ds}-{t}-{m.label}-{start}-{rep}-{k}")
+                        tallies[m.label].add(n, secs, outs, specs, batch=start // group,
+                                             at=t0 + secs / 2, repeat=rep)
+                    batch_no += 1
                 if hf is not None:
                     hf_tallies["hf_generate"].add(*run_hf(hf, chunk, args.max_tokens, temperature=t, seeds=seeds,
                                                           pad_token_id=pad_id))
@@ -541,7 +557,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             "mean_prompt_tokens": {ds: sum(map(len, ps)) / len(ps) for ds, ps in prompts.items()},
             "max_tokens": args.max_tokens, "temperatures": args.temperature, "batch_size": args.batch_size,
             "admission": args.admission, "method_order": "reversed every other batch",
-            "anchor_every": args.anchor_every,
+            "anchor_every": args.anchor_every, "repeats": args.repeats,
             "hf_batch_size": 1 if hf is not None else None, "seed": args.seed, "drafters": drafters,
             "skipped_drafters": skipped, "drafter_options": options,
             "num_speculative_tokens": args.num_speculative_tokens,
@@ -615,8 +631,10 @@ def markdown(result: dict) -> str:
     every = meta.get("anchor_every") or 0
     anchor = (f" at the same moment (plain decoding run again after every {every} drafted method(s) of a batch, "
               "interpolated in time between its runs)" if every else " in the same run")
-    lines += ["", f"speedup: tok/s over our plain decoding{anchor}; per batch: the lowest and highest "
-              "speedup of one batch of prompts (each batch runs every method back to back); τ: tokens per "
+    repeats = meta.get("repeats") or 1
+    median = f", the median of {repeats} repeats of every batch" if repeats > 1 else ""
+    lines += ["", f"speedup: tok/s over our plain decoding{anchor}{median}; per batch: the lowest and highest "
+              "speedup of one run of a batch of prompts (each batch runs every method back to back); τ: tokens per "
               "target forward (bonus included); SWI: standardized walltime improvement, tokens / (target "
               "forwards + Σ drafter network runs × its parameters / the target's); α: accepted / drafted tokens; "
               "accepted/step: accepted drafts per draft step."]

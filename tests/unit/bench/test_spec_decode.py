@@ -215,6 +215,36 @@ def test_anchored_speedups_compare_with_plain_at_the_same_moment():
     assert spec_decode.cell_speedup(m2, p2) == pytest.approx(m2.tok_s / p2.tok_s)
 
 
+def test_repeats_take_the_median_of_the_repeats_speedups():
+    """Three repeats of one batch: 2x, 1x (the machine slowed the method's run alone) and 2x; the
+    cell says 2x, not their time-weighted mean."""
+    plain, method = spec_decode.Tally(), spec_decode.Tally()
+    at = 0.0
+    for rep, method_secs in enumerate((1.0, 2.0, 1.0)):
+        plain.add(100, 2.0, [[1]], batch=0, at=at, repeat=rep)
+        method.add(100, method_secs, [[1]], batch=0, at=at + 1, repeat=rep)
+        plain.add(100, 2.0, [[1]], batch=0, at=at + 2, repeat=rep)
+        at += 3
+    assert spec_decode.batch_speedups(method, plain) == pytest.approx([2.0, 1.0, 2.0])
+    assert spec_decode.cell_speedup(method, plain) == pytest.approx(2.0)
+    assert method.outputs == [[1]] and method.num_tokens == 300     # outputs of the first run, tokens of all
+
+
+def test_repeats_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path):
+    out = tmp_path / "repeated"
+    rc = spec_decode.main(["--model", str(tiny_llama_dir), "--datasets", str(tiny_dataset), "--num-prompts", "2",
+                           "--max-tokens", "6", "--drafters", "ngram", "--temperature", "0", "--no-hf",
+                           "--draft-budget", "fixed", "--batch-size", "2", "--repeats", "3", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["meta"]["repeats"] == 3 and result["num_greedy_mismatches"] == 0
+    cells = {r["method"]: r for r in result["results"]}
+    assert cells["none"]["num_tokens"] == cells["ngram"]["num_tokens"] == 3 * 2 * 6
+    assert len(cells["ngram"]["speedup_by_batch"]) == 3
+    assert sorted(cells["ngram"]["speedup_by_batch"])[1] == pytest.approx(cells["ngram"]["speedup"])
+    assert "median of 3 repeats" in out.with_suffix(".md").read_text()
+
+
 def test_anchor_every_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, monkeypatch):
     """--anchor-every 1: plain decoding runs before, between and after the drafted methods of each
     batch (the order still reversing), every plain run gives the same greedy output, and each
