@@ -297,21 +297,30 @@ class ModelRunner:
                           hidden: torch.Tensor, feature_idx, layers: torch.Tensor | None = None) -> None:
         """The rows of the tokens whose KV stays (a chunk's, or a tree's root and accepted path) of
         the last-layer features and, when captured, of the intermediate layers."""
+        if not feature_idx:
+            return
         row0 = inp.meta.cu_query_lens
         tree_of = {b: t for t, b in enumerate(inp.tree_idx)}
-        for b in feature_idx:
+        verified = {id(r.seq): r.verify for r in result.results if r.tree is not None}
+        rows: list[int] = []
+        spans = []        # (batch index, first of its rows, how many)
+        for b in sorted(feature_idx):
             if b in tree_of:
-                t = tree_of[b]
-                v = next(r.verify for r in result.results if r.seq is batch.seqs[b])
-                rows = torch.tensor([inp.tree_rows[t] + i for i in [v.root, *v.accepted_nodes]], device=self.device)
-                result.features[b] = (inp.starts[b], hidden.index_select(0, rows))
-                if layers is not None:
-                    result.layer_features[b] = layers.index_select(0, rows)
+                v, first = verified[id(batch.seqs[b])], inp.tree_rows[tree_of[b]]
+                mine = [first + i for i in (v.root, *v.accepted_nodes)]
             else:
-                lo, hi = row0[b], row0[b] + batch.num_tokens[b]
-                result.features[b] = (inp.starts[b], hidden[lo:hi].clone())
-                if layers is not None:
-                    result.layer_features[b] = layers[lo:hi].clone()
+                mine = range(row0[b], row0[b] + batch.num_tokens[b])
+            spans.append((b, len(rows), len(mine)))
+            rows.extend(mine)
+        # one gather for every sequence (and one upload of its rows), not a few small ops each: it
+        # is also a copy, so the graphs' static output may be overwritten by the next replay
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        gathered = hidden.index_select(0, index)
+        gathered_layers = layers.index_select(0, index) if layers is not None else None
+        for b, lo, n in spans:
+            result.features[b] = (inp.starts[b], gathered[lo:lo + n])
+            if gathered_layers is not None:
+                result.layer_features[b] = gathered_layers[lo:lo + n]
 
     def _computed_lengths(self, batch: ScheduledBatch, inp: StepInputs, result: StepResult) -> None:
         """Each batch entry's computed length after the step: a plain entry has computed its chunk;
