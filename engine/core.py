@@ -83,12 +83,7 @@ class LLMEngine:
             packed = self.model.pack_weights() + pack_weights_in(*self.drafters.values())
             logger.info("prepacked %d weight matrices for oneDNN", packed)
         self.default_drafter = config.drafters[0] if config.drafters and config.drafters[0] != NO_DRAFTER else None
-        self.drafter_stats: dict[str, DrafterStats] = {name: DrafterStats() for name in self.drafters}
-        for name, drafter in self.drafters.items():
-            # a composite drafter may name its parts up front (`part_names`), so that their counters
-            # exist at zero from the start; parts first seen in a tree's provenance are added then
-            for part in getattr(drafter, "part_names", ()) or ():
-                self.drafter_stats[name].observe_parts({str(part): (0, 0)})
+        self.drafter_stats = self._new_drafter_stats()
         self.features.set_capture_layers(self._capture_layers())
         # the drafters that tell a context for each tree (`Drafter.context_of`), less those that failed to
         self._context_drafters = {name for name, d in self.drafters.items() if _tells_context(d)}
@@ -146,12 +141,20 @@ class LLMEngine:
             for rid in list(self.requests):
                 self.abort_request(rid)
         self.stats = EngineStats(num_total_blocks=self.stats.num_total_blocks, memory_bytes=self.stats.memory_bytes)
-        for name, stats in self.drafter_stats.items():
-            fresh = self.drafter_stats[name] = DrafterStats()
-            fresh.observe_parts({part: (0, 0) for part in stats.parts})
+        self.drafter_stats = self._new_drafter_stats()
         seconds = time.perf_counter() - t0
         logger.info("warmed up %d drafters in %.1f s", len(self.drafters), seconds)
         return seconds
+
+    def _new_drafter_stats(self) -> dict[str, DrafterStats]:
+        """Zeroed counters per served drafter. A composite drafter may name its parts up front
+        (`part_names`), so that their counters exist at zero from the start; parts first seen in a
+        tree's provenance are added then."""
+        out = {}
+        for name, drafter in self.drafters.items():
+            out[name] = DrafterStats()
+            out[name].observe_parts({str(part): (0, 0) for part in getattr(drafter, "part_names", ()) or ()})
+        return out
 
     def capture_graphs(self, backend) -> None:
         """Capture the target's forward for every (batch, nodes) bucket: batch sizes up to

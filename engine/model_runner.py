@@ -180,7 +180,9 @@ class ModelRunner:
         staged = self._staging.upload(ids + positions + logit_rows + pad_index + tree_start_list + tree_idx + extra)
         input_ids, pos, rows, rest, graph = staged.split([n_tok, n_tok, n_logit, len(pad_index) + 3 * len(tree_idx),
                                                           len(extra)])
-        _, meta = build_attn_metadata(tables, self.block_size, starts, qlens, masks, self.device)
+        # a graph step reads its masks from the plan: the eager metadata's would be packed for nothing
+        _, meta = build_attn_metadata(tables, self.block_size, starts, qlens,
+                                      masks if plan is None else [None] * len(masks), self.device)
         inputs = StepInputs(input_ids, pos, meta, rows, starts, plain, tree_idx, tree_rows, packed, graph=plan)
         if plan is not None:
             inputs.graph_tensors = list(graph.split(plan.sizes()))

@@ -98,8 +98,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "few rows (draft trees, small batches) then costs little more than a 1-row decode; "
                         "doubles those weights' memory (default: on)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
-                   help="on CUDA, run every step eagerly instead of replaying the decode step's CUDA graphs "
-                        "captured at start-up (default: off)")
+                   help="on CUDA, run every step eagerly instead of replaying the decode and verification "
+                        "steps' CUDA graphs captured at start-up (default: off)")
     g.add_argument("--quantization", default=d["quantization"], choices=QUANTIZATIONS,
                    help="on the CPU, weight-only quantized projections: int8 (one scale per row) or int4 (scale "
                         "and zero per group of 32, a GGUF Q4_0/Q4_1 block); a step reads a quarter or an eighth "

@@ -19,7 +19,7 @@ against 2 ms), a drafter's first call initialises its libraries, a pause can lan
 learnt, "trees are slow" would never be tested again, since the policy stops drafting. So a
 drafter's first call is not observed, and an observation more than MAX_STEP_RATIO times the
 current estimate (and OUTLIER_SECONDS above it: an extrapolation to a shape not seen yet is rough)
-is held back (`_Outliers`): it is fitted, clamped at that ratio, only when the
+is held back (`_Outliers`): it is fitted, clamped at that bound, only when the
 next observation of its kind (a step with or without trees; a drafter's call) is an outlier too.
 """
 
