@@ -2,10 +2,12 @@
 same greedy settings, same number of new tokens. Prints a markdown table and writes JSON.
 
     python -m specserve.bench.plain_decode --num-prompts 8 --max-tokens 128 [--quantization none int8 int4]
+        [--compile off|on|both]
 
-With several `--quantization` kinds, one engine per kind from the same load, run prompt by prompt in
-turn (a slow stretch of the machine hits every kind alike); each kind's greedy outputs are compared
-with the unquantized engine's (same tokens: prompts whose whole continuation is identical).
+With several `--quantization` kinds (and `--compile both`: each kind eager and compiled,
+engine/compiled.py), one engine per variant from the same load, run prompt by prompt in turn (a
+slow stretch of the machine hits every variant alike); each variant's greedy outputs are compared
+with the unquantized eager engine's (same tokens: prompts whose whole continuation is identical).
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=QUANTIZATIONS,
                     help="weight-only quantization of our engine, one engine per kind (default: none)")
+    ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
+                    help="our engines with the compiled CPU forward (EngineConfig.compile), without, or both "
+                         "(default: %(default)s)")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers generate")
     ap.add_argument("--out", default="bench/results/plain_decode.json")
     args = ap.parse_args(argv)
@@ -62,9 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     loaded = load_model(args.model)
-    kinds = list(dict.fromkeys(args.quantization))
-    engines = {kind: LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_model_len=2048,
-                                            max_num_seqs=1, quantization=kind), loaded=loaded) for kind in kinds}
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
+    variants = {variant_name(kind, c): (kind, c) for kind in dict.fromkeys(args.quantization) for c in modes}
+    kinds = list(variants)
+    engines = {name: LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_model_len=2048,
+                                            max_num_seqs=1, quantization=kind, compile=c), loaded=loaded)
+               for name, (kind, c) in variants.items()}
     hf = build_hf_model(loaded) if args.hf else None
     prompts = [chat_ids(loaded.tokenizer, t) for t in load_prompts(args.dataset, args.num_prompts)]
     # warm-up on a short prompt
@@ -100,6 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown(result))
 
 
+def variant_name(kind: str, compiled: bool) -> str:
+    """A variant's key in the results: the quantization kind, "+compile" when compiled."""
+    return kind + ("+compile" if compiled else "")
+
+
 def markdown(result: dict) -> str:
     """The table of a run's JSON: batch-1 greedy tokens/s of our plain decoding (per quantization)
     and of transformers."""
@@ -107,14 +120,16 @@ def markdown(result: dict) -> str:
     base = kinds.get("none")
     lines = [f"## Plain decoding: {result['model']} (batch 1, {result['num_prompts']} {result['dataset']} prompts "
              f"× {result['max_tokens']} tokens)", "",
-             "| engine | weights | tokens/s | vs unquantized | same greedy output |", "|---|---|---|---|---|"]
+             "| engine | weights | forward | tokens/s | vs unquantized | same greedy output |",
+             "|---|---|---|---|---|---|"]
     same = result.get("same_as_unquantized", {})
-    for kind, tok_s in kinds.items():
+    for name, tok_s in kinds.items():
+        kind, compiled = name.removesuffix("+compile"), name.endswith("+compile")
         ratio = f"{tok_s / base:.2f}x" if base else "–"
-        lines.append(f"| specserve plain decoding | {'fp32' if kind == 'none' else kind} | {tok_s:.1f} | {ratio} | "
-                     f"{same.get(kind, '–')} |")
+        lines.append(f"| specserve plain decoding | {'fp32' if kind == 'none' else kind} | "
+                     f"{'compiled' if compiled else 'eager'} | {tok_s:.1f} | {ratio} | {same.get(name, '–')} |")
     if result.get("hf_tok_s"):
-        lines.append(f"| transformers generate | fp32 | {result['hf_tok_s']:.1f} | – | – |")
+        lines.append(f"| transformers generate | fp32 | eager | {result['hf_tok_s']:.1f} | – | – |")
     tail = [f"{result['machine']}, {result['date']}; torch {result['torch']}, transformers {result['transformers']}."]
     if result.get("speedup_vs_hf"):
         tail.insert(0, f"speed-up over transformers {result['speedup_vs_hf']:.2f}x, identical greedy outputs "

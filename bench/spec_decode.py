@@ -59,6 +59,7 @@ DEFAULT_DATASETS = ("mt_bench", "humaneval", "gsm8k")
 DEFAULT_DRAFTER_OPTIONS = {"draft_model": {"draft_layers": 4}}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "spec_decode"
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config's (this module loads without torch)
+QUANTIZATIONS = ("none", "int8", "int4")            # engine.quant's
 HF_PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
 
@@ -111,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="float32 makes the greedy check exact (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                    help="the target's weight-only quantization on the CPU (engine/quant.py; default: %(default)s)")
+    ap.add_argument("--compile", action="store_true",
+                    help="the target's forward compiled with torch.compile on the CPU (engine/compiled.py)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i (default: %(default)s)")
     ap.add_argument("--unseeded", action="store_true",
                     help="sampled requests carry no seed (rejection-sampling verification; by default each is "
@@ -426,7 +431,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                               max_model_len=max_model_len, seed=args.seed, drafters=(PLAIN, *drafters),
                               drafter_options=options, num_speculative_tokens=args.num_speculative_tokens,
                               max_draft_tokens_per_step=args.max_draft_tokens_per_step,
-                              draft_budget=policy)
+                              draft_budget=policy, quantization=args.quantization, compile=args.compile)
         engine = LLMEngine(config, loaded=loaded)
         engines[engine.config.draft_budget] = engine
     engine = next(iter(engines.values()))
@@ -553,7 +558,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             "command_line": shlex.join(sys.argv),
             "invocation": shlex.join(["python", "-m", "specserve.bench.spec_decode", *argv]),
             "model": loaded.name, "model_source": loaded.source, "device": str(engine.device), "dtype": args.dtype,
-            "datasets": list(prompts), "num_prompts": {ds: len(ps) for ds, ps in prompts.items()},
+            "quantization": args.quantization, "compiled": args.compile, "datasets": list(prompts), "num_prompts": {ds: len(ps) for ds, ps in prompts.items()},
             "mean_prompt_tokens": {ds: sum(map(len, ps)) / len(ps) for ds, ps in prompts.items()},
             "max_tokens": args.max_tokens, "temperatures": args.temperature, "batch_size": args.batch_size,
             "admission": args.admission, "method_order": "reversed every other batch",

@@ -48,6 +48,9 @@ class EngineConfig:
     # rows per sequence) buckets (engine/cuda_graphs.py); True runs every step eagerly (as vLLM's
     # --enforce-eager)
     enforce_eager: bool = False
+    # CPU: the target's layer stack compiled with torch.compile (engine/compiled.py), compiled at
+    # start-up (tens of seconds the first time, cached on disk by torch); not with enforce_eager
+    compile: bool = False
     # run each drafter's drafting and verification once before serving (`LLMEngine.warm_up`), so
     # that kernels compile there and not in a served step or the draft policy's cost models;
     # None: on CUDA only (a CPU compiles nothing on first use)

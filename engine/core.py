@@ -94,6 +94,8 @@ class LLMEngine:
         self._changed: dict[str, Request] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks, memory_bytes=self.memory_bytes())
         logger.info("memory: %s", ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in self.stats.memory_bytes.items()))
+        if config.compile and self.device.type == "cpu" and not config.enforce_eager:
+            self._compile_forward()
         calibrate = getattr(self.scheduler.policy, "calibrate", None)   # the goodput policy's step cost curve
         if self.drafters and calibrate is not None and config.step_cost_calibration:
             t0 = time.perf_counter()
@@ -113,6 +115,18 @@ class LLMEngine:
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
                     config.block_size, self.max_model_len)
+
+    def _compile_forward(self) -> None:
+        """The runner's forward becomes the compiled one (engine/compiled.py), compiled here for
+        the shapes steps use, before the step cost is calibrated or a request served."""
+        from specserve.engine.compiled import CompiledForward, compile_available
+
+        if not compile_available():
+            logger.warning("no C++ compiler found: the forward runs eagerly (install g++ for torch.compile)")
+            return
+        compiled = CompiledForward(self.model)
+        self.runner.forward = compiled
+        compiled.warm_up(self.runner.profile_forward, self.runner.capture_layers)
 
     def warm_up(self, num_tokens: int = 6) -> float:
         """Each drafter's drafting and verification paths once before serving: two short greedy

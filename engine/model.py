@@ -118,10 +118,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (x.dtype in _ONEDNN_DTYPES and x.device.type == "cpu" and x.dim() == 2 and weight.dtype == x.dtype
             and not grad):
         packed = getattr(weight, "_specserve_packed", None)
-        if packed is not None and x.shape[0] >= packed[2] and packed[1] == weight._version:
-            return _ONEDNN_LINEAR(x, packed[0], bias, "none", [], "")
+        compiling = torch.compiler.is_compiling()
+        out_features = weight.shape[0]
+        if packed is not None and x.shape[0] >= packed[2] and (compiling or packed[1] == weight._version):
+            weight = packed[0]
+        if compiling:   # opaque to torch.compile, which cannot lower a prepacked weight it did not pack
+            return torch.ops.specserve.onednn_linear(x, weight, bias, out_features)
         return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+if _ONEDNN_LINEAR is not None:
+    @torch.library.custom_op("specserve::onednn_linear", mutates_args=())
+    def _onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          out_features: int) -> torch.Tensor:
+        """oneDNN's linear as one opaque op for a compiled forward (`engine/compiled.py`)."""
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+
+    @_onednn_linear_op.register_fake
+    def _(x, weight, bias, out_features):
+        return x.new_empty(x.shape[0], out_features)
 
 
 def pack_weights_in(*objects) -> int:
@@ -257,6 +273,14 @@ def fused_kernels(x: torch.Tensor):
     return _FUSED if _FUSED and _FUSED.ENABLED else None
 
 
+def write_and_attend(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """Write a layer's new keys and values to the cache slots `meta` names, then attend over the
+    paged cache: q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads * D]."""
+    k_cache[meta.slot_mapping] = k
+    v_cache[meta.slot_mapping] = v
+    return paged_attention(q, k_cache, v_cache, meta, scale)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -286,15 +310,21 @@ class DecoderLayer(nn.Module):
             attn = linear(paged_attention(q, k_cache, v_cache, meta, self.scale), self.o.weight)
             x, h = fused.add_rms_norm(attn, h, self.post_attn_norm, self.eps)
             return h + linear(fused.silu_mul(linear(x, self.gate_up.weight)), self.down.weight)
+        return self.forward_with(h, rope, lambda q, k, v: write_and_attend(q, k, v, k_cache, v_cache, meta,
+                                                                          self.scale))
+
+    def forward_with(self, h, rope: RopeRows, attend):
+        """The layer with its attention given: `attend(q [T, heads, D], k, v [T, kv_heads, D])` ->
+        [T, heads * D] writes the new keys and values to the cache and attends (`write_and_attend`
+        eagerly; one opaque op per layer in the compiled forward, `engine/compiled.py`)."""
         x = rms_norm(h, self.input_norm, self.eps)
         qkv = linear(x, self.qkv.weight, self.qkv.bias)
         n = h.shape[0]
         heads = self.num_heads + self.num_kv_heads   # q and k rotated together, in one call
         qk = apply_rope_rows(qkv[:, :self.q_size + self.kv_size].view(n, heads, self.head_dim), rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        k_cache[meta.slot_mapping] = k
-        v_cache[meta.slot_mapping] = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        h = h + linear(paged_attention(q, k_cache, v_cache, meta, self.scale), self.o.weight)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+        h = h + linear(attend(q, k, v), self.o.weight)
         gate, up = linear(rms_norm(h, self.post_attn_norm, self.eps), self.gate_up.weight).chunk(2, dim=-1)
         return h + linear(F.silu(gate) * up, self.down.weight)
 
@@ -360,12 +390,18 @@ class LlamaModel(nn.Module):
         *before* the final norm (transformers' last entry is after it). EAGLE-3's low/mid/high
         features (2, L//2, L-3) are these indices: its code records the input of those decoder
         layers. An empty `capture_layers` costs nothing."""
+        return self.run_layers(input_ids, positions, capture_layers,
+                               lambda i, layer, h, rope: layer(h, rope, *kv_cache.layer(i), attn_metadata))
+
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, capture_layers: tuple[int, ...], step):
+        """`forward` with each decoder layer run by `step(i, layer, h, rope) -> h` (the eager layer
+        over the paged cache in `forward`; `DecoderLayer.forward_with` and an opaque attention op in
+        the compiled forward, `engine/compiled.py`)."""
         h = self.embed(input_ids)
         rope = rope_at(self.rope_cos, self.rope_sin, positions, h.dtype)
         if not capture_layers:
             for i, layer in enumerate(self.layers):
-                k_cache, v_cache = kv_cache.layer(i)
-                h = layer(h, rope, k_cache, v_cache, attn_metadata)
+                h = step(i, layer, h, rope)
             return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         self.check_capture_layers(capture_layers)
         slots = {k: j for j, k in enumerate(capture_layers)}
@@ -373,8 +409,7 @@ class LlamaModel(nn.Module):
         if 0 in slots:
             captured[:, slots[0]] = h
         for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv_cache.layer(i)
-            h = layer(h, rope, k_cache, v_cache, attn_metadata)
+            h = step(i, layer, h, rope)
             if i + 1 in slots:
                 captured[:, slots[i + 1]] = h
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps), captured

@@ -124,6 +124,8 @@ class ModelRunner:
         if self.capture_layers:
             model.check_capture_layers(self.capture_layers)
         self.graphs: StepGraphs | None = None   # once captured (LLMEngine.capture_graphs)
+        # the target's forward: the model itself, or its compiled forward (engine/compiled.py)
+        self.forward = model
 
     # ---- inputs ---------------------------------------------------------------------------
 
@@ -231,9 +233,9 @@ class ModelRunner:
             hidden, layers = self.graphs.forward(inp.input_ids, inp.positions, inp.meta, inp.graph, inp.graph_tensors,
                                                  want_layers)
         elif want_layers:
-            hidden, layers = self.model(inp.input_ids, inp.positions, self.cache, inp.meta, self.capture_layers)
+            hidden, layers = self.forward(inp.input_ids, inp.positions, self.cache, inp.meta, self.capture_layers)
         else:
-            hidden = self.model(inp.input_ids, inp.positions, self.cache, inp.meta)
+            hidden = self.forward(inp.input_ids, inp.positions, self.cache, inp.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows))   # [P + nodes, V]
         num_plain = len(inp.plain)
         device_out: list[torch.Tensor] = []
@@ -337,10 +339,11 @@ class ModelRunner:
     # ---- calibration ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def profile_forward(self, num_tokens: int, repeats: int = 3) -> float:
+    def profile_forward(self, num_tokens: int, capture_layers: tuple[int, ...] = (), repeats: int = 3) -> float:
         """Seconds of one forward of `num_tokens` new tokens (one sequence, causal) and the LM head
         over all of them, as a decode or verification step computes a distribution at each of its
-        tokens; best of `repeats`, on a scratch KV cache of its own: the live cache is not touched."""
+        tokens; best of `repeats`, on a scratch KV cache of its own: the live cache is not touched.
+        `capture_layers`: captured as a step of a feature-reading drafter would."""
         cfg = self.model.cfg
         blocks = -(-num_tokens // self.block_size)
         scratch = KVCache(cfg.num_layers, blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -351,8 +354,9 @@ class ModelRunner:
             t0 = time.perf_counter()
             positions, meta = build_attn_metadata([list(range(blocks))], self.block_size, [0], [num_tokens],
                                                   None, self.device)
-            hidden = self.model(ids, positions, scratch, meta)
-            self.model.compute_logits(hidden)
+            hidden = self.forward(ids, positions, scratch, meta, capture_layers) if capture_layers else \
+                self.forward(ids, positions, scratch, meta)
+            self.model.compute_logits(hidden[0] if capture_layers else hidden)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             best = min(best, time.perf_counter() - t0)

@@ -110,7 +110,9 @@ def quantize_weight(weight: torch.Tensor, kind: str, act_dtype: torch.dtype = to
 def quantized(weight: torch.Tensor) -> QuantizedWeight | None:
     """The weight's quantized copy, if it has a current one."""
     q = getattr(weight, "_specserve_quant", None)
-    return q if q is not None and q.version == weight._version else None
+    if q is None or torch.compiler.is_compiling():   # a compiled forward is traced with its weights as they are
+        return q
+    return q if q.version == weight._version else None
 
 
 def quantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

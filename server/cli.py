@@ -31,7 +31,8 @@ ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seq
                        max_num_batched_tokens=512, block_size=16, num_kv_blocks=None, kv_cache_memory_gib=4.0,
                        max_queue_len=256, seed=0, drafters=(), num_speculative_tokens=8,
                        max_draft_tokens_per_step=64, draft_budget="goodput",
-                       prepack_weights=True, enforce_eager=False, quantization="none", quantize_lm_head=True)
+                       prepack_weights=True, enforce_eager=False, compile=False, quantization="none",
+                       quantize_lm_head=True)
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config.DRAFT_BUDGETS (a unit test keeps them equal)
 QUANTIZATIONS = ("none", "int8", "int4")            # engine.quant.QUANTIZATIONS (a unit test keeps them equal)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -51,6 +52,7 @@ ENV_VARS = {
     "num_kv_blocks": "SPECSERVE_NUM_KV_BLOCKS", "kv_cache_memory_gib": "SPECSERVE_KV_CACHE_MEMORY_GIB",
     "max_queue_len": "SPECSERVE_MAX_QUEUE_LEN", "seed": "SPECSERVE_SEED",
     "prepack_weights": "SPECSERVE_PREPACK_WEIGHTS", "enforce_eager": "SPECSERVE_ENFORCE_EAGER",
+    "compile": "SPECSERVE_COMPILE",
     "quantization": "SPECSERVE_QUANTIZATION", "quantize_lm_head": "SPECSERVE_QUANTIZE_LM_HEAD",
     "drafters": "SPECSERVE_DRAFTERS", "num_speculative_tokens": "SPECSERVE_NUM_SPECULATIVE_TOKENS",
     "max_draft_tokens_per_step": "SPECSERVE_MAX_DRAFT_TOKENS_PER_STEP",
@@ -98,8 +100,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "few rows (draft trees, small batches) then costs little more than a 1-row decode; "
                         "doubles those weights' memory (default: on)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
-                   help="on CUDA, run every step eagerly instead of replaying the decode and verification "
-                        "steps' CUDA graphs captured at start-up (default: off)")
+                   help="run every step eagerly: on CUDA no replay of the decode and verification steps' CUDA "
+                        "graphs captured at start-up, on the CPU no --compile (default: off)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d["compile"],
+                   help="on the CPU, compile the target's layer stack with torch.compile at start-up (the "
+                        "operations between two matmuls become one generated loop; attention stays eager): "
+                        "tens of seconds the first time, cached by torch after; needs a C++ compiler; "
+                        "not with --enforce-eager (default: %(default)s)")
     g.add_argument("--quantization", default=d["quantization"], choices=QUANTIZATIONS,
                    help="on the CPU, weight-only quantized projections: int8 (one scale per row) or int4 (scale "
                         "and zero per group of 32, a GGUF Q4_0/Q4_1 block); a step reads a quarter or an eighth "

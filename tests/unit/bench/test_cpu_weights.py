@@ -34,4 +34,4 @@ def test_plain_decode_per_quantization(default_model, tmp_path):
     assert set(result["quantization"]) == {"none", "int8"} and all(v > 0 for v in result["quantization"].values())
     assert result["same_as_unquantized"]["int8"].endswith("/2")
     table = plain_decode.markdown(result)
-    assert "| specserve plain decoding | int8 |" in table and "transformers generate" not in table
+    assert "| specserve plain decoding | int8 | eager |" in table and "transformers generate" not in table

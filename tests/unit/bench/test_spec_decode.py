@@ -146,10 +146,12 @@ def test_budget_policies_side_by_side(tiny_llama_dir, tiny_dataset, tmp_path, mo
     assert "| draft_model@fixed | tiny_prompts | 0 |" in out.with_suffix(".md").read_text()
 
 
-def test_budget_policy_names_match_the_engine():
+def test_budget_policy_and_quantization_names_match_the_engine():
     from specserve.engine.config import DRAFT_BUDGETS
+    from specserve.engine.quant import QUANTIZATIONS
 
     assert spec_decode.DRAFT_BUDGETS == DRAFT_BUDGETS
+    assert spec_decode.QUANTIZATIONS == QUANTIZATIONS
 
 
 def test_composite_drafters_report_their_parts(tiny_llama_dir, tiny_dataset, tmp_path):
