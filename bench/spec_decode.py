@@ -608,7 +608,9 @@ def markdown(result: dict) -> str:
     meta = result["meta"]
     m = meta["machine"]
     lines = [
-        f"## Speculative decoding: {meta['model']} ({meta['device']}, {meta['dtype']}, batch {meta['batch_size']}"
+        f"## Speculative decoding: {meta['model']} ({meta['device']}, {meta['dtype']}"
+        f"{', ' + meta['quantization'] + ' weights' if meta.get('quantization', 'none') != 'none' else ''}"
+        f"{', compiled forward' if meta.get('compiled') else ''}, batch {meta['batch_size']}"
         f"{', continuous admission' if meta.get('admission') == 'continuous' else ''})",
         "",
         f"{meta['datetime']}; {m['platform']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch threads"

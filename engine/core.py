@@ -126,7 +126,12 @@ class LLMEngine:
             return
         compiled = CompiledForward(self.model)
         self.runner.forward = compiled
-        compiled.warm_up(self.runner.profile_forward, self.runner.capture_layers)
+        try:
+            compiled.warm_up(self.runner.profile_forward, self.runner.capture_layers)
+        except Exception as exc:   # a compiler or CPU torch cannot build for: serve eagerly rather than not at all
+            logger.warning("torch.compile failed (%s: %s): the forward runs eagerly", type(exc).__name__,
+                           str(exc).splitlines()[0] if str(exc) else "")
+            self.runner.forward = self.model
 
     def warm_up(self, num_tokens: int = 6) -> float:
         """Each drafter's drafting and verification paths once before serving: two short greedy

@@ -35,3 +35,14 @@ def test_plain_decode_per_quantization(default_model, tmp_path):
     assert result["same_as_unquantized"]["int8"].endswith("/2")
     table = plain_decode.markdown(result)
     assert "| specserve plain decoding | int8 | eager |" in table and "transformers generate" not in table
+
+
+def test_plain_decode_table_names_compiled_variants():
+    result = {"model": "m", "num_prompts": 2, "dataset": "mt_bench", "max_tokens": 6, "machine": "x86_64 2 threads, CPU",
+              "date": "2026-11-27", "torch": "2", "transformers": "4",
+              "quantization": {"none": 20.0, "none+compile": 25.0, "int4": 40.0, "int4+compile": 60.0},
+              "same_as_unquantized": {"none+compile": "2/2", "int4": "1/2", "int4+compile": "1/2"}}
+    table = plain_decode.markdown(result)
+    assert "| specserve plain decoding | int4 | compiled | 60.0 | 3.00x | 1/2 |" in table
+    assert "| specserve plain decoding | fp32 | eager | 20.0 | 1.00x | – |" in table
+    assert plain_decode.variant_name("int4", True) == "int4+compile"
