@@ -74,7 +74,9 @@ class CompiledForward:
             self.model.check_capture_layers(capture_layers)
         _context[0] = (kv_cache, attn_metadata)
         try:
-            return self._layers(input_ids, positions, tuple(capture_layers))
+            # fresh copies: the step's ids and positions are views into one staging buffer at varying
+            # offsets, and a guard on their storage offset would recompile the graph mid-serving
+            return self._layers(input_ids.clone(), positions.clone(), tuple(capture_layers))
         finally:
             _context[0] = None
 

@@ -68,6 +68,7 @@ def test_an_engine_that_compiles_serves_the_same_tokens_and_its_drafters_stay_lo
     eager = make_llm_engine(tiny_llama_dir, ("none",), quantization=quantization)
     engine = make_llm_engine(tiny_llama_dir, drafters, options, quantization=quantization, compile=True)
     assert isinstance(engine.runner.forward, CompiledForward)
+    compiled_before = dict(torch._dynamo.utils.counters["stats"])
     want = run_requests(eager, prompts, params, prefix="p", drafter="none")
     plain = run_requests(engine, prompts, params, prefix="p", drafter="none")
     assert plain == want
@@ -76,6 +77,8 @@ def test_an_engine_that_compiles_serves_the_same_tokens_and_its_drafters_stay_lo
         assert [got[f"{name}{i}"] for i in range(len(prompts))] == [plain[f"p{i}"] for i in range(len(prompts))], name
         assert engine.drafter_stats[name].num_draft_tokens > 0, name
     assert engine.drafter_stats["ngram"].num_accepted_tokens > 0
+    # everything was compiled at start-up: serving traced nothing new (a recompile stalls a server)
+    assert dict(torch._dynamo.utils.counters["stats"]) == compiled_before
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
