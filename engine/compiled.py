@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 
 import torch
@@ -54,8 +55,6 @@ def _(q, k, v, layer, scale):
 
 def compile_available() -> bool:
     """Whether torch.compile can build CPU code here: inductor needs a C++ compiler."""
-    import shutil
-
     return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++") is not None
 
 

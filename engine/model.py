@@ -119,12 +119,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and not grad):
         packed = getattr(weight, "_specserve_packed", None)
         compiling = torch.compiler.is_compiling()
-        out_features = weight.shape[0]
+        use = weight
         if packed is not None and x.shape[0] >= packed[2] and (compiling or packed[1] == weight._version):
-            weight = packed[0]
+            use = packed[0]
         if compiling:   # opaque to torch.compile, which cannot lower a prepacked weight it did not pack
-            return torch.ops.specserve.onednn_linear(x, weight, bias, out_features)
-        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+            return torch.ops.specserve.onednn_linear(x, use, bias, weight.shape[0])
+        return _ONEDNN_LINEAR(x, use, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 

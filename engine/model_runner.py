@@ -354,9 +354,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             positions, meta = build_attn_metadata([list(range(blocks))], self.block_size, [0], [num_tokens],
                                                   None, self.device)
-            hidden = self.forward(ids, positions, scratch, meta, capture_layers) if capture_layers else \
-                self.forward(ids, positions, scratch, meta)
-            self.model.compute_logits(hidden[0] if capture_layers else hidden)
+            out = self.forward(ids, positions, scratch, meta, capture_layers)   # (hidden, layers) with captures
+            self.model.compute_logits(out[0] if capture_layers else out)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             best = min(best, time.perf_counter() - t0)

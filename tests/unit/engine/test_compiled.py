@@ -2,8 +2,9 @@
 
 * it computes what the eager forward computes, and writes the same KV cache, for a prefill chunk,
   decode rows and a tree in one ragged batch, with captured layers too;
-* an engine that compiles serves the same greedy tokens as an eager one, and its drafters
-  (n-gram, a truncated target, EAGLE) stay lossless against it, quantized or not.
+* an engine that compiles (int4 weights) serves the same greedy tokens as an eager one, its
+  drafters (n-gram, a truncated target, EAGLE) stay lossless against it, and serving compiles
+  nothing after start-up.
 """
 
 from __future__ import annotations
