@@ -2,10 +2,10 @@
 same greedy settings, same number of new tokens. Prints a markdown table and writes JSON.
 
     python -m specserve.bench.plain_decode --num-prompts 8 --max-tokens 128 [--quantization none int8 int4]
-        [--compile off|on|both]
+        [--compile off|on|both] [--kv-cache-dtype auto float32 float64]
 
 With several `--quantization` kinds (and `--compile both`: each kind eager and compiled,
-engine/compiled.py), one engine per variant from the same load, run prompt by prompt in turn (a
+engine/compiled.py; several `--kv-cache-dtype`: each with its KV cache dtype), one engine per variant from the same load, run prompt by prompt in turn (a
 slow stretch of the machine hits every variant alike); each variant's greedy outputs are compared
 with the unquantized eager engine's (same tokens: prompts whose whole continuation is identical).
 """
@@ -24,7 +24,7 @@ import torch
 
 from specserve.bench.common import build_hf_model, chat_ids, run_hf
 from specserve.bench.datasets import load_prompts
-from specserve.engine.config import EngineConfig
+from specserve.engine.config import KV_CACHE_DTYPES, EngineConfig
 from specserve.engine.core import LLMEngine
 from specserve.engine.loader import load_model
 from specserve.engine.quant import QUANTIZATIONS
@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
                     help="our engines with the compiled CPU forward (EngineConfig.compile), without, or both "
                          "(default: %(default)s)")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=KV_CACHE_DTYPES,
+                    help="our engines' KV cache dtype (EngineConfig.kv_cache_dtype), one engine per dtype "
+                         "(default: auto)")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers generate")
     ap.add_argument("--out", default="bench/results/plain_decode.json")
     args = ap.parse_args(argv)
@@ -68,11 +71,14 @@ def main(argv: list[str] | None = None) -> None:
 
     loaded = load_model(args.model)
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
-    variants = {variant_name(kind, c): (kind, c) for kind in dict.fromkeys(args.quantization) for c in modes}
+    variants = {variant_name(kind, c, kv): (kind, c, kv) for kind in dict.fromkeys(args.quantization)
+                for c in modes for kv in dict.fromkeys(args.kv_cache_dtype)}
     kinds = list(variants)
     engines = {name: LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_model_len=2048,
-                                            max_num_seqs=1, quantization=kind, compile=c), loaded=loaded)
-               for name, (kind, c) in variants.items()}
+                                            max_num_seqs=1, quantization=kind, compile=c, kv_cache_dtype=kv),
+                               loaded=loaded)
+               for name, (kind, c, kv) in variants.items()}
+    kv_dtypes = {name: str(e.kv_dtype).removeprefix("torch.") for name, e in engines.items()}
     hf = build_hf_model(loaded) if args.hf else None
     prompts = [chat_ids(loaded.tokenizer, t) for t in load_prompts(args.dataset, args.num_prompts)]
     # warm-up on a short prompt
@@ -94,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python -m specserve.bench.plain_decode " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": date.today().isoformat(), "machine": f"{platform.machine()} {torch.get_num_threads()} threads, CPU",
         "model": loaded.name, "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
-        "ours_tok_s": ours[first], "quantization": ours, "torch": torch.__version__,
+        "ours_tok_s": ours[first], "quantization": ours, "kv_cache_dtype": kv_dtypes, "torch": torch.__version__,
         "transformers": transformers.__version__,
         "same_as_unquantized": {kind: f"{sum(a == b for a, b in zip(tally[kind][2], tally['none'][2]))}/{len(prompts)}"
                                 for kind in kinds if kind != "none" and "none" in tally},
@@ -108,9 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown(result))
 
 
-def variant_name(kind: str, compiled: bool) -> str:
-    """A variant's key in the results: the quantization kind, "+compile" when compiled."""
-    return kind + ("+compile" if compiled else "")
+def variant_name(kind: str, compiled: bool, kv_cache_dtype: str = "auto") -> str:
+    """A variant's key in the results: the quantization kind, "+compile" when compiled, "+kv=DTYPE"
+    when the KV cache dtype is named."""
+    return kind + ("+compile" if compiled else "") + ("" if kv_cache_dtype == "auto" else f"+kv={kv_cache_dtype}")
 
 
 def markdown(result: dict) -> str:
@@ -120,16 +127,18 @@ def markdown(result: dict) -> str:
     base = kinds.get("none")
     lines = [f"## Plain decoding: {result['model']} (batch 1, {result['num_prompts']} {result['dataset']} prompts "
              f"× {result['max_tokens']} tokens)", "",
-             "| engine | weights | forward | tokens/s | vs unquantized | same greedy output |",
-             "|---|---|---|---|---|---|"]
+             "| engine | weights | forward | KV cache | tokens/s | vs unquantized | same greedy output |",
+             "|---|---|---|---|---|---|---|"]
     same = result.get("same_as_unquantized", {})
+    kv = result.get("kv_cache_dtype", {})
     for name, tok_s in kinds.items():
-        kind, compiled = name.removesuffix("+compile"), name.endswith("+compile")
+        kind, *flags = name.split("+")
         ratio = f"{tok_s / base:.2f}x" if base else "–"
         lines.append(f"| specserve plain decoding | {'fp32' if kind == 'none' else kind} | "
-                     f"{'compiled' if compiled else 'eager'} | {tok_s:.1f} | {ratio} | {same.get(name, '–')} |")
+                     f"{'compiled' if 'compile' in flags else 'eager'} | {kv.get(name, '–')} | {tok_s:.1f} | {ratio} | "
+                     f"{same.get(name, '–')} |")
     if result.get("hf_tok_s"):
-        lines.append(f"| transformers generate | fp32 | eager | {result['hf_tok_s']:.1f} | – | – |")
+        lines.append(f"| transformers generate | fp32 | eager | float32 | {result['hf_tok_s']:.1f} | – | – |")
     tail = [f"{result['machine']}, {result['date']}; torch {result['torch']}, transformers {result['transformers']}."]
     if result.get("speedup_vs_hf"):
         tail.insert(0, f"speed-up over transformers {result['speedup_vs_hf']:.2f}x, identical greedy outputs "

@@ -12,6 +12,7 @@ from specserve.engine.quant import QUANTIZATIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.draft_policy.POLICIES
+KV_CACHE_DTYPES = ("auto", "float32", "float64")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,13 @@ class EngineConfig:
     # group of 32); the LM head too unless quantize_lm_head is False
     quantization: str = "none"
     quantize_lm_head: bool = True
+    # the KV cache's dtype, in which attention runs: auto | float32 | float64. auto is the model's
+    # dtype, except float64 on the CPU when the quantized kernels take bf16 activations: there a
+    # verification row's attention, computed in fp32 over a padded tree, differs from the decode
+    # row's in the last bits, the bf16 casts of the next linears amplify that, and greedy
+    # speculation stops reproducing plain decoding; in float64 the rows round to the same fp32
+    # values (engine/attention.py, "Exact rows")
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -74,6 +82,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.draft_budget not in DRAFT_BUDGETS:
             raise ValueError(f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {self.draft_budget!r}")
 

@@ -63,8 +63,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model = LlamaModel.from_state_dict(mc, loaded.state_dict, max_positions=self.max_model_len,
                                                 dtype=self.dtype, device=self.device)
-        if config.quantization != "none":
-            self._quantize(config)
+        act = self._quantize(config) if config.quantization != "none" else self.dtype
+        self.kv_dtype = self._kv_cache_dtype(config, act)
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         min_blocks = -(-self.max_model_len // config.block_size)
         if num_blocks < min_blocks:
@@ -72,7 +72,7 @@ class LLMEngine:
                              f"(need {min_blocks}); raise --num-kv-blocks or lower --max-model-len")
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.cache = KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-                             self.dtype, self.device)
+                             self.kv_dtype, self.device)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.num_speculative_tokens, config.max_draft_tokens_per_step, self.max_model_len,
                                    draft_budget=config.draft_budget)
@@ -112,9 +112,9 @@ class LLMEngine:
         if config.warm_up if config.warm_up is not None else self.device.type == "cuda":
             self.warm_up()
         self._export_step_cost()
-        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (%s), max_model_len %d",
                     self.model_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
-                    config.block_size, self.max_model_len)
+                    config.block_size, str(self.kv_dtype).removeprefix("torch."), self.max_model_len)
 
     def _compile_forward(self) -> None:
         """The runner's forward becomes the compiled one (engine/compiled.py), compiled here for
@@ -295,7 +295,7 @@ class LLMEngine:
 
     def _default_num_blocks(self) -> int:
         mc, cfg = self.model_config, self.config
-        per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype)
         wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
         cap = int(cfg.kv_cache_memory_gib * 2**30) // per_block
         return max(min(wanted, cap), -(-self.max_model_len // cfg.block_size))
@@ -406,9 +406,21 @@ class LLMEngine:
             self.stats.num_steps_total += 1
         return self._collect()
 
-    def _quantize(self, config: EngineConfig) -> None:
+    def _kv_cache_dtype(self, config: EngineConfig, act: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype (`EngineConfig.kv_cache_dtype`): float64 for bf16 activations on
+        the CPU unless one is named; attention runs in it (`engine.model.write_and_attend`)."""
+        if config.kv_cache_dtype == "auto":
+            return torch.float64 if act == torch.bfloat16 and self.device.type == "cpu" else self.dtype
+        dtype = getattr(torch, config.kv_cache_dtype)
+        if dtype != self.dtype and self.device.type != "cpu":
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} differs from the model's dtype: on "
+                             f"{self.device.type} the attention kernels run in the model's dtype (CPU only)")
+        return dtype
+
+    def _quantize(self, config: EngineConfig) -> torch.dtype:
         """Weight-only quantized projections (`engine/quant.py`), before the drafters are built: a
-        drafter sharing the target's weights computes with the same quantized copies."""
+        drafter sharing the target's weights computes with the same quantized copies. Returns the
+        activations' dtype."""
         if self.device.type != "cpu":
             raise ValueError(f"--quantization {config.quantization} runs on the CPU only (device {self.device})")
         act = torch.bfloat16 if self.dtype == torch.float32 and native_bf16() else self.dtype
@@ -419,6 +431,7 @@ class LLMEngine:
         logger.info("quantized %d weight matrices to %s (%s activations): %.0f MB -> %.0f MB", done["weights"],
                     config.quantization, str(act).removeprefix("torch."), done["bytes_before"] / 1e6,
                     done["bytes_after"] / 1e6)
+        return act
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held by component: the target's weights, their oneDNN-prepacked and quantized copies

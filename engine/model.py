@@ -275,7 +275,13 @@ def fused_kernels(x: torch.Tensor):
 
 def write_and_attend(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float) -> torch.Tensor:
     """Write a layer's new keys and values to the cache slots `meta` names, then attend over the
-    paged cache: q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads * D]."""
+    paged cache: q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads * D]. Attention runs in the
+    cache's dtype (float64 under bf16 activations, `EngineConfig.kv_cache_dtype`), the output comes
+    back in q's."""
+    if k_cache.dtype != q.dtype:
+        k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
+        v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
+        return paged_attention(q.to(k_cache.dtype), k_cache, v_cache, meta, scale).to(q.dtype)
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
     return paged_attention(q, k_cache, v_cache, meta, scale)

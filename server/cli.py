@@ -32,9 +32,10 @@ ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seq
                        max_queue_len=256, seed=0, drafters=(), num_speculative_tokens=8,
                        max_draft_tokens_per_step=64, draft_budget="goodput",
                        prepack_weights=True, enforce_eager=False, compile=False, quantization="none",
-                       quantize_lm_head=True)
+                       quantize_lm_head=True, kv_cache_dtype="auto")
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config.DRAFT_BUDGETS (a unit test keeps them equal)
 QUANTIZATIONS = ("none", "int8", "int4")            # engine.quant.QUANTIZATIONS (a unit test keeps them equal)
+KV_CACHE_DTYPES = ("auto", "float32", "float64")    # engine.config.KV_CACHE_DTYPES (a unit test keeps them equal)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 # option dest -> environment variable giving its default (flags win). Empty values count as unset.
@@ -54,6 +55,7 @@ ENV_VARS = {
     "prepack_weights": "SPECSERVE_PREPACK_WEIGHTS", "enforce_eager": "SPECSERVE_ENFORCE_EAGER",
     "compile": "SPECSERVE_COMPILE",
     "quantization": "SPECSERVE_QUANTIZATION", "quantize_lm_head": "SPECSERVE_QUANTIZE_LM_HEAD",
+    "kv_cache_dtype": "SPECSERVE_KV_CACHE_DTYPE",
     "drafters": "SPECSERVE_DRAFTERS", "num_speculative_tokens": "SPECSERVE_NUM_SPECULATIVE_TOKENS",
     "max_draft_tokens_per_step": "SPECSERVE_MAX_DRAFT_TOKENS_PER_STEP",
     "draft_budget": "SPECSERVE_DRAFT_BUDGET",
@@ -115,6 +117,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=d["quantize_lm_head"],
                    help="with --quantization, quantize the LM head too, to int8 under either kind (GGUF files keep "
                         "it at 8 bits or more) (default: on)")
+    g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
+                   help="the KV cache's dtype, in which attention runs; auto: the model's, except float64 on the "
+                        "CPU under --quantization with bf16 activations, so that a verified draft row computes "
+                        "the same numbers as a decoded one and greedy speculation reproduces plain decoding "
+                        "token for token (default: %(default)s)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--drafter", dest="drafters", action=_AppendReplacingDefault, default=None, metavar="NAME",
                    help="load this drafter (repeatable); the first one is the default of requests that name none, "

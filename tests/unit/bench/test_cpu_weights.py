@@ -29,20 +29,24 @@ def test_forward_cost_times_every_weight_variant(default_model, tmp_path):
 def test_plain_decode_per_quantization(default_model, tmp_path):
     out = tmp_path / "plain.json"
     plain_decode.main(["--num-prompts", "2", "--max-tokens", "6", "--no-hf", "--quantization", "none", "int8",
-                       "--out", str(out)])
+                       "--kv-cache-dtype", "auto", "float32", "--out", str(out)])
     result = json.loads(out.read_text())
-    assert set(result["quantization"]) == {"none", "int8"} and all(v > 0 for v in result["quantization"].values())
+    names = {"none", "none+kv=float32", "int8", "int8+kv=float32"}
+    assert set(result["quantization"]) == names and all(v > 0 for v in result["quantization"].values())
     assert result["same_as_unquantized"]["int8"].endswith("/2")
+    assert result["kv_cache_dtype"]["none"] == result["kv_cache_dtype"]["int8+kv=float32"] == "float32"
     table = plain_decode.markdown(result)
-    assert "| specserve plain decoding | int8 | eager |" in table and "transformers generate" not in table
+    assert "| specserve plain decoding | int8 | eager | float32 |" in table and "transformers generate" not in table
 
 
 def test_plain_decode_table_names_compiled_variants():
     result = {"model": "m", "num_prompts": 2, "dataset": "mt_bench", "max_tokens": 6, "machine": "x86_64 2 threads, CPU",
               "date": "2026-11-27", "torch": "2", "transformers": "4",
               "quantization": {"none": 20.0, "none+compile": 25.0, "int4": 40.0, "int4+compile": 60.0},
-              "same_as_unquantized": {"none+compile": "2/2", "int4": "1/2", "int4+compile": "1/2"}}
+              "same_as_unquantized": {"none+compile": "2/2", "int4": "1/2", "int4+compile": "1/2"},
+              "kv_cache_dtype": {"int4+compile": "float64"}}
     table = plain_decode.markdown(result)
-    assert "| specserve plain decoding | int4 | compiled | 60.0 | 3.00x | 1/2 |" in table
-    assert "| specserve plain decoding | fp32 | eager | 20.0 | 1.00x | – |" in table
+    assert "| specserve plain decoding | int4 | compiled | float64 | 60.0 | 3.00x | 1/2 |" in table
+    assert "| specserve plain decoding | fp32 | eager | – | 20.0 | 1.00x | – |" in table
     assert plain_decode.variant_name("int4", True) == "int4+compile"
+    assert plain_decode.variant_name("int4", False, "float32") == "int4+kv=float32"

@@ -1,5 +1,8 @@
 """Weight-only quantized linears (engine/quant.py): each against dequantize-then-F.linear, the
-GGUF Q4_1 block mapping, and an engine serving a quantized tiny Llama losslessly."""
+GGUF Q4_1 block mapping, an engine serving a quantized tiny Llama losslessly, and, with bf16
+activations, the quantized default model: verified rows compute the decoded rows' numbers (float64
+KV cache; a float32 one, the broken control, does not) and greedy speculation reproduces plain
+decoding token for token."""
 
 from __future__ import annotations
 
@@ -8,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from helpers import make_llm_engine, run_requests
 
+from specserve.engine.attention import build_attn_metadata
+from specserve.engine.kv_cache import KVCache
 from specserve.engine.model import linear
-from specserve.engine.quant import (dequantize, int4_codes, int8_codes, quantize_weight, quantized,
+from specserve.engine.quant import (dequantize, int4_codes, int8_codes, native_bf16, quantize_weight, quantized,
                                     quantized_linear)
 from specserve.engine.sampling_params import SamplingParams
 
@@ -111,3 +116,80 @@ def test_an_unknown_quantization_is_refused():
     from specserve.engine.config import EngineConfig
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int3")
+
+
+bf16_only = pytest.mark.skipif(not native_bf16(), reason="the quantized kernels take bf16 activations only where "
+                               "the CPU has native bf16; elsewhere they run in fp32")
+
+
+@torch.inference_mode()
+def _decoded_and_verified_hidden(engine, prompt: list[int], n: int, kv_dtype: torch.dtype):
+    """Greedy-decode `n` tokens after `prompt` one row per forward, then verify them in one forward
+    as a tree (each decoded token with a wrong sibling beside it, interleaved); the decoded rows'
+    hidden states and the verified chain rows' hidden states."""
+    model, cfg = engine.model, engine.model_config
+    blocks, bs = [list(range(32))], 16
+
+    def fresh_cache():
+        cache = KVCache(cfg.num_layers, 32, bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype, torch.device("cpu"))
+        positions, meta = build_attn_metadata(blocks, bs, [0], [len(prompt)], None, "cpu")
+        return cache, model(torch.tensor(prompt), positions, cache, meta)[-1:]
+
+    cache, h = fresh_cache()
+    tokens, decoded = [], []
+    for i in range(n):
+        tokens.append(int(model.compute_logits(h).argmax()))
+        positions, meta = build_attn_metadata(blocks, bs, [len(prompt) + i], [1], None, "cpu")
+        h = model(torch.tensor(tokens[-1:]), positions, cache, meta)
+        decoded.append(h[0])
+    ids, parents = [], []
+    for i, t in enumerate(tokens):           # node 2i: the decoded token; node 2i + 1: its wrong sibling
+        parent = 2 * i - 2
+        ids += [t, (t + 7) % cfg.vocab_size]
+        parents += [parent, parent]
+    mask = torch.zeros(2 * n, 2 * n, dtype=torch.bool)
+    for j in range(2 * n):
+        k = j
+        while k >= 0:
+            mask[j, k] = True
+            k = parents[k]
+    cache, _ = fresh_cache()
+    _, meta = build_attn_metadata(blocks, bs, [len(prompt)], [2 * n], [mask], "cpu")
+    positions = torch.tensor([len(prompt) + j // 2 for j in range(2 * n)])
+    verified = model(torch.tensor(ids), positions, cache, meta)
+    return torch.stack(decoded), verified[0::2]
+
+
+@bf16_only
+def test_verified_tree_rows_compute_the_decoded_rows_numbers_on_the_quantized_default_model(default_model):
+    """bf16 activations amplify any difference in the last bits of attention into different
+    tokens. With the engine's KV dtype (float64 here) a tree row's hidden state equals, bit for
+    bit, the decode row's of the same token; in float32 (the broken control) they differ."""
+    engine = make_llm_engine("default", loaded=default_model, quantization="int4", max_model_len=512,
+                             num_kv_blocks=64, block_size=16)
+    assert engine.cache.kv.dtype == torch.float64
+    prompt = default_model.tokenizer.encode("The three laws of robotics are")
+    decoded, verified = _decoded_and_verified_hidden(engine, prompt, 8, engine.cache.kv.dtype)
+    assert torch.equal(verified, decoded)
+    decoded, verified = _decoded_and_verified_hidden(engine, prompt, 8, torch.float32)
+    assert not torch.equal(verified, decoded)
+
+
+@bf16_only
+def test_greedy_speculation_reproduces_plain_decoding_of_the_quantized_default_model(default_model):
+    """The default model quantized to int4 (bf16 activations), chat prompts arriving at different
+    steps: each drafter's greedy tokens are plain decoding's."""
+    tok = default_model.tokenizer
+    questions = ["Write a short story about a robot who learns to paint.", "What is 17 * 23? Explain step by step.",
+                 "List three facts about the Moon."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in questions]
+    drafters = ("ngram", "mag", "eagle")
+    engine = make_llm_engine("default", ("none",) + drafters, loaded=default_model, quantization="int4",
+                             max_model_len=512, num_kv_blocks=256, block_size=16, max_num_batched_tokens=512)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = run_requests(engine, prompts, params, prefix="p", drafter="none")
+    for name in drafters:
+        got = run_requests(engine, prompts, params, prefix=name, drafter=name)
+        assert [got[f"{name}{i}"] for i in range(3)] == [plain[f"p{i}"] for i in range(3)], name
+        assert engine.drafter_stats[name].num_accepted_tokens > 0, name

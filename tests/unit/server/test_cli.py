@@ -29,6 +29,12 @@ def test_quantization_choices_match_the_engine():
     assert cli.QUANTIZATIONS == QUANTIZATIONS
 
 
+def test_kv_cache_dtype_choices_match_the_engine():
+    from specserve.engine.config import KV_CACHE_DTYPES
+
+    assert cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES
+
+
 def test_serve_args_build_the_engine_config():
     args = cli.build_parser().parse_args(
         ["serve", "--model", "/m", "--port", "9000", "--dtype", "float32", "--device", "cpu", "--max-num-seqs", "4",
