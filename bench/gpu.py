@@ -216,7 +216,7 @@ def probe(model: str, device: str, graphs: bool, trees: bool, fused_on: bool, pr
     for label, eager, enabled in (("reference", True, False), ("probe", not graphs, fused_on)):
         fused.ENABLED = enabled
         e = LLMEngine(EngineConfig(model=model, device=device, dtype="float32", max_num_seqs=4, max_model_len=1024,
-                                   drafters=(PLAIN, "ngram", "draft_model"), draft_budget="fixed",
+                                   drafters=(PLAIN, "ngram", "draft_model"), draft_budget="fixed", quantization="none",
                                    drafter_options={"draft_model": {"draft_layers": layers}}, enforce_eager=eager),
                       loaded=loaded)
         outputs[label] = {d: decode(e, prompts, 32, d, f"probe-{d}")[2] for d in (PLAIN, "ngram", "draft_model")}
@@ -454,7 +454,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             max_model_len=max_len, max_num_batched_tokens=max(2048, max_seqs * 16),
             num_kv_blocks=max_seqs * (max_len // 16) + 64, drafters=(PLAIN, *drafter_names),
             drafter_options={d: o for d, o in options.items() if d in drafter_names},
-            max_draft_tokens_per_step=max(64, 8 * max_seqs), enforce_eager=eager, draft_budget=policy),
+            max_draft_tokens_per_step=max(64, 8 * max_seqs), enforce_eager=eager, draft_budget=policy,
+            quantization="none"),
             loaded=loaded)
 
     if device.type == "cuda" or os.environ.get("SPECSERVE_FUSED") == "1":

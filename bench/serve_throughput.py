@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench/results/serve_throughput.json")
     args = ap.parse_args(argv)
     engine = AsyncEngine.from_config(EngineConfig(model=args.model, dtype="float32", device="cpu",
-                                                  max_num_seqs=max(args.concurrency), max_model_len=2048))
+                                                  max_num_seqs=max(args.concurrency), max_model_len=2048,
+                                                  quantization="none"))
     server, base = start_server(engine)
     prompts = load_prompts(args.dataset, 32)
     asyncio.run(run_level(base, prompts, 1, 8))  # warm-up

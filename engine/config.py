@@ -57,8 +57,10 @@ class EngineConfig:
     # None: on CUDA only (a CPU compiles nothing on first use)
     warm_up: bool | None = None
     # CPU: weight-only quantized projections (engine/quant.py): none | int8 (per row) | int4 (per
-    # group of 32); the LM head too unless quantize_lm_head is False
-    quantization: str = "none"
+    # group of 32) | gguf (each weight as the GGUF file stores it: Q4_0/Q4_1 int4, Q8_0 int8);
+    # auto: gguf for a quantized GGUF on a CPU with native bf16, else none. The LM head too unless
+    # quantize_lm_head is False
+    quantization: str = "auto"
     quantize_lm_head: bool = True
     # the KV cache's dtype, in which attention runs: auto | float32 | float64. auto is the model's
     # dtype, except float64 on the CPU when the quantized kernels take bf16 activations: there a

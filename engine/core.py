@@ -21,7 +21,7 @@ from specserve.engine.loader import LoadedModel, load_model
 from specserve.engine.model import LlamaModel, pack_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
-from specserve.engine.quant import native_bf16, quantize_model
+from specserve.engine.quant import auto_quantization, gguf_weight_kinds, native_bf16, quantize_model
 from specserve.engine.sampler import sample_key
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -63,7 +63,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model = LlamaModel.from_state_dict(mc, loaded.state_dict, max_positions=self.max_model_len,
                                                 dtype=self.dtype, device=self.device)
-        act = self._quantize(config) if config.quantization != "none" else self.dtype
+        act = self._quantize(config, loaded.gguf_types)
         self.kv_dtype = self._kv_cache_dtype(config, act)
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         min_blocks = -(-self.max_model_len // config.block_size)
@@ -417,19 +417,32 @@ class LLMEngine:
                              f"{self.device.type} the attention kernels run in the model's dtype (CPU only)")
         return dtype
 
-    def _quantize(self, config: EngineConfig) -> torch.dtype:
+    def _quantize(self, config: EngineConfig, gguf_types: dict[str, str]) -> torch.dtype:
         """Weight-only quantized projections (`engine/quant.py`), before the drafters are built: a
-        drafter sharing the target's weights computes with the same quantized copies. Returns the
-        activations' dtype."""
+        drafter sharing the target's weights computes with the same quantized copies. Sets
+        `self.quantization` (auto resolved); returns the activations' dtype."""
+        mode = config.quantization
+        if mode == "auto":
+            mode = auto_quantization(gguf_types, self.device)
+            if mode != "none":
+                logger.info("--quantization auto: serving the GGUF's quantized tensors as they are stored (gguf)")
+        self.quantization = mode
+        if mode == "none":
+            return self.dtype
         if self.device.type != "cpu":
-            raise ValueError(f"--quantization {config.quantization} runs on the CPU only (device {self.device})")
+            raise ValueError(f"--quantization {mode} runs on the CPU only (device {self.device})")
+        if mode == "gguf":
+            _, dequantized = gguf_weight_kinds(gguf_types, self.model_config.num_layers)
+            if dequantized:
+                logger.warning("this GGUF's %s tensors have no packed kernel here: they are dequantized and served "
+                               "in %s", ", ".join(dequantized), str(self.dtype).removeprefix("torch."))
         act = torch.bfloat16 if self.dtype == torch.float32 and native_bf16() else self.dtype
         if act == torch.float32:
             logger.warning("this CPU has no native bf16: the quantized kernels take fp32 activations, which torch "
                            "runs about 2x slower than unquantized fp32 weights (measured on an AVX-512 CPU)")
-        done = quantize_model(self.model, config.quantization, lm_head=config.quantize_lm_head, act_dtype=act)
+        done = quantize_model(self.model, mode, lm_head=config.quantize_lm_head, act_dtype=act, gguf_types=gguf_types)
         logger.info("quantized %d weight matrices to %s (%s activations): %.0f MB -> %.0f MB", done["weights"],
-                    config.quantization, str(act).removeprefix("torch."), done["bytes_before"] / 1e6,
+                    mode, str(act).removeprefix("torch."), done["bytes_before"] / 1e6,
                     done["bytes_after"] / 1e6)
         return act
 

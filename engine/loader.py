@@ -24,7 +24,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,9 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]                 # HF names; lm_head.weight may be absent when tied
     tokenizer: "transformers.PreTrainedTokenizerBase"   # fast tokenizer, chat_template set when the model has one
     eos_token_ids: list[int]                            # every id that ends generation, deduplicated
+    # a GGUF's tensor types by GGUF tensor name ("blk.0.attn_q.weight": "Q4_1"), what
+    # `--quantization gguf` follows; empty for an HF folder
+    gguf_types: dict[str, str] = field(default_factory=dict)
 
 
 def locate_default_gguf() -> Path:
@@ -272,7 +275,16 @@ def _load_gguf(path: Path, name: str, cache_dir: str | os.PathLike | None) -> Lo
         logger.info("converted %s in %.1f s", path.name, time.perf_counter() - start)
     loaded = _load_hf_folder(folder, name)
     loaded.source = str(path)
+    loaded.gguf_types = gguf_tensor_types(path)
     return loaded
+
+
+def gguf_tensor_types(path: Path) -> dict[str, str]:
+    """Each tensor's GGUF type name ("Q4_1", "Q8_0", "F32", ...) by its GGUF name, read from the
+    file's header (the data stays memory-mapped, unread)."""
+    import gguf
+
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
 
 
 def _cache_root(cache_dir: str | os.PathLike | None) -> Path:

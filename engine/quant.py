@@ -27,7 +27,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")   # --quantization (auto: `auto_quantization`)
+# what a GGUF tensor type is served as under `--quantization gguf`: Q4_0 / Q4_1 blocks are int4
+# groups of 32, Q8_0 (8 bits per weight, a scale per 32) is served as int8 with a scale per row,
+# float tensors as they are; any other type (K-quants, Q5, IQ) is dequantized and served in fp32
+GGUF_KINDS = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8", "F32": "none", "F16": "none", "BF16": "none"}
+_PRECISION = {"int4": 0, "int8": 1, "none": 2}
+_GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+               "down": ("ffn_down",)}
 INT4_GROUP = 32            # inputs per int4 group (a GGUF Q4_0 / Q4_1 block)
 INT4_INNER_K_TILES = 2     # the int4 packing's tile (torch's CPU kernel takes 2, 4 or 8)
 
@@ -135,22 +142,57 @@ def native_bf16() -> bool:
         return False
 
 
-def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True,
-                   act_dtype: torch.dtype = torch.float32) -> dict[str, int]:
+def gguf_weight_kinds(gguf_types: dict[str, str], num_layers: int) -> tuple[dict[str, str], list[str]]:
+    """What `--quantization gguf` serves each weight of an `engine.model.LlamaModel` as
+    ("layers.N.qkv", "layers.N.o", "layers.N.gate_up", "layers.N.down", "lm_head" -> int4 | int8 |
+    none), from the GGUF's tensor types (`GGUF_KINDS`); a fused weight takes its most precise part,
+    the LM head is the file's `output.weight`, or its token embedding when the two are tied. Also
+    returns the GGUF types that were dequantized."""
+    dequantized: set[str] = set()
+
+    def kind_of(name: str) -> str:
+        t = gguf_types.get(name)
+        if t is not None and t not in GGUF_KINDS:
+            dequantized.add(t)
+        return GGUF_KINDS.get(t, "none")
+
+    kinds = {f"layers.{i}.{ours}": max((kind_of(f"blk.{i}.{part}.weight") for part in theirs), key=_PRECISION.get)
+             for i in range(num_layers) for ours, theirs in _GGUF_PARTS.items()}
+    kinds["lm_head"] = kind_of("output.weight" if "output.weight" in gguf_types else "token_embd.weight")
+    return kinds, sorted(dequantized)
+
+
+def auto_quantization(gguf_types: dict[str, str], device: torch.device) -> str:
+    """`--quantization auto`: "gguf" for a GGUF with Q4 / Q8 tensors served on a CPU with native
+    bf16 (elsewhere the packed kernels are slower than fp32 weights), else "none"."""
+    quantized_file = any(GGUF_KINDS.get(t, "none") != "none" for t in gguf_types.values())
+    return "gguf" if quantized_file and device.type == "cpu" and native_bf16() else "none"
+
+
+def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True, act_dtype: torch.dtype = torch.float32,
+                   gguf_types: dict[str, str] | None = None) -> dict[str, int]:
     """Quantize the projections of every decoder layer of `model` (an `engine.model.LlamaModel`)
-    and, with `lm_head`, its LM head (the embedding itself stays as it is: a lookup reads one row).
-    Under int4 the LM head is int8: GGUF files keep it at 8 bits or more (the default model's is
-    Q8_0), and an int4 head changes answers (the default model, asked for the capital of France,
-    said "L'Étoile (The City of Lights)" instead of "Paris").
+    and, with `lm_head`, its LM head (the embedding itself stays as it is: a lookup reads one row):
+    every weight to `kind` (int8 | int4), or under "gguf" each as the GGUF file `gguf_types`
+    stores it (`gguf_weight_kinds`). Under int4 the LM head is int8: GGUF files keep it at 8 bits
+    or more (the default model's is Q8_0), and an int4 head changes answers (the default model,
+    asked for the capital of France, said "L'Étoile (The City of Lights)" instead of "Paris").
     Returns {"weights": how many, "bytes_before": their fp bytes, "bytes_after": the quantized}."""
+    if kind not in QUANTIZATIONS or kind == "auto":
+        raise ValueError(f"quantization must be one of none, int8, int4, gguf, got {kind!r}")
     if kind == "none":
         return {"weights": 0, "bytes_before": 0, "bytes_after": 0}
-    if kind not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
-    weights = [(w, kind) for layer in model.layers for w in (layer.qkv.weight, layer.o.weight,
-                                                             layer.gate_up.weight, layer.down.weight)]
+    if kind == "gguf":
+        if not gguf_types:
+            raise ValueError("--quantization gguf needs a GGUF model (its tensor types say how to serve each weight)")
+        kinds, _ = gguf_weight_kinds(gguf_types, len(model.layers))
+    else:
+        kinds = {f"layers.{i}.{ours}": kind for i in range(len(model.layers)) for ours in _GGUF_PARTS}
+        kinds["lm_head"] = "int8"
+    weights = [(getattr(layer, ours).weight, kinds[f"layers.{i}.{ours}"])
+               for i, layer in enumerate(model.layers) for ours in _GGUF_PARTS]
     if lm_head:
-        weights.append((model.lm_head_weight, "int8"))
+        weights.append((model.lm_head_weight, kinds["lm_head"]))
     done = before = after = 0
     for w, k in weights:
         if quantize_weight(w, k, act_dtype):
@@ -161,5 +203,6 @@ def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True,
     return {"weights": done, "bytes_before": before, "bytes_after": after}
 
 
-__all__ = ["INT4_GROUP", "QUANTIZATIONS", "QuantizedWeight", "can_quantize", "dequantize", "int4_codes",
-           "int8_codes", "native_bf16", "quantize_model", "quantize_weight", "quantized", "quantized_linear"]
+__all__ = ["GGUF_KINDS", "INT4_GROUP", "QUANTIZATIONS", "QuantizedWeight", "auto_quantization", "can_quantize",
+           "dequantize", "gguf_weight_kinds", "int4_codes", "int8_codes", "native_bf16", "quantize_model",
+           "quantize_weight", "quantized", "quantized_linear"]

@@ -31,10 +31,10 @@ ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seq
                        max_num_batched_tokens=512, block_size=16, num_kv_blocks=None, kv_cache_memory_gib=4.0,
                        max_queue_len=256, seed=0, drafters=(), num_speculative_tokens=8,
                        max_draft_tokens_per_step=64, draft_budget="goodput",
-                       prepack_weights=True, enforce_eager=False, compile=False, quantization="none",
+                       prepack_weights=True, enforce_eager=False, compile=False, quantization="auto",
                        quantize_lm_head=True, kv_cache_dtype="auto")
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config.DRAFT_BUDGETS (a unit test keeps them equal)
-QUANTIZATIONS = ("none", "int8", "int4")            # engine.quant.QUANTIZATIONS (a unit test keeps them equal)
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")   # engine.quant.QUANTIZATIONS (a unit test keeps them equal)
 KV_CACHE_DTYPES = ("auto", "float32", "float64")    # engine.config.KV_CACHE_DTYPES (a unit test keeps them equal)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -110,13 +110,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tens of seconds the first time, cached by torch after; needs a C++ compiler; "
                         "not with --enforce-eager (default: %(default)s)")
     g.add_argument("--quantization", default=d["quantization"], choices=QUANTIZATIONS,
-                   help="on the CPU, weight-only quantized projections: int8 (one scale per row) or int4 (scale "
-                        "and zero per group of 32, a GGUF Q4_0/Q4_1 block); a step reads a quarter or an eighth "
-                        "of the fp32 weights. Speculative decoding stays lossless against the quantized model "
+                   help="on the CPU, weight-only quantized projections: int8 (one scale per row), int4 (scale "
+                        "and zero per group of 32, a GGUF Q4_0/Q4_1 block), gguf (each weight as the GGUF stores "
+                        "it: Q4_0/Q4_1 as int4, Q8_0 as int8, other types dequantized) or none; a step reads a "
+                        "quarter or an eighth of the fp32 weights. auto: gguf for a quantized GGUF on a CPU with "
+                        "native bf16, else none. Speculative decoding stays lossless against the quantized model "
                         "(default: %(default)s)")
     g.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=d["quantize_lm_head"],
-                   help="with --quantization, quantize the LM head too, to int8 under either kind (GGUF files keep "
-                        "it at 8 bits or more) (default: on)")
+                   help="with --quantization, quantize the LM head too: int8 under int8 and int4 (GGUF files keep "
+                        "it at 8 bits or more), the file's type under gguf (default: on)")
     g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
                    help="the KV cache's dtype, in which attention runs; auto: the model's, except float64 on the "
                         "CPU under --quantization with bf16 activations, so that a verified draft row computes "

@@ -52,7 +52,8 @@ def served_tau(target, drafter: str, drafter_options: dict[str, Any], prompts: S
     engine = LLMEngine(EngineConfig(model=str(target.name), device=str(target.device),
                                     dtype=str(target.dtype).removeprefix("torch."), drafters=(drafter,),
                                     drafter_options={drafter: drafter_options}, num_speculative_tokens=budget,
-                                    draft_budget="fixed", **sizes, **config), loaded=target.loaded)
+                                    draft_budget="fixed", **sizes, **{"quantization": "none", **config}),
+                       loaded=target.loaded)
     return measure_tau(engine, prompts, drafter=drafter, max_tokens=max_tokens)
 
 

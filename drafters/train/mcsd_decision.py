@@ -207,7 +207,7 @@ def train_mcsd_decision(options: dict, target, data=None) -> Path:
         model=str(o.get("model") or "default"), device=str(target.device),
         dtype=str(target.dtype).removeprefix("torch."), max_model_len=max_len, max_num_seqs=16,
         max_num_batched_tokens=2048, drafters=(drafter,), drafter_options={drafter: dopts},
-        num_speculative_tokens=nodes, max_draft_tokens_per_step=16 * nodes, draft_budget="fixed",
+        num_speculative_tokens=nodes, max_draft_tokens_per_step=16 * nodes, draft_budget="fixed", quantization="none",
         seed=seed), loaded=target.loaded)
     data_path = o.get("data") if o.get("data") not in (None, "default") else None
     examples = load_prompt_pool(data_path, max_examples=int(o["prompts"]), seed=seed,

@@ -94,7 +94,8 @@ def prepare_data(target: TrainTarget, options: Mapping[str, Any]) -> TrainData:
                         "seed": o["seed"]}
         engine = LLMEngine(EngineConfig(model=str(o["model"]), device=str(target.device),
                                         dtype=str(target.dtype).removeprefix("torch."), max_model_len=o["max_len"],
-                                        max_num_seqs=64, max_num_batched_tokens=2048, seed=o["seed"]),
+                                        max_num_seqs=64, max_num_batched_tokens=2048, seed=o["seed"],
+                                        quantization="none"),
                            loaded=target.loaded)
         cache = root / f"self-distill-{_key([self_distill, [ex.content_hash() for ex in examples]])}.jsonl"
         examples = self_distill_examples(engine, examples, max_tokens=o["self_distill_max_tokens"],

@@ -74,8 +74,9 @@ def test_smollm2_greedy_equals_hf_generate(default_model):
     hf.load_state_dict(default_model.state_dict, strict=False)
     hf.tie_weights()
     hf.eval()
+    # the dequantized fp32 weights transformers computes with (the default serves the GGUF's int4)
     engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", max_num_seqs=8, max_num_batched_tokens=64,
-                                    max_model_len=512), loaded=default_model)
+                                    max_model_len=512, quantization="none"), loaded=default_model)
     tok = default_model.tokenizer
     questions = ["What is the capital of France?", "Write a haiku about autumn.", "Explain gravity to a child.",
                  "List three prime numbers.", "def fibonacci(n):", "Translate 'good morning' to Spanish.",

@@ -14,8 +14,8 @@ from helpers import make_llm_engine, run_requests
 from specserve.engine.attention import build_attn_metadata
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.model import linear
-from specserve.engine.quant import (dequantize, int4_codes, int8_codes, native_bf16, quantize_weight, quantized,
-                                    quantized_linear)
+from specserve.engine.quant import (auto_quantization, dequantize, gguf_weight_kinds, int4_codes, int8_codes,
+                                    native_bf16, quantize_weight, quantized, quantized_linear)
 from specserve.engine.sampling_params import SamplingParams
 
 
@@ -110,6 +110,41 @@ def test_drafters_are_lossless_against_the_quantized_target(tiny_llama_dir, kind
         assert [got[f"{name}{i}"] for i in range(len(prompts))] == [plain[f"p{i}"] for i in range(len(prompts))], name
         assert engine.drafter_stats[name].num_accepted_tokens > 0, name
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_gguf_tensor_types_say_what_each_weight_is_served_as():
+    types = {"token_embd.weight": "Q8_0", "blk.0.attn_norm.weight": "F32"}
+    for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        types[f"blk.0.{part}.weight"] = "Q4_1"
+        types[f"blk.1.{part}.weight"] = "Q4_0"
+    types["blk.1.attn_v.weight"] = "Q8_0"       # a fused weight takes its most precise part
+    types["blk.1.ffn_down.weight"] = "Q6_K"     # no packed kernel: dequantized
+    kinds, dequantized = gguf_weight_kinds(types, 2)
+    assert kinds == {"layers.0.qkv": "int4", "layers.0.o": "int4", "layers.0.gate_up": "int4", "layers.0.down": "int4",
+                     "layers.1.qkv": "int8", "layers.1.o": "int4", "layers.1.gate_up": "int4", "layers.1.down": "none",
+                     "lm_head": "int8"}                      # tied: the token embedding's type
+    assert dequantized == ["Q6_K"]
+    types["output.weight"] = "F16"                           # an untied head of its own
+    assert gguf_weight_kinds(types, 2)[0]["lm_head"] == "none"
+    cpu = torch.device("cpu")
+    assert auto_quantization(types, cpu) == ("gguf" if native_bf16() else "none")
+    assert auto_quantization({"blk.0.attn_q.weight": "F16"}, cpu) == "none"     # a float GGUF
+    assert auto_quantization({}, cpu) == "none"                                   # an HF folder
+
+
+def test_a_gguf_model_is_served_quantized_by_default_and_an_hf_folder_is_not(default_model, tiny_llama_dir):
+    engine = make_llm_engine("default", loaded=default_model, max_model_len=256, num_kv_blocks=32, block_size=16)
+    layer = engine.model.layers[0]
+    if native_bf16():
+        assert engine.quantization == "gguf"
+        assert quantized(layer.qkv.weight).kind == quantized(layer.down.weight).kind == "int4"    # Q4_1
+        assert quantized(engine.model.lm_head_weight).kind == "int8"                               # Q8_0
+        assert engine.cache.kv.dtype == torch.float64
+    else:
+        assert engine.quantization == "none" and quantized(layer.qkv.weight) is None
+    assert make_llm_engine(tiny_llama_dir).quantization == "none"
+    with pytest.raises(ValueError, match="needs a GGUF"):
+        make_llm_engine(tiny_llama_dir, quantization="gguf")
 
 
 def test_an_unknown_quantization_is_refused():
