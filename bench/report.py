@@ -55,6 +55,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         "(with CUDA graphs of decode and verification steps where the run had them), every drafter against plain decoding at "
         "batch 1 and 32 under the goodput draft policy, transformers `generate` at batch 1, and the Triton tree "
         "attention against the torch reference on verification shapes."),
+    "cpu_compare": Benchmark(
+        "CPU comparison", "specserve.bench.cpu", "cpu",
+        "specserve as served on the CPU (plain decoding and each drafter) against llama.cpp (plain and its prompt "
+        "lookup) and transformers `generate` on the same GGUF: batch 1, greedy, the same chat prompts, tokens and "
+        "threads, every method prompt by prompt in turn; then specserve at 16 concurrent requests."),
     "plain_decode": Benchmark(
         "Plain decoding", "specserve.bench.plain_decode", "plain",
         "Our engine's plain (non-speculative) decoding against transformers `generate`: batch 1, greedy, the same "
