@@ -8,6 +8,7 @@ p % block_size`.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specserve.engine.attention import build_attn_metadata
@@ -82,8 +83,13 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.block_size = block_size
-        self.kv = torch.zeros(2, num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype,
-                              device=device)
+        shape = (2, num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float64):
+            # calloc'd (numpy): the OS hands out zero pages as they are first written, so the pool
+            # holds memory for the blocks in use, not for its whole size (torch.zeros writes it all)
+            self.kv = torch.from_numpy(np.zeros(shape, dtype=np.float32 if dtype == torch.float32 else np.float64))
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of layer i, each [num_slots, num_kv_heads, head_dim] (views)."""
