@@ -102,18 +102,49 @@ def exact_first_two_law(target_dir, prompt: list[int], params) -> dict[tuple[int
     return law
 
 
+def engine_first_two_law(engine, prompt: list[int], params) -> dict[tuple[int, int], float]:
+    """The exact joint law of the first two tokens `engine`'s own target samples after `prompt` (as
+    the engine computes it: quantized weights, its KV dtype), from its forwards over the prompt and
+    over the prompt plus each possible first token."""
+    import torch
+
+    from specserve.engine.attention import build_attn_metadata
+    from specserve.engine.kv_cache import KVCache
+    from specserve.engine.sampler import SamplingTensors, processed_probs
+
+    model, cfg = engine.model, engine.model_config
+    st = SamplingTensors.from_params([params], "cpu")
+
+    def probs(ids: list[int]) -> torch.Tensor:
+        blocks = -(-len(ids) // 16)
+        cache = KVCache(cfg.num_layers, blocks, 16, cfg.num_kv_heads, cfg.head_dim, engine.cache.kv.dtype,
+                        torch.device("cpu"))
+        positions, meta = build_attn_metadata([list(range(blocks))], 16, [0], [len(ids)], None, "cpu")
+        return processed_probs(model.compute_logits(model(torch.tensor(ids), positions, cache, meta)[-1:]), st)[0]
+
+    law = {}
+    with torch.inference_mode():
+        p1 = probs(prompt)
+        for t in p1.nonzero().flatten().tolist():
+            p2 = probs(prompt + [t])
+            for u in p2.nonzero().flatten().tolist():
+                law[(t, u)] = float(p1[t] * p2[u])
+    return law
+
+
 def empirical_first_two_law(target_dir, drafter: str, options: dict, prompt: list[int], params, trials: int, *,
-                            batch: int = 500, seed: int = 0, seeded: bool = False):
+                            batch: int = 500, seed: int = 0, seeded: bool = False, **config):
     """The observed joint law of the first two tokens over `trials` requests of `prompt`, sent in groups
     of `batch` at once to a fresh `LAW_ENGINE` speculating with `drafter` (its `options`), after
     ``torch.manual_seed(seed)``; `seeded`: request i carries its own seed (1000 * seed + i), so its
-    draws are the keyed ones. Returns (law, engine) so tests can read the drafter's statistics."""
+    draws are the keyed ones; `config`: more engine settings. Returns (law, engine) so tests can read
+    the drafter's statistics."""
     import dataclasses
 
     import torch
 
     torch.manual_seed(seed)
-    engine = make_llm_engine(target_dir, (drafter,), {drafter: options}, **LAW_ENGINE)
+    engine = make_llm_engine(target_dir, (drafter,), {drafter: options}, **{**LAW_ENGINE, **config})
     counts: dict[tuple[int, int], int] = {}
     for start in range(0, trials, batch):
         for i in range(start, min(start + batch, trials)):

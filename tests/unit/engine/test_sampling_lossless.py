@@ -17,13 +17,17 @@ follow the same law; their control is a keyed noise that forgets the key (every 
 alike), which the same bound must catch. (Draws shared between positions are caught by the
 sampler's own law test: here the supports of the two positions barely overlap, so sharing them
 hardly shows in the joint law.)
+
+A target served with int4 weights is held to its own law (computed from the engine's quantized
+forward), with the wrong residual update as its control.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import empirical_first_two_law, exact_first_two_law, total_variation
+from helpers import (LAW_ENGINE, empirical_first_two_law, engine_first_two_law, exact_first_two_law, make_llm_engine,
+                     total_variation)
 
 from specserve.engine import sampler, verify
 from specserve.engine.sampling_params import SamplingParams
@@ -39,8 +43,8 @@ def exact_law(peaky_target) -> dict[tuple[int, int], float]:
     return exact_first_two_law(peaky_target, PROMPT, PARAMS)
 
 
-def empirical_law(target_dir, drafter: str, options: dict, seeded: bool = False):
-    return empirical_first_two_law(target_dir, drafter, options, PROMPT, PARAMS, TRIALS, seeded=seeded)
+def empirical_law(target_dir, drafter: str, options: dict, seeded: bool = False, **config):
+    return empirical_first_two_law(target_dir, drafter, options, PROMPT, PARAMS, TRIALS, seeded=seeded, **config)
 
 
 EVENS_FIRST = torch.cat([torch.arange(0, 320, 2), torch.arange(1, 320, 2)])   # a ranking: even ids first
@@ -104,3 +108,19 @@ def test_the_draft_vocabulary_case_drafts_only_some_of_the_support(exact_law):
     support = {t for pair in exact_law for t in pair}
     allowed = set(EVENS_FIRST[:160].tolist())
     assert support & allowed and support - allowed
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["lossless", "wrong residual caught"])
+def test_a_quantized_target_keeps_its_own_law(peaky_target, broken, monkeypatch):
+    drafter, options = CASES["draft_model MCSD tree, drawn without replacement"]   # shares the int4 layers
+    law = engine_first_two_law(make_llm_engine(peaky_target, quantization="int4", **LAW_ENGINE), PROMPT, PARAMS)
+    if broken:
+        monkeypatch.setattr(verify, "residual_rows", lambda p, q: p)
+    emp, engine = empirical_law(peaky_target, drafter, options, quantization="int4")
+    assert engine.quantization == "int4"
+    if broken:
+        assert total_variation(emp, law) > TV_BOUND
+    else:
+        stats = engine.get_stats().drafters[drafter]
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert total_variation(emp, law) < TV_BOUND
