@@ -59,7 +59,7 @@ DEFAULT_DATASETS = ("mt_bench", "humaneval", "gsm8k")
 DEFAULT_DRAFTER_OPTIONS = {"draft_model": {"draft_layers": 4}}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "spec_decode"
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config's (this module loads without torch)
-QUANTIZATIONS = ("none", "int8", "int4")            # engine.quant's
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")   # engine.quant's
 HF_PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
 
