@@ -329,6 +329,18 @@ def test_bfloat16_generation_on_a_cpu_without_a_bf16_inner_product(tiny_llama_di
     assert "5 generated" in out
 
 
+def test_the_default_model_on_a_cpu_without_bf16_is_served_unquantized(default_model):
+    """`--quantization auto` serves the GGUF's int4 only where the CPU has native bf16: elsewhere the
+    packed kernels would take fp32 activations and run slower than the fp32 weights. oneDNN and
+    ATen are limited to AVX2 here, whatever this machine has."""
+    proc = _spawn(["generate", "Hello", "--max-tokens", "5", "--ignore-eos", "--log-level", "info"],
+                  env={"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"})
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "5 generated" in out
+    assert "quantized 0 MiB" in out and "KV blocks of 16 tokens (float32)" in out
+
+
 @pytest.mark.parametrize("body", ["[" * 100_000 + "]" * 100_000, '{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}"])
 def test_a_body_json_cannot_read_is_a_400_invalid_json(http, body):
     r = http.post("/v1/completions", content=body.encode(), headers={"content-type": "application/json"})
