@@ -1,5 +1,6 @@
 """Greedy losslessness of every built-in drafter (the trained ones with their shipped checkpoints)
-on the embedded SmolLM2-135M (fp32): a batch of
+on the embedded SmolLM2-135M as served (`--quantization auto`: the GGUF's int4 with bf16
+activations where the CPU has native bf16, fp32 elsewhere): a batch of
 chat prompts of different lengths, arriving at different steps, decodes exactly the tokens plain
 decoding gives, with one engine serving all drafters side by side (per-request choice)."""
 

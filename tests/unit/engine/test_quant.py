@@ -1,8 +1,9 @@
 """Weight-only quantized linears (engine/quant.py): each against dequantize-then-F.linear, the
 GGUF Q4_1 block mapping, an engine serving a quantized tiny Llama losslessly, and, with bf16
 activations, the quantized default model: verified rows compute the decoded rows' numbers (float64
-KV cache; a float32 one, the broken control, does not) and greedy speculation reproduces plain
-decoding token for token."""
+KV cache; a float32 one, the broken control, does not). That every drafter's greedy output is plain
+decoding's on the quantized default model is `tests/unit/drafters/test_default_model_lossless.py`
+(which runs the model as served)."""
 
 from __future__ import annotations
 
@@ -231,23 +232,3 @@ def test_verified_tree_rows_compute_the_decoded_rows_numbers_on_the_quantized_de
     assert torch.equal(verified, decoded)
     decoded, verified = _decoded_and_verified_hidden(engine, prompt, 8, torch.float32)
     assert not torch.equal(verified, decoded)
-
-
-@bf16_only
-def test_greedy_speculation_reproduces_plain_decoding_of_the_quantized_default_model(default_model):
-    """The default model quantized to int4 (bf16 activations), chat prompts arriving at different
-    steps: each drafter's greedy tokens are plain decoding's."""
-    tok = default_model.tokenizer
-    questions = ["Write a short story about a robot who learns to paint.", "What is 17 * 23? Explain step by step.",
-                 "List three facts about the Moon."]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in questions]
-    drafters = ("ngram", "mag", "eagle")
-    engine = make_llm_engine("default", ("none",) + drafters, loaded=default_model, quantization="int4",
-                             max_model_len=512, num_kv_blocks=256, block_size=16, max_num_batched_tokens=512)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = run_requests(engine, prompts, params, prefix="p", drafter="none")
-    for name in drafters:
-        got = run_requests(engine, prompts, params, prefix=name, drafter=name)
-        assert [got[f"{name}{i}"] for i in range(3)] == [plain[f"p{i}"] for i in range(3)], name
-        assert engine.drafter_stats[name].num_accepted_tokens > 0, name
