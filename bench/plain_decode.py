@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             tally[kind][1] += t
             tally[kind][2] += out
     ours = {kind: n / t for kind, (n, t, _) in tally.items()}
+    base = unquantized(kinds)
     first = kinds[0]
     result = {
         "benchmark": "plain_decode",
@@ -102,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
         "model": loaded.name, "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
         "ours_tok_s": ours[first], "quantization": ours, "kv_cache_dtype": kv_dtypes, "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "same_as_unquantized": {kind: f"{sum(a == b for a, b in zip(tally[kind][2], tally['none'][2]))}/{len(prompts)}"
-                                for kind in kinds if kind != "none" and "none" in tally},
+        "same_as_unquantized": {kind: f"{sum(a == b for a, b in zip(tally[kind][2], tally[base][2]))}/{len(prompts)}"
+                                for kind in kinds if base is not None and kind != base},
     }
     if hf is not None:
         hf_n, hf_t, hf_out = run_hf(hf, prompts, args.max_tokens)
@@ -112,6 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(markdown(result))
+
+
+def unquantized(names) -> str | None:
+    """The first variant with unquantized weights (the reference of the others), or None."""
+    return next((n for n in names if n.split("+")[0] == "none"), None)
 
 
 def variant_name(kind: str, compiled: bool, kv_cache_dtype: str = "auto") -> str:
@@ -124,7 +130,7 @@ def markdown(result: dict) -> str:
     """The table of a run's JSON: batch-1 greedy tokens/s of our plain decoding (per quantization)
     and of transformers."""
     kinds = result.get("quantization") or {"none": result["ours_tok_s"]}
-    base = kinds.get("none")
+    base = kinds.get(unquantized(kinds))
     lines = [f"## Plain decoding: {result['model']} (batch 1, {result['num_prompts']} {result['dataset']} prompts "
              f"× {result['max_tokens']} tokens)", "",
              "| engine | weights | forward | KV cache | tokens/s | vs unquantized | same greedy output |",

@@ -333,7 +333,8 @@ def test_the_default_model_on_a_cpu_without_bf16_is_served_unquantized(default_m
     """`--quantization auto` serves the GGUF's int4 only where the CPU has native bf16: elsewhere the
     packed kernels would take fp32 activations and run slower than the fp32 weights. oneDNN and
     ATen are limited to AVX2 here, whatever this machine has."""
-    proc = _spawn(["generate", "Hello", "--max-tokens", "5", "--ignore-eos", "--log-level", "info"],
+    proc = _spawn(["generate", "Hello", "--max-tokens", "5", "--ignore-eos", "--log-level", "info", "--max-num-seqs", "1",
+                   "--max-model-len", "128", "--no-prepack-weights"],
                   env={"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"})
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out

@@ -29,14 +29,15 @@ def test_forward_cost_times_every_weight_variant(default_model, tmp_path):
 def test_plain_decode_per_quantization(default_model, tmp_path):
     out = tmp_path / "plain.json"
     plain_decode.main(["--num-prompts", "2", "--max-tokens", "6", "--no-hf", "--quantization", "none", "int8",
-                       "--kv-cache-dtype", "auto", "float32", "--out", str(out)])
+                       "--kv-cache-dtype", "float32", "--out", str(out)])
     result = json.loads(out.read_text())
-    names = {"none", "none+kv=float32", "int8", "int8+kv=float32"}
-    assert set(result["quantization"]) == names and all(v > 0 for v in result["quantization"].values())
-    assert result["same_as_unquantized"]["int8"].endswith("/2")
-    assert result["kv_cache_dtype"]["none"] == result["kv_cache_dtype"]["int8+kv=float32"] == "float32"
+    assert set(result["quantization"]) == {"none+kv=float32", "int8+kv=float32"}
+    assert all(v > 0 for v in result["quantization"].values())
+    assert result["same_as_unquantized"]["int8+kv=float32"].endswith("/2")    # against the unquantized variant
+    assert set(result["kv_cache_dtype"].values()) == {"float32"}
     table = plain_decode.markdown(result)
-    assert "| specserve plain decoding | int8 | eager | float32 |" in table and "transformers generate" not in table
+    assert "| specserve plain decoding | int8 | eager | float32 |" in table and "| 1.00x |" in table
+    assert "transformers generate" not in table
 
 
 def test_plain_decode_table_names_compiled_variants():
