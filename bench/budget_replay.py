@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.engine.loader import load_model
 
     loaded = load_model(args.model)
-    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_num_seqs=1, seed=0, quantization="none",
-                                    drafters=tuple(args.drafters), draft_budget="fixed",
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_num_seqs=1, seed=0,
+                                    quantization="none", drafters=tuple(args.drafters), draft_budget="fixed",
                                     num_speculative_tokens=args.num_speculative_tokens), loaded=loaded)
     prompts = {ds: [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, args.num_prompts)] for ds in args.datasets}
     rows, tables = [], {}

@@ -29,7 +29,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -37,6 +36,7 @@ import torch
 
 from specserve.bench.common import build_hf_model, chat_ids, machine_info, run_hf
 from specserve.bench.datasets import load_prompts
+from specserve.bench.spec_decode import run_engine_batch
 from specserve.engine.config import EngineConfig
 from specserve.engine.core import LLMEngine
 from specserve.engine.loader import load_model, locate_default_gguf
@@ -77,17 +77,11 @@ class LlamaWorker:
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, drafter: str,
                tag: str) -> tuple[list[list[int]], float]:
-    """`prompts` admitted together under `drafter` and decoded to the end: (tokens per prompt, wall seconds)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", p, params, drafter=drafter)
-    got: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            for d in out.outputs:
-                got.setdefault(out.request_id, []).extend(d.token_ids)
-    return [got.get(f"{tag}-{i}", []) for i in range(len(prompts))], time.perf_counter() - start
+    """`prompts` admitted together under `drafter` and decoded to the end, greedy, exactly
+    `max_tokens` each (`spec_decode.run_engine_batch`): (tokens per prompt, wall seconds)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) for _ in prompts]
+    _, seconds, outs, _ = run_engine_batch(engine, prompts, params, drafter, tag)
+    return outs, seconds
 
 
 def llama_python(given: str | None) -> str | None:

@@ -5,9 +5,10 @@ same greedy settings, same number of new tokens. Prints a markdown table and wri
         [--compile off|on|both] [--kv-cache-dtype auto float32 float64]
 
 With several `--quantization` kinds (and `--compile both`: each kind eager and compiled,
-engine/compiled.py; several `--kv-cache-dtype`: each with its KV cache dtype), one engine per variant from the same load, run prompt by prompt in turn (a
-slow stretch of the machine hits every variant alike); each variant's greedy outputs are compared
-with the unquantized eager engine's (same tokens: prompts whose whole continuation is identical).
+engine/compiled.py; several `--kv-cache-dtype`: each with its KV cache dtype), one engine per
+variant from the same load, run prompt by prompt in turn (a slow stretch of the machine hits every
+variant alike); each variant's greedy outputs are compared with the first unquantized variant's
+(same tokens: prompts whose whole continuation is identical).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class EngineConfig:
     # verification row's attention, computed in fp32 over a padded tree, differs from the decode
     # row's in the last bits, the bf16 casts of the next linears amplify that, and greedy
     # speculation stops reproducing plain decoding; in float64 the rows round to the same fp32
-    # values (engine/attention.py, "Exact rows")
+    # values (docs/architecture.md, "Quantized weights on the CPU")
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ from specserve.engine.loader import LoadedModel, load_model
 from specserve.engine.model import LlamaModel, pack_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
-from specserve.engine.quant import auto_quantization, gguf_weight_kinds, native_bf16, quantize_model
+from specserve.engine.quant import auto_quantization, native_bf16, quantize_model
 from specserve.engine.sampler import sample_key
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -431,16 +431,14 @@ class LLMEngine:
             return self.dtype
         if self.device.type != "cpu":
             raise ValueError(f"--quantization {mode} runs on the CPU only (device {self.device})")
-        if mode == "gguf":
-            _, dequantized = gguf_weight_kinds(gguf_types, self.model_config.num_layers)
-            if dequantized:
-                logger.warning("this GGUF's %s tensors have no packed kernel here: they are dequantized and served "
-                               "in %s", ", ".join(dequantized), str(self.dtype).removeprefix("torch."))
         act = torch.bfloat16 if self.dtype == torch.float32 and native_bf16() else self.dtype
         if act == torch.float32:
             logger.warning("this CPU has no native bf16: the quantized kernels take fp32 activations, which torch "
                            "runs about 2x slower than unquantized fp32 weights (measured on an AVX-512 CPU)")
         done = quantize_model(self.model, mode, lm_head=config.quantize_lm_head, act_dtype=act, gguf_types=gguf_types)
+        if done["dequantized"]:
+            logger.warning("this GGUF's %s tensors have no packed kernel here: they are dequantized and served "
+                           "in %s", ", ".join(done["dequantized"]), str(self.dtype).removeprefix("torch."))
         logger.info("quantized %d weight matrices to %s (%s activations): %.0f MB -> %.0f MB", done["weights"],
                     mode, str(act).removeprefix("torch."), done["bytes_before"] / 1e6,
                     done["bytes_after"] / 1e6)

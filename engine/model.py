@@ -278,13 +278,10 @@ def write_and_attend(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float
     paged cache: q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads * D]. Attention runs in the
     cache's dtype (float64 under bf16 activations, `EngineConfig.kv_cache_dtype`), the output comes
     back in q's."""
-    if k_cache.dtype != q.dtype:
-        k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
-        v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
-        return paged_attention(q.to(k_cache.dtype), k_cache, v_cache, meta, scale).to(q.dtype)
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
-    return paged_attention(q, k_cache, v_cache, meta, scale)
+    dtype = k_cache.dtype   # `.to` of a tensor already in it is the tensor itself: no copy
+    k_cache[meta.slot_mapping] = k.to(dtype)
+    v_cache[meta.slot_mapping] = v.to(dtype)
+    return paged_attention(q.to(dtype), k_cache, v_cache, meta, scale).to(q.dtype)
 
 
 class DecoderLayer(nn.Module):

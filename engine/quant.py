@@ -177,15 +177,17 @@ def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True, act_dty
     stores it (`gguf_weight_kinds`). Under int4 the LM head is int8: GGUF files keep it at 8 bits
     or more (the default model's is Q8_0), and an int4 head changes answers (the default model,
     asked for the capital of France, said "L'Étoile (The City of Lights)" instead of "Paris").
-    Returns {"weights": how many, "bytes_before": their fp bytes, "bytes_after": the quantized}."""
+    Returns {"weights": how many, "bytes_before": their fp bytes, "bytes_after": the quantized,
+    "dequantized": the GGUF types served dequantized (gguf only)}."""
     if kind not in QUANTIZATIONS or kind == "auto":
         raise ValueError(f"quantization must be one of none, int8, int4, gguf, got {kind!r}")
+    dequantized: list[str] = []
     if kind == "none":
-        return {"weights": 0, "bytes_before": 0, "bytes_after": 0}
+        return {"weights": 0, "bytes_before": 0, "bytes_after": 0, "dequantized": dequantized}
     if kind == "gguf":
         if not gguf_types:
             raise ValueError("--quantization gguf needs a GGUF model (its tensor types say how to serve each weight)")
-        kinds, _ = gguf_weight_kinds(gguf_types, len(model.layers))
+        kinds, dequantized = gguf_weight_kinds(gguf_types, len(model.layers))
     else:
         kinds = {f"layers.{i}.{ours}": kind for i in range(len(model.layers)) for ours in _GGUF_PARTS}
         kinds["lm_head"] = "int8"
@@ -200,7 +202,7 @@ def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True, act_dty
             done += 1
             before += w.numel() * w.element_size()
             after += q.data.numel() * q.data.element_size() + q.scales.numel() * q.scales.element_size()
-    return {"weights": done, "bytes_before": before, "bytes_after": after}
+    return {"weights": done, "bytes_before": before, "bytes_after": after, "dequantized": dequantized}
 
 
 __all__ = ["GGUF_KINDS", "INT4_GROUP", "QUANTIZATIONS", "QuantizedWeight", "auto_quantization", "can_quantize",

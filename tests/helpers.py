@@ -92,13 +92,19 @@ def exact_first_two_law(target_dir, prompt: list[int], params) -> dict[tuple[int
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     st = SamplingTensors.from_params([params], "cpu")
-    law = {}
     with torch.no_grad():
-        p1 = processed_probs(hf(torch.tensor([prompt])).logits[0, -1:], st)[0]
-        for t in p1.nonzero().flatten().tolist():
-            p2 = processed_probs(hf(torch.tensor([prompt + [t]])).logits[0, -1:], st)[0]
-            for u in p2.nonzero().flatten().tolist():
-                law[(t, u)] = float(p1[t] * p2[u])
+        return _first_two_law(lambda ids: processed_probs(hf(torch.tensor([ids])).logits[0, -1:], st)[0], prompt)
+
+
+def _first_two_law(probs, prompt: list[int]) -> dict[tuple[int, int], float]:
+    """The joint law of two tokens drawn one after the other from `probs(ids)` ([V], the next-token
+    law after `ids`), starting after `prompt`."""
+    law = {}
+    p1 = probs(prompt)
+    for t in p1.nonzero().flatten().tolist():
+        p2 = probs(prompt + [t])
+        for u in p2.nonzero().flatten().tolist():
+            law[(t, u)] = float(p1[t] * p2[u])
     return law
 
 
@@ -122,14 +128,8 @@ def engine_first_two_law(engine, prompt: list[int], params) -> dict[tuple[int, i
         positions, meta = build_attn_metadata([list(range(blocks))], 16, [0], [len(ids)], None, "cpu")
         return processed_probs(model.compute_logits(model(torch.tensor(ids), positions, cache, meta)[-1:]), st)[0]
 
-    law = {}
     with torch.inference_mode():
-        p1 = probs(prompt)
-        for t in p1.nonzero().flatten().tolist():
-            p2 = probs(prompt + [t])
-            for u in p2.nonzero().flatten().tolist():
-                law[(t, u)] = float(p1[t] * p2[u])
-    return law
+        return _first_two_law(probs, prompt)
 
 
 def empirical_first_two_law(target_dir, drafter: str, options: dict, prompt: list[int], params, trials: int, *,

@@ -18,6 +18,7 @@ from specserve.engine.model import linear
 from specserve.engine.quant import (auto_quantization, dequantize, gguf_weight_kinds, int4_codes, int8_codes,
                                     native_bf16, quantize_weight, quantized, quantized_linear)
 from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.tree import NO_PARENT, build_tree_buffers
 
 
 def _weight(n=96, k=128, seed=0):
@@ -203,19 +204,13 @@ def _decoded_and_verified_hidden(engine, prompt: list[int], n: int, kv_dtype: to
         decoded.append(h[0])
     ids, parents = [], []
     for i, t in enumerate(tokens):           # node 2i: the decoded token; node 2i + 1: its wrong sibling
-        parent = 2 * i - 2
+        parent = NO_PARENT if i == 0 else 2 * i - 2
         ids += [t, (t + 7) % cfg.vocab_size]
         parents += [parent, parent]
-    mask = torch.zeros(2 * n, 2 * n, dtype=torch.bool)
-    for j in range(2 * n):
-        k = j
-        while k >= 0:
-            mask[j, k] = True
-            k = parents[k]
+    tree = build_tree_buffers(parents)
     cache, _ = fresh_cache()
-    _, meta = build_attn_metadata(blocks, bs, [len(prompt)], [2 * n], [mask], "cpu")
-    positions = torch.tensor([len(prompt) + j // 2 for j in range(2 * n)])
-    verified = model(torch.tensor(ids), positions, cache, meta)
+    _, meta = build_attn_metadata(blocks, bs, [len(prompt)], [2 * n], [tree.mask], "cpu")
+    verified = model(torch.tensor(ids), len(prompt) + tree.depths, cache, meta)
     return torch.stack(decoded), verified[0::2]
 
 
