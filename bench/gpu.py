@@ -26,7 +26,9 @@ on; the JSON is rewritten after every step, so a run cut short keeps what it mea
    fp32 must give 0). Under the goodput draft policy (the served default), then again under the
    fixed budget, every sequence drafting its full tree every step (`speedup_fixed`, `tau_fixed`:
    what the drafters accept on this target, and what their trees cost here).
-5. `hf_tok_s`: transformers `generate` on the batch-1 prompts, eager, then with a static cache and
+5. `host_profile`: batch-1 decodes (plain, ngram, eagle) under cProfile, the functions with the most
+   host time per step (the listing in OUT/host_profile.txt).
+6. `hf_tok_s`: transformers `generate` on the batch-1 prompts, eager, then with a static cache and
    `torch.compile` when the budget allows (`hf_mode` says which figure is reported).
 
 Writes OUT/gpu_<device>.md and OUT/gpu_summary.json. `--dry-run`: the same sequence on the CPU
@@ -283,6 +285,40 @@ def measure_anatomy(engine, prompt, max_tokens: int = 64) -> dict:
             "eager_forward_ms": eager / 1e3}
 
 
+def profile_host(engine, prompt, drafters, max_tokens: int, text_path: Path | None = None) -> dict:
+    """Where the host's time goes in batch-1 steps: `prompt` decoded greedily under cProfile, once
+    plainly and once with each of `drafters`; per run the wall time per step and the functions with
+    the most time of their own (ms per step). The full listing goes to `text_path`."""
+    import cProfile
+    import io
+    import pstats
+
+    from specserve.engine.sampling_params import SamplingParams
+
+    out, text = {}, io.StringIO()
+    for drafter in (PLAIN, *drafters):
+        engine.add_request(f"profile-{drafter}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                       ignore_eos=True), drafter=drafter)
+        prof, steps, t0 = cProfile.Profile(), 0, time.perf_counter()
+        prof.enable()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        prof.disable()
+        wall = time.perf_counter() - t0
+        stats = pstats.Stats(prof, stream=text)
+        text.write(f"\n==== {drafter}: {steps} steps, {wall / steps * 1e3:.3f} ms per step (profiled)\n")
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumtime").print_stats(40)
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:15]
+        out[drafter] = {"steps": steps, "ms_per_step": wall / steps * 1e3,
+                        "top_tottime_ms_per_step": [[f"{Path(f).name}:{line}({fn})", tt / steps * 1e3, ct / steps * 1e3]
+                                                    for (f, line, fn), (_, _, tt, ct, _) in rows]}
+    if text_path is not None:
+        text_path.write_text(text.getvalue())
+    return out
+
+
 def measure_plain(engine, pool, batch_sizes, max_tokens: int, budget: Budget, min_left: float) -> dict:
     """{B: tok/s} of plain decoding, B prompts in one closed batch, after a short warm-up at B."""
     out = {}
@@ -490,6 +526,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     summary["meta"]["graphs"] = main_engine.runner.graphs is not None
     if summary["meta"]["graphs"]:
         summary["step_anatomy"] = step("step anatomy", lambda: measure_anatomy(main_engine, mixed[0], min(64, args.max_tokens))) or {}
+    summary["host_profile"] = step("host profile", lambda: profile_host(
+        main_engine, mixed[0], [d for d in ("ngram", "eagle") if d in drafters], min(64, args.max_tokens),
+        out_dir / "host_profile.txt")) or {}
 
     floor = step("floor", lambda: measure_floor(main_engine.model, device))
     if floor:
@@ -576,6 +615,10 @@ def markdown(s: dict) -> str:
         lines += [f"A batch-1 decode step: {a['step_ms']:.2f} ms in all (engine step, wall), of which the target's "
                   f"forward is {a['graph_replay_ms']:.2f} ms as a CUDA graph ({a['eager_forward_ms']:.2f} ms eagerly).",
                   ""]
+    for d, p in (s.get("host_profile") or {}).items():
+        top = ", ".join(f"{name} {own:.3f}" for name, own, _ in p["top_tottime_ms_per_step"][:5])
+        lines += [f"Host profile, {d} at batch 1: {p['ms_per_step']:.2f} ms per step under cProfile; most own time "
+                  f"(ms per step): {top}.", ""]
     sizes = sorted({*s["plain_tok_s"], *s["plain_eager_tok_s"]}, key=int)
     if sizes:
         lines += ["| plain decoding | " + " | ".join(f"batch {b}" for b in sizes) + " |",

@@ -111,7 +111,6 @@ class LLMEngine:
                 logger.warning("triton is not installed: no CUDA graphs, every step runs eagerly")
         if config.warm_up if config.warm_up is not None else self.device.type == "cuda":
             self.warm_up()
-        self._export_step_cost()
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (%s), max_model_len %d",
                     self.model_name, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
                     config.block_size, str(self.kv_dtype).removeprefix("torch."), self.max_model_len)
@@ -402,7 +401,6 @@ class LLMEngine:
                     raise
                 self._isolate(batch, exc, report)
             self.scheduler.observe(report)
-            self._export_step_cost()
             self.stats.num_steps_total += 1
         return self._collect()
 
@@ -486,7 +484,8 @@ class LLMEngine:
         return out
 
     def _export_step_cost(self) -> None:
-        """The goodput policy's step cost estimates, for the metrics."""
+        """The goodput policy's step cost estimates, for the metrics (read when they are: a fit per
+        step would be host work on every step)."""
         cost = getattr(self.scheduler.policy, "step_cost", None)
         if cost is not None:
             estimates = cost.estimates()
@@ -770,6 +769,7 @@ class LLMEngine:
         return outputs
 
     def get_stats(self) -> EngineStats:
+        self._export_step_cost()
         s = self.stats
         s.num_running = sum(1 for _ in self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)

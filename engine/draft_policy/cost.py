@@ -29,6 +29,8 @@ import math
 import time
 from typing import Callable, Iterable
 
+import numpy as np
+
 STEP_FORGET = 0.98          # step cost fit: weight of an observation decays by this per step
 STEP_SCALE_PRECISION = 0.05 # ... its scale of the calibrated curve held as weakly as one knot's offset
 DRAFT_FORGET = 0.95         # draft cost fit: the same per `propose` call
@@ -72,26 +74,22 @@ class _Ridge:
     in a crowd that seldom drafts) back to 0 and make it look cheap again."""
 
     def __init__(self, prior: list[float] | list[list[float]], forget: float):
-        k = len(prior)
-        if prior and not isinstance(prior[0], list):
-            prior = [[prior[i] if i == j else 0.0 for j in range(k)] for i in range(k)]
-        self.prior = [list(row) for row in prior]
+        prior = np.asarray(prior, dtype=np.float64)
+        self.prior = prior if prior.ndim == 2 else np.diag(prior)
         self.forget = forget
-        self.A = [list(row) for row in prior]
-        self.b = [0.0] * k
+        self.A = self.prior.copy()
+        self.b = np.zeros(len(self.prior))
         self.num_observations = 0
-        self._theta: list[float] | None = [0.0] * k
+        self._theta: list[float] | None = [0.0] * len(self.b)
 
     def update(self, phi: dict[int, float], y: float) -> None:
-        rho, A, b, theta = self.forget, self.A, self.b, self.theta
-        for i, (row, prior_row) in enumerate(zip(A, self.prior)):
-            for j in range(len(row)):
-                row[j] = rho * row[j] + (1 - rho) * prior_row[j]
-            b[i] = rho * b[i] + (1 - rho) * sum(p * t for p, t in zip(prior_row, theta) if p)
-        for i, x in phi.items():
-            b[i] += x * y
-            for j, z in phi.items():
-                A[i][j] += x * z
+        rho, theta = self.forget, np.asarray(self.theta)
+        self.A = rho * self.A + (1 - rho) * self.prior
+        self.b = rho * self.b + (1 - rho) * (self.prior @ theta)
+        idx = np.fromiter(phi.keys(), dtype=np.intp, count=len(phi))
+        x = np.fromiter(phi.values(), dtype=np.float64, count=len(phi))
+        self.b[idx] += x * y
+        self.A[np.ix_(idx, idx)] += np.outer(x, x)
         self.num_observations += 1
         self._theta = None
 
@@ -113,34 +111,20 @@ class _Ridge:
             if not negative:
                 return theta
             pinned.update(negative)
-            free = [i for i in range(len(self.b)) if i not in pinned]
-            sub = _solve([[self.A[i][j] for j in free] for i in free], [self.b[i] for i in free])
+            free = np.array([i for i in range(len(self.b)) if i not in pinned], dtype=np.intp)
+            sub = _solve(self.A[np.ix_(free, free)], self.b[free])
             theta = [0.0] * len(self.b)
-            for i, x in zip(free, sub):
+            for i, x in zip(free.tolist(), sub):
                 theta[i] = x
 
 
-def _solve(A: list[list[float]], b: list[float]) -> list[float]:
-    """x with A x = b (Gaussian elimination, partial pivoting; A is small and positive definite)."""
-    n = len(b)
-    m = [list(row) + [bi] for row, bi in zip(A, b)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(m[r][c]))
-        m[c], m[p] = m[p], m[c]
-        piv = m[c][c]
-        if abs(piv) < 1e-300:
-            continue
-        for r in range(c + 1, n):
-            f = m[r][c] / piv
-            if f:
-                row, top = m[r], m[c]
-                for k in range(c, n + 1):
-                    row[k] -= f * top[k]
-    x = [0.0] * n
-    for c in range(n - 1, -1, -1):
-        piv = m[c][c]
-        x[c] = (m[c][n] - sum(m[c][k] * x[k] for k in range(c + 1, n))) / piv if abs(piv) >= 1e-300 else 0.0
-    return x
+def _solve(A: np.ndarray, b: np.ndarray) -> list[float]:
+    """x with A x = b (A is small and positive definite; a singular one, which the priors rule out,
+    gets its least-squares solution)."""
+    try:
+        return np.linalg.solve(A, b).tolist()
+    except np.linalg.LinAlgError:
+        return np.linalg.lstsq(A, b, rcond=None)[0].tolist()
 
 
 def _hold_offsets_alike(prior: list[list[float]], first: int, end: int) -> None:

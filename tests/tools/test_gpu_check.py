@@ -35,6 +35,8 @@ def test_the_dry_run_measures_every_figure_and_prints_the_table(tmp_path, tiny_l
     assert s["errors"] == [] and s["dry_run"] and s["dtype"] == "float32"
     assert s["meta"]["graphs"] and s["step_anatomy"]["graph_replay_ms"] > 0     # through the stand-in
     assert set(s["plain_eager_tok_s"]) == {"1", "2"}
+    assert set(s["host_profile"]) == {"none", "ngram"} and s["host_profile"]["ngram"]["top_tottime_ms_per_step"]
+    assert "==== ngram" in (out / "host_profile.txt").read_text()
     assert set(s["plain_tok_s"]) == {"1", "2"} and min(s["plain_tok_s"].values()) > 0
     for drafter in ("ngram", "mag"):
         assert set(s["speedup"][drafter]) == {"1", "2"}
