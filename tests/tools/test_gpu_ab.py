@@ -1,0 +1,33 @@
+"""`tools/gpu_ab.py`: the A/B of an older revision's engine against the working tree, packed here
+and run there in one command; its dry run on the CPU (a tiny model, 8 tokens) so that it cannot rot
+while no GPU machine is at hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from test_gpu_check import write_prompts
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_dry_run_measures_both_trees(tmp_path, tiny_llama_dir):
+    env = {**os.environ, "SPECSERVE_DATA": str(write_prompts(tmp_path / "data"))}
+    ab, out = tmp_path / "ab", tmp_path / "out"
+    tool = [sys.executable, str(ROOT / "tools" / "gpu_ab.py")]
+    subprocess.run(tool + ["pack", "--old", "HEAD", "--model-dir", str(tiny_llama_dir), "--ab", str(ab)],
+                   cwd=ROOT, env=env, check=True, capture_output=True, timeout=120)
+    assert (ab / "old" / "specserve" / "engine" / "core.py").is_file()
+    assert (ab / "new" / "specserve" / "engine" / "core.py").is_file() and not (ab / "model" / "model.safetensors").exists()
+    proc = subprocess.run(tool + ["run", "--ab", str(ab), "--out", str(out), "--dry-run", "--rounds", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "ab.json").read_text())["results"]
+    assert [r["variant"] for r in results] == ["old", "new"]
+    for r in results:     # each child imported its own tree
+        assert r["tree"] == str(ab / r["variant"] / "specserve")
+        assert all(r[k]["tok_s"] > 0 for k in ("plain_b1", "ngram_b1", "plain_b32"))

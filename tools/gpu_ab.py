@@ -1,0 +1,189 @@
+"""A/B of two trees' decoding speed on one machine, in one command: the engine of an older revision
+against this working tree, on random weights of the default model's shape (speed does not depend on
+the weights' values, so no model file travels: its config and tokenizer do, and the weights are drawn
+there).
+
+    python tools/gpu_ab.py pack --old REV        # here: .device/ab (both trees, the model's config, prompts)
+    python tools/gpu_ab.py run --out DIR         # there, carrying .device/ab: old, new, old, new
+    python tools/gpu_ab.py run --out DIR --dry-run   # the same on the CPU, a 2-layer model, 8 tokens
+
+On the GPU machine the command runs in the working tree's root, so `--ab` keeps its default there.
+
+Each variant runs in a child process with only its own tree on PYTHONPATH (`ab/<variant>/specserve`):
+plain decoding at batch 1 (prompts one at a time) and at batch 32 (one closed batch), greedy, exactly
+--max-tokens each, and the n-gram drafter at batch 1. Interleaving the variants twice shows the
+run-to-run noise beside the difference. Writes DIR/ab.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+AB = ROOT / ".device" / "ab"       # where `pack` writes and `run` reads (--ab)
+PACKAGES = ("engine", "server", "drafters", "kernels", "bench")
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "chat_template.jinja")
+
+
+def pack(old: str, model_dir: Path | None) -> None:
+    shutil.rmtree(AB, ignore_errors=True)
+    for variant in ("old", "new"):
+        (AB / variant / "specserve").mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", old, *PACKAGES], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(AB / "old" / "specserve"), "--exclude=drafters/checkpoints"],
+                   input=archive, check=True)
+    for name in PACKAGES:
+        shutil.copytree(ROOT / name, AB / "new" / "specserve" / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "checkpoints", "results"))
+    cache = Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve")
+    # the default model as converted into the cache (`specserve serve` once), unless --model-dir
+    src = model_dir or next(p.parent for p in sorted((cache / "gguf").glob("*/config.json")))
+    (AB / "model").mkdir()
+    for name in MODEL_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, AB / "model" / name)
+    data = Path(os.environ.get("SPECSERVE_DATA") or ROOT.parent / "shared" / "data")
+    (AB / "data").mkdir()
+    for name in ("mt_bench", "humaneval", "gsm8k"):
+        lines = (data / f"{name}.jsonl").read_text().splitlines(keepends=True)[:32]
+        (AB / "data" / f"{name}.jsonl").write_text("".join(lines))
+    (AB / "old.txt").write_text(subprocess.run(["git", "rev-parse", old], cwd=ROOT, check=True,
+                                               capture_output=True, text=True).stdout)
+    print(f"packed {AB}: {sum(f.stat().st_size for f in AB.rglob('*') if f.is_file()) / 1e6:.1f} MB")
+
+
+def draw_weights(model_dir: Path, dry: bool) -> None:
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    if dry:
+        cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size = 2, 64, 128
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 4, 2, 16
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32 if dry else torch.bfloat16)
+    model.save_pretrained(model_dir)
+
+
+def measure(model_dir: str, data_dir: str, max_tokens: int, dry: bool) -> dict:
+    """In a child: this tree's engine, plain decoding at b1 and b32 and ngram at b1."""
+    import torch
+
+    import specserve.engine as engine_pkg
+    from specserve.bench.common import chat_ids
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.core import LLMEngine
+    from specserve.engine.sampling_params import SamplingParams
+
+    tok_dir = Path(model_dir)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    prompts = []
+    for name in ("mt_bench", "humaneval", "gsm8k"):
+        for line in (Path(data_dir) / f"{name}.jsonl").read_text().splitlines()[:16]:
+            text = json.loads(line)["turns"][0]
+            prompts.append(chat_ids(tok, text)[:256])
+    device = "cpu" if dry else "cuda"
+    batch = 2 if dry else 32
+    eng = LLMEngine(EngineConfig(model=model_dir, device=device, dtype="float32" if dry else "bfloat16",
+                                 max_num_seqs=batch, max_model_len=512, max_num_batched_tokens=2048,
+                                 num_kv_blocks=batch * 32 + 64, drafters=("none", "ngram"), quantization="none"))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def decode(group, drafter, tag):
+        for i, p in enumerate(group):
+            eng.add_request(f"{tag}-{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                            drafter=drafter)
+        steps, walls, t0 = 0, [], time.perf_counter()
+        while eng.has_unfinished_requests():
+            s0 = time.perf_counter()
+            eng.step()
+            walls.append(time.perf_counter() - s0)
+            steps += 1
+        sync()
+        return len(group) * max_tokens, time.perf_counter() - t0, walls
+
+    decode(prompts[:1], "none", "warm")
+    decode(prompts[:batch], "none", "warm-b")
+    decode(prompts[:1], "ngram", "warm-n")
+    out = {"tree": str(Path(engine_pkg.__file__).parents[1])}
+    for label, drafter, groups in (("plain_b1", "none", [[p] for p in prompts[:3]]),
+                                   ("ngram_b1", "ngram", [[p] for p in prompts[:3]]),
+                                   ("plain_b32", "none", [prompts[:batch]])):
+        n = secs = 0.0
+        walls = []
+        for g in groups:
+            a, b, w = decode(g, drafter, label)
+            n, secs, walls = n + a, secs + b, walls + w
+        out[label] = {"tok_s": n / secs, "median_step_ms": statistics.median(walls) * 1e3}
+    return out
+
+
+def run(out: Path, max_tokens: int, dry: bool, rounds: int) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = out / "model" if dry else Path("/tmp/specserve-ab-model")
+    shutil.rmtree(model_dir, ignore_errors=True)
+    shutil.copytree(AB / "model", model_dir)
+    draw_weights(model_dir, dry)
+    results = []
+    for variant in ("old", "new") * rounds:
+        env = {**os.environ, "PYTHONPATH": str(AB / variant)}
+        proc = subprocess.run([sys.executable, __file__, "measure", str(model_dir), str(AB / "data"), str(max_tokens)]
+                              + (["--dry-run"] if dry else []), env=env, capture_output=True, text=True, cwd="/")
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            results.append({"variant": variant, "error": proc.stderr[-500:]})
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        r["variant"] = variant
+        results.append(r)
+        print(f"{variant}: " + "  ".join(f"{k} {v['tok_s']:.0f} tok/s ({v['median_step_ms']:.2f} ms/step)"
+                                          for k, v in r.items() if isinstance(v, dict)), flush=True)
+    old_rev = (AB / "old.txt").read_text().strip() if (AB / "old.txt").is_file() else None
+    (out / "ab.json").write_text(json.dumps({"old": old_rev, "max_tokens": max_tokens, "dry_run": dry,
+                                             "results": results}, indent=2) + "\n")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+def main() -> int:
+    global AB
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pack")
+    p.add_argument("--old", required=True, help="the revision to compare this working tree with")
+    p.add_argument("--model-dir", type=Path, help="a model folder whose config and tokenizer to use "
+                                                 "(default: the default model, converted)")
+    r = sub.add_parser("run")
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--max-tokens", type=int, default=128)
+    r.add_argument("--rounds", type=int, default=2, help="old, new repeated this many times (default: 2)")
+    r.add_argument("--dry-run", action="store_true")
+    for parser in (p, r):
+        parser.add_argument("--ab", type=Path, default=AB, help=f"the packed folder (default: {AB})")
+    m = sub.add_parser("measure")
+    m.add_argument("model_dir")
+    m.add_argument("data_dir")
+    m.add_argument("max_tokens", type=int)
+    m.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args()
+    AB = getattr(args, "ab", AB).resolve()
+    if args.cmd == "pack":
+        pack(args.old, args.model_dir)
+        return 0
+    if args.cmd == "run":
+        return run(args.out, 8 if args.dry_run else args.max_tokens, args.dry_run, args.rounds)
+    print(json.dumps(measure(args.model_dir, args.data_dir, args.max_tokens, args.dry_run)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
