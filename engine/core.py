@@ -18,6 +18,7 @@ from specserve.engine.errors import InvalidRequestError, is_unrecoverable
 from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine.loader import LoadedModel, load_model
+from specserve.engine.logits_processing import needs_processing
 from specserve.engine.model import LlamaModel, pack_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
@@ -89,7 +90,8 @@ class LLMEngine:
         self._context_drafters = {name for name, d in self.drafters.items() if _tells_context(d)}
         if self._context_drafters:
             self.scheduler.context_of = self._draft_context
-        self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device, self.features.capture_layers)
+        self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device, self.features.capture_layers,
+                                  eos_token_ids=tuple(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}
         self.stats = EngineStats(num_total_blocks=num_blocks, memory_bytes=self.memory_bytes())
@@ -306,6 +308,10 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if any(not 0 <= t < vocab for t in params.logit_bias or ()):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, drafter=_DEFAULT,
                       drafter_options: dict | None = None) -> tuple[str | None, dict]:
@@ -618,6 +624,8 @@ class LLMEngine:
                 return "extra roots are not the target's own samples for this position"
             if seq.params.logprobs is not None:
                 return "target-initialised roots cannot report logprobs"
+            if needs_processing(seq.params, self.eos_token_ids):
+                return "target-initialised roots cannot take penalties, logit_bias or min_tokens"
         if tree.next_roots > 1 and (seq.params.greedy or seq.params.seed is not None or seq.params.logprobs is not None):
             return "target-initialised roots are for unseeded sampling requests without logprobs"
         vocab = self.model_config.vocab_size

@@ -32,6 +32,8 @@ import torch
 from specserve.engine.attention import AttnMetadata, build_attn_metadata
 from specserve.engine.cuda_graphs import GraphPlan, StepGraphs, make_plan
 from specserve.engine.kv_cache import BlockManager, KVCache
+from specserve.engine import logits_processing
+from specserve.engine.logits_processing import LogitsProcessing, needs_processing
 from specserve.engine.model import LlamaModel
 from specserve.engine.outputs import TokenLogprob
 from specserve.engine.sampler import SamplingTensors, sample
@@ -113,8 +115,9 @@ class ModelRunner:
     steps that have such entries."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, blocks: BlockManager, device: torch.device,
-                 capture_layers: tuple[int, ...] = ()):
+                 capture_layers: tuple[int, ...] = (), eos_token_ids: tuple[int, ...] = ()):
         self.model = model
+        self.eos_token_ids = eos_token_ids     # what min_tokens holds back (engine/logits_processing.py)
         self.cache = cache
         self.blocks = blocks
         self.device = device
@@ -245,7 +248,8 @@ class ModelRunner:
         if plain_seqs:
             st = SamplingTensors.from_params([s.params for s in plain_seqs], self.device,
                                              [s.sample_key for s in plain_seqs])
-            out = sample(logits[:num_plain], st, [s.num_output_tokens for s in plain_seqs])
+            plain_logits = self._processed(logits[:num_plain], plain_seqs)
+            out = sample(plain_logits, st, [s.num_output_tokens for s in plain_seqs])
             device_out.append(out.token_ids)
             if out.logprobs is not None:
                 plain_lp = (out.logprobs, out.top_ids, out.top_logprobs)
@@ -257,6 +261,7 @@ class ModelRunner:
             packed = inp.packed
             tree_logits = logits[num_plain:].index_select(0, inp.tree_pad_index.reshape(-1))
             tree_logits = tree_logits.view(*inp.tree_pad_index.shape, -1)                 # [T, N, V]
+            tree_logits = self._processed(tree_logits, tree_seqs, packed)
             st = SamplingTensors.from_params([s.params for s in tree_seqs], self.device,
                                              [s.sample_key for s in tree_seqs])
             verified = verify_batched(packed, tree_logits, st, any_greedy=any(s.params.greedy for s in tree_seqs),
@@ -296,6 +301,22 @@ class ModelRunner:
         self._collect_features(result, batch, inp, hidden, feature_idx, layers)
         self._computed_lengths(batch, inp, result)
         return result
+
+    def _processed(self, logits: torch.Tensor, seqs: list[Sequence], packed: PackedTrees | None = None) -> torch.Tensor:
+        """`logits` ([B, V] of plain rows, or [T, N, V] of `packed` trees' nodes) with the rows of the
+        sequences that ask for penalties, logit_bias or min_tokens processed along their own paths
+        (engine/logits_processing.py); unchanged when none does."""
+        which = [k for k, s in enumerate(seqs) if needs_processing(s.params, self.eos_token_ids)]
+        if not which:
+            return logits
+        V = logits.shape[-1]
+        proc = LogitsProcessing.for_seqs([seqs[k] for k in which], self.eos_token_ids, V, self.device)
+        ix = torch.tensor(which, dtype=torch.int64, device=self.device)
+        if packed is None:
+            done = proc.apply(logits.index_select(0, ix)[:, None, :]).squeeze(1)
+        else:
+            done = proc.apply(logits.index_select(0, ix), logits_processing.path_counts(packed, V, ix), packed.depths.index_select(0, ix))
+        return logits.float().index_copy(0, ix, done)
 
     def _collect_features(self, result: StepResult, batch: ScheduledBatch, inp: StepInputs,
                           hidden: torch.Tensor, feature_idx, layers: torch.Tensor | None = None) -> None:

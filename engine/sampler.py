@@ -99,6 +99,7 @@ class SamplingTensors:
     keys: Tensor | None = None   # [len(keyed_rows)] int64
     keyed_index: Tensor | None = None   # keyed_rows on the device (int64), made with the rest, not mid-step
     all_matched: bool = False    # every row is greedy or keyed (verification needs no rejection walk)
+    min_p: Tensor | None = None  # [B] float32, 0 = off; None when no row asks for it
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str,
@@ -116,6 +117,7 @@ class SamplingTensors:
                 top_k.append(int(p.top_k))
                 top_p.append(float(p.top_p))
         asked = [p.logprobs for p in params if p.logprobs is not None]
+        min_p = [0.0 if p.greedy else float(p.min_p) for p in params]
         keyed = tuple(i for i, k in enumerate(keys or ()) if k is not None and temperature[i] != 0.0)
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
@@ -130,6 +132,7 @@ class SamplingTensors:
             keys=torch.tensor([keys[i] for i in keyed], dtype=torch.int64, device=device) if keyed else None,
             keyed_index=torch.tensor(keyed, dtype=torch.int64, device=device) if keyed else None,
             all_matched=sum(t == 0.0 for t in temperature) + len(keyed) == len(params),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device) if any(min_p) else None,
         )
 
 
@@ -189,7 +192,7 @@ def processed_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
     """The distribution plain sampling draws from, per row.
 
     logits: [B, V] (any float dtype). Returns [B, V] float32:
-    softmax(top_p(top_k(logits / temperature))) for random rows, and the one-hot of
+    softmax(top_p(top_k(min_p(logits / temperature)))) for random rows, and the one-hot of
     argmax(raw logits) for greedy rows. Rows are processed independently.
     """
     logits = logits.float()
@@ -203,7 +206,12 @@ def _processed_probs(logits: Tensor, st: SamplingTensors, greedy_ids: Tensor) ->
         return onehot
     greedy = st.temperature == 0                                             # [B]
     temperature = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
-    probs = apply_top_k_top_p(logits / temperature.unsqueeze(1), st).softmax(dim=-1)
+    scaled = logits / temperature.unsqueeze(1)
+    if st.min_p is not None:   # keep v with p(v) >= min_p * max p, p after temperature (as vLLM)
+        probs = scaled.softmax(dim=-1)
+        floor = st.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
+    probs = apply_top_k_top_p(scaled, st).softmax(dim=-1)
     return torch.where(greedy.unsqueeze(1), onehot, probs)
 
 

@@ -464,7 +464,7 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def _rows_of(st: SamplingTensors, ix: torch.Tensor) -> SamplingTensors:
     """The settings of rows ix (host flags kept: they stay valid bounds for a subset)."""
     return SamplingTensors(st.temperature[ix], st.top_k[ix], st.top_p[ix], st.all_greedy, st.any_top_k,
-                           st.any_top_p, None, st.max_top_k)
+                           st.any_top_p, None, st.max_top_k, min_p=None if st.min_p is None else st.min_p[ix])
 
 
 def _keyed_index(sampling: SamplingTensors, device: torch.device) -> torch.Tensor:

@@ -133,11 +133,12 @@ def engine_first_two_law(engine, prompt: list[int], params) -> dict[tuple[int, i
 
 
 def empirical_first_two_law(target_dir, drafter: str, options: dict, prompt: list[int], params, trials: int, *,
-                            batch: int = 500, seed: int = 0, seeded: bool = False, **config):
+                            batch: int = 500, seed: int = 0, seeded: bool = False, length: int = 2, **config):
     """The observed joint law of the first two tokens over `trials` requests of `prompt`, sent in groups
     of `batch` at once to a fresh `LAW_ENGINE` speculating with `drafter` (its `options`), after
     ``torch.manual_seed(seed)``; `seeded`: request i carries its own seed (1000 * seed + i), so its
-    draws are the keyed ones; `config`: more engine settings. Returns (law, engine) so tests can read
+    draws are the keyed ones; `length`: the law of the first `length` tokens instead of two;
+    `config`: more engine settings. Returns (law, engine) so tests can read
     the drafter's statistics."""
     import dataclasses
 
@@ -154,7 +155,8 @@ def empirical_first_two_law(target_dir, drafter: str, options: dict, prompt: lis
         while engine.has_unfinished_requests():
             step_and_collect(engine, got)
         for toks in got.values():
-            counts[(toks[0], toks[1])] = counts.get((toks[0], toks[1]), 0) + 1
+            key = tuple(toks[:length])
+            counts[key] = counts.get(key, 0) + 1
     return {k: v / trials for k, v in counts.items()}, engine
 
 
