@@ -361,9 +361,18 @@ def _check_stop_token_ids(state: ServerState, ids: list[int] | None) -> None:
                               code="invalid_value")
 
 
+def _check_logit_bias(state: ServerState, bias: dict[int, float] | None) -> None:
+    vocab = _vocab_size(state.engine)
+    for token in bias or ():
+        if vocab is not None and not token < vocab:
+            raise OpenAIError(400, f"Invalid value for 'logit_bias': token id {token} is outside this model's "
+                                   f"vocabulary [0, {vocab}).", param="logit_bias", code="invalid_value")
+
+
 def _sampling_params(state: ServerState, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
                      logprobs: int | None, prompt_param: str) -> SamplingParams:
     _check_stop_token_ids(state, body.stop_token_ids)
+    _check_logit_bias(state, body.logit_bias_ids)
     max_model_len = state.engine.max_model_len
     room = max_model_len - num_prompt_tokens
     if num_prompt_tokens and (room < 1 or (max_tokens is not None and max_tokens > room)):
@@ -388,6 +397,11 @@ def _sampling_params(state: ServerState, body: SamplingFields, num_prompt_tokens
             logprobs=logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=body.logit_bias_ids,
+            min_p=body.min_p or 0.0,
         )
     except InvalidRequestError as exc:
         raise engine_error(exc, prompt_param) from exc

@@ -8,13 +8,13 @@ represent (counts and token ids are int32, seeds int64), and text that UTF-8 can
 surrogate such as ``"\\ud800"``, which JSON lets through) is refused wherever it appears.
 Extensions we accept on top of OpenAI's fields:
 
-* sampling (vLLM names): ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-  ``include_stop_str_in_output``, ``skip_special_tokens``;
+* sampling (vLLM names): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+  ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``;
 * ``speculative``: ``{"drafter": "<name>" | "none", ...}`` per request; extra keys are the drafter's per-request
   options, validated by the engine (an option the drafter does not take per request is a 400).
 
-OpenAI fields we do not implement are accepted only with their neutral value (penalties 0, empty
-``logit_bias``, no ``tools``, ``response_format`` text, ``echo`` false, ...) and rejected with a
+OpenAI fields we do not implement are accepted only with their neutral value (no ``tools``,
+``response_format`` text, ``echo`` false, ...) and rejected with a
 400 naming the parameter otherwise; their JSON schema (``WithJsonSchema``) says exactly which
 value is accepted, so the OpenAPI document does not advertise what we refuse. Cross-field rules
 raise ``PydanticCustomError`` with ``ctx["param"]`` so the server can name the offending parameter
@@ -38,6 +38,7 @@ MAX_TOP_LOGPROBS = 20       # the same cap as engine.sampling_params.MAX_TOP_LOG
 MAX_INT32 = 2**31 - 1       # the engine packs counts and token ids into int32 (engine.sampling_params.MAX_INT32)
 MIN_INT64, MAX_INT64 = -2**63, 2**63 - 1
 MAX_N = 128
+MAX_LOGIT_BIAS = 300        # engine.sampling_params.MAX_LOGIT_BIAS (OpenAI's limit)
 MAX_STOP_SEQUENCES = 16     # the engine's limit
 MAX_STOP_LENGTH = 1024      # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
@@ -174,15 +175,19 @@ class SamplingFields(RequestModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: Annotated[float, WithJsonSchema({"type": "number", "const": 0})] | None = 0.0
-    frequency_penalty: Annotated[float, WithJsonSchema({"type": "number", "const": 0})] | None = 0.0
-    logit_bias: Annotated[dict[str, float], WithJsonSchema({"type": "object", "maxProperties": 0})] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
+    # token id (as a string, OpenAI's form) -> bias added to its logit
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
     # extensions
     # -1 or 0: off; above the vocabulary size, every token (the engine clamps it)
     top_k: Annotated[int, Field(ge=-1, le=MAX_INT32), WholeNumber] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = 1.0
     min_tokens: Annotated[int, Field(ge=0, le=MAX_INT32), WholeNumber] = 0
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
@@ -197,19 +202,17 @@ class SamplingFields(RequestModel):
             check_encodable(data)
         return data
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _only_zero_penalty(cls, v: float | None) -> float | None:
-        if v not in (None, 0):
-            raise ValueError("penalties are not supported by this server; only 0 is accepted")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported by this server")
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or ():
+            if not re.fullmatch(r"[0-9]{1,10}", key) or int(key) > MAX_INT32:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return v
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @model_validator(mode="after")
     def _check_stream_options(self):

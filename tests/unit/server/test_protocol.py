@@ -130,18 +130,25 @@ def test_speculative_drafter_none_means_off(spec, wants):
     assert chat(speculative=spec).speculative.wants_drafter is wants
 
 
-@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
-def test_penalties_only_zero(field):
-    chat(**{field: 0})
-    chat(**{field: 0.0})
-    with pytest.raises(ValidationError) as exc:
-        chat(**{field: 0.5})
-    info = openai_error(exc)
-    assert info.param == field and "not supported" in info.message and "Value error" not in info.message
+@pytest.mark.parametrize("field, low, high", [("presence_penalty", -2, 2), ("frequency_penalty", -2, 2),
+                                              ("repetition_penalty", 0.01, 2), ("min_p", 0, 1)])
+def test_penalties_and_min_p_take_their_ranges(field, low, high):
+    assert getattr(chat(**{field: low}), field) == low and getattr(chat(**{field: high}), field) == high
+    for bad in (low - 0.5, high + 0.5):
+        with pytest.raises(ValidationError) as exc:
+            chat(**{field: bad})
+        assert openai_error(exc).param == field
+
+
+def test_logit_bias_maps_token_ids_to_bounded_biases():
+    assert chat(logit_bias={"5": 1.5, "1000": -100}).logit_bias_ids == {5: 1.5, 1000: -100}
+    for bad in ({"5": 101}, {"x": 1}, {"-1": 1}, {str(i): 1 for i in range(301)}):
+        with pytest.raises(ValidationError) as exc:
+            chat(logit_bias=bad)
+        assert openai_error(exc).param == "logit_bias"
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -408,9 +415,6 @@ def _field_schema(model, name: str) -> dict:
 
 
 @pytest.mark.parametrize("model, name, expected", [
-    (CompletionRequest, "presence_penalty", {"type": "number", "const": 0}),
-    (CompletionRequest, "frequency_penalty", {"type": "number", "const": 0}),
-    (CompletionRequest, "logit_bias", {"type": "object", "maxProperties": 0}),
     (CompletionRequest, "echo", {"type": "boolean", "const": False}),
     (CompletionRequest, "suffix", {"type": "string", "maxLength": 0}),
     (CompletionRequest, "best_of", {"type": "integer", "minimum": 1, "maximum": 128}),
