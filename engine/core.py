@@ -18,6 +18,7 @@ from specserve.engine.errors import InvalidRequestError, is_unrecoverable
 from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine.loader import LoadedModel, load_model
+from specserve.engine.grammar import Grammars
 from specserve.engine.logits_processing import needs_processing
 from specserve.engine.model import LlamaModel, pack_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
@@ -90,6 +91,7 @@ class LLMEngine:
         self._context_drafters = {name for name, d in self.drafters.items() if _tells_context(d)}
         if self._context_drafters:
             self.scheduler.context_of = self._draft_context
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)   # structured output
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device, self.features.capture_layers,
                                   eos_token_ids=tuple(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
@@ -312,6 +314,8 @@ class LLMEngine:
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        if params.guided is not None:
+            self.grammars.compile(params.guided)      # cached: the server compiles it first, off its event loop
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, drafter=_DEFAULT,
                       drafter_options: dict | None = None) -> tuple[str | None, dict]:
@@ -343,6 +347,8 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
             seq = Sequence(req, i, req.prompt_token_ids, detok, key)
             seq.options = options
+            if params.guided is not None:
+                seq.grammar = self.grammars.state(params.guided)
             req.seqs.append(seq)
             if drafter is not None:
                 try:
@@ -510,8 +516,10 @@ class LLMEngine:
         prompt_tokens = sum(min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
                             for seq, n in zip(batch.seqs, batch.num_tokens)
                             if seq.num_computed_tokens < seq.num_prompt_tokens)
+        masks = {b: (seq.grammar.tree_masks(trees[b].tokens, trees[b].parents) if b in trees else seq.grammar.mask())
+                 for b, seq in enumerate(batch.seqs) if seq.grammar is not None}
         t0 = time.perf_counter()
-        result = self.runner.execute(batch, trees, feature_idx)
+        result = self.runner.execute(batch, trees, feature_idx, masks)
         verify_time = time.perf_counter() - t0
         self.scheduler.postprocess(batch, result)   # lengths and block tables
         self.stats.num_prompt_tokens_total += prompt_tokens
@@ -624,10 +632,11 @@ class LLMEngine:
                 return "extra roots are not the target's own samples for this position"
             if seq.params.logprobs is not None:
                 return "target-initialised roots cannot report logprobs"
-            if needs_processing(seq.params, self.eos_token_ids):
-                return "target-initialised roots cannot take penalties, logit_bias or min_tokens"
-        if tree.next_roots > 1 and (seq.params.greedy or seq.params.seed is not None or seq.params.logprobs is not None):
-            return "target-initialised roots are for unseeded sampling requests without logprobs"
+            if needs_processing(seq.params, self.eos_token_ids) or seq.grammar is not None:
+                return "target-initialised roots cannot take penalties, logit_bias, min_tokens or a grammar"
+        if tree.next_roots > 1 and (seq.params.greedy or seq.params.seed is not None or seq.params.logprobs is not None
+                                    or seq.grammar is not None or needs_processing(seq.params, self.eos_token_ids)):
+            return "target-initialised roots are for unseeded sampling requests without logprobs or constraints"
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in tree.tokens):
             return "token id out of the vocabulary"
@@ -711,6 +720,8 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         seq.token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.advance([token])
         self._check_token(seq, token, logprob)
 
     def _check_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:

@@ -31,6 +31,7 @@ import torch
 
 from specserve.engine.attention import AttnMetadata, build_attn_metadata
 from specserve.engine.cuda_graphs import GraphPlan, StepGraphs, make_plan
+from specserve.engine.grammar import apply_masks
 from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine import logits_processing
 from specserve.engine.logits_processing import LogitsProcessing, needs_processing
@@ -220,11 +221,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, trees: dict[int, TokenTree] | None = None,
-                feature_idx: set[int] | frozenset = frozenset()) -> StepResult:
+                feature_idx: set[int] | frozenset = frozenset(),
+                grammar_masks: dict[int, np.ndarray] | None = None) -> StepResult:
         """Run one step. `trees` maps a batch index to the draft tree of that (decode) sequence;
         its KV blocks must already hold committed length + tree size tokens. For the batch
         indices in `feature_idx` the result carries the hidden states of the tokens that entered
         the KV cache (prefill chunk, decoded token, or the tree's root + accepted path).
+        `grammar_masks`: per batch index of a constrained sequence, its allowed tokens (int32 words,
+        engine/grammar.py): [words] for a plain row, [num_nodes, words] for a tree.
 
         Nothing a sequence or the block manager owns changes here: the result carries each entry's
         computed length after the step (`StepResult.num_computed`), which the scheduler applies."""
@@ -249,6 +253,11 @@ class ModelRunner:
             st = SamplingTensors.from_params([s.params for s in plain_seqs], self.device,
                                              [s.sample_key for s in plain_seqs])
             plain_logits = self._processed(logits[:num_plain], plain_seqs)
+            masked = [k for k, b in enumerate(inp.plain) if b in (grammar_masks or {})]
+            if masked:
+                ix = torch.tensor(masked, dtype=torch.int64, device=self.device)
+                rows = np.stack([grammar_masks[inp.plain[k]] for k in masked])
+                plain_logits = plain_logits.float().index_copy(0, ix, apply_masks(plain_logits.index_select(0, ix), rows))
             out = sample(plain_logits, st, [s.num_output_tokens for s in plain_seqs])
             device_out.append(out.token_ids)
             if out.logprobs is not None:
@@ -262,6 +271,12 @@ class ModelRunner:
             tree_logits = logits[num_plain:].index_select(0, inp.tree_pad_index.reshape(-1))
             tree_logits = tree_logits.view(*inp.tree_pad_index.shape, -1)                 # [T, N, V]
             tree_logits = self._processed(tree_logits, tree_seqs, packed)
+            masked = [t for t, b in enumerate(inp.tree_idx) if b in (grammar_masks or {})]
+            if masked:
+                N = tree_logits.shape[1]
+                ix = torch.tensor(masked, dtype=torch.int64, device=self.device)
+                rows = np.stack([_pad_rows(grammar_masks[inp.tree_idx[t]], N) for t in masked])
+                tree_logits = tree_logits.float().index_copy(0, ix, apply_masks(tree_logits.index_select(0, ix), rows))
             st = SamplingTensors.from_params([s.params for s in tree_seqs], self.device,
                                              [s.sample_key for s in tree_seqs])
             verified = verify_batched(packed, tree_logits, st, any_greedy=any(s.params.greedy for s in tree_seqs),
@@ -381,6 +396,11 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             best = min(best, time.perf_counter() - t0)
         return best
+
+
+def _pad_rows(rows: np.ndarray, n: int) -> np.ndarray:
+    """rows [k, words] padded to [n, words] by repeating the last (as the trees' padding nodes)."""
+    return rows if rows.shape[0] == n else np.concatenate([rows, np.repeat(rows[-1:], n - rows.shape[0], axis=0)])
 
 
 def _float_bits(x: torch.Tensor) -> torch.Tensor:

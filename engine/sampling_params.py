@@ -41,6 +41,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_p: float = 0.0
+    # structured output: (kind, text), kind one of engine.grammar.GUIDED_KINDS ("json": a JSON schema's
+    # text, "regex", "choice": a JSON list of strings, "grammar": Lark or GBNF)
+    guided: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

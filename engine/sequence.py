@@ -112,6 +112,7 @@ class Sequence:
         self.reported_finished = False
         self.drafter: str | None = request.drafter   # name of the drafter proposing for this sequence
         self.options: dict = {}                      # the request's own options for its drafter
+        self.grammar = None                          # its structured output's state (engine/grammar.py)
         # MCSD target-initialised roots (lossy opt-in): token_ids[-1] was sampled but is held back
         # from the client until the next verification has picked it or one of `alt_roots`
         self.held_back = False

@@ -35,6 +35,23 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
 DEVICES = ["cpu", CUDA]
 
 
+# every built-in drafter on the tiny random target: the trained ones randomly initialised, mag without
+# a corpus, cascade as a draft model reviewed by mag
+_MAG = {"bigram": False, "max_tokens": 4}
+TINY_DRAFTERS = {
+    "ngram": {},
+    "mag": _MAG,
+    "draft_model": {"draft_layers": 1, "k_config": "3,2,1"},
+    "student": {"random_init": True, "num_layers": 1, "k_config": "3,2,1"},
+    "medusa": {"random_init": True, "init_std": 0.1},
+    "eagle": {"random_init": True},
+    "parallelspec": {"random_init": True},
+    "ctc": {"random_init": True},
+    "falcon": {"random_init": True},
+    "cascade": {"levels": "draft_model,mag", "k": "3,5", "level_options": [{"draft_layers": 1}, _MAG]},
+}
+
+
 def make_llm_engine(model_dir, drafters: Sequence[str] = (), drafter_options: dict | None = None, *,
                     loaded=None, **config):
     """An fp32 CPU `LLMEngine` over `model_dir` (block size 4, 4 sequences, 200 KV blocks, context 160,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import empirical_first_two_law, make_llm_engine, run_requests, total_variation
+from helpers import TINY_DRAFTERS, empirical_first_two_law, make_llm_engine, run_requests, total_variation
 
 from specserve.engine import logits_processing
 from specserve.engine.errors import InvalidRequestError
@@ -27,19 +27,7 @@ REPEATS = [7, 100, 42, 9, 250, 31, 7, 100, 42, 9, 250, 31, 7, 100]   # n-gram ma
 # greedy output with the draft_model's trees (the control below)
 PENALISED = dict(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.3, frequency_penalty=0.3,
                  repetition_penalty=1.5)
-MAG = {"bigram": False, "max_tokens": 4}
-DRAFTERS = {
-    "ngram": {},
-    "mag": MAG,
-    "draft_model": {"draft_layers": 1, "k_config": "3,2,1"},
-    "student": {"random_init": True, "num_layers": 1, "k_config": "3,2,1"},
-    "medusa": {"random_init": True, "init_std": 0.1},
-    "eagle": {"random_init": True},
-    "parallelspec": {"random_init": True},
-    "ctc": {"random_init": True},
-    "falcon": {"random_init": True},
-    "cascade": {"levels": "draft_model,mag", "k": "3,5", "level_options": [{"draft_layers": 1}, MAG]},
-}
+DRAFTERS = TINY_DRAFTERS
 
 
 def reference_processing(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:

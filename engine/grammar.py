@@ -1,0 +1,170 @@
+"""Structured output: a request's grammar as a token mask on every row, each along its own path.
+
+A request may constrain its output (`SamplingParams.guided`, kind and text): a JSON schema
+(`json`), a regular expression (`regex`), one of a list of strings (`choice`), or a Lark grammar
+(`grammar`; a GBNF grammar, `root ::= ...`, is converted). llguidance compiles it against the
+target's tokenizer (`Grammars`, one per engine: the tokenizer is wrapped once, each distinct
+grammar compiled once and copied per sequence) and answers, for a grammar state, which tokens may
+come next (a bitmask, bit v of 32-bit word v // 32).
+
+Each sequence holds a matcher at the state after its committed output (`GrammarState`). A plain row
+is masked with that state's mask. A draft tree's node continues the output with its own path, so
+node i is masked with the state after the path root -> i: a depth-first walk consumes each node's
+token, takes the mask, visits the children and rolls back (`tree_masks`). A node whose token the
+grammar forbids after its parent's path gets probability 0 under the masked target, so no walk ever
+accepts it (greedy, keyed and rejection sampling alike); its row's mask is never read, and it
+takes its parent's. Only the committed tokens advance the matcher (`advance`).
+
+So a masked request commits exactly what plain decoding with the same mask commits: greedy token
+for token, sampling in law; EOS is allowed only where the grammar may end, and a grammar that
+cannot finish within max_tokens ends with "length".
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from specserve.engine.errors import InvalidRequestError
+
+GUIDED_KINDS = ("json", "regex", "choice", "grammar")
+CACHE_SIZE = 256          # compiled grammars kept per engine
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError as exc:   # imported on first use: only structured output needs it
+        raise InvalidRequestError("structured output needs the llguidance package on the server",
+                                  "response_format") from exc
+    return llguidance
+
+
+def grammar_text(kind: str, text: str) -> str:
+    """The llguidance grammar of a (kind, text) request; InvalidRequestError naming what is wrong."""
+    llg = _llguidance()
+    M = llg.LLMatcher
+    if kind == "json":
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}", "response_format") from exc
+        if schema is True or schema == {}:
+            schema = {"type": "object"}
+        # whitespace as models write it ("a": 1, newlines), not only the compact form
+        return M.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": True})
+    if kind == "regex":
+        return M.grammar_from_regex(text)
+    if kind == "choice":
+        choices = json.loads(text)
+        if not choices or not all(isinstance(c, str) for c in choices):
+            raise InvalidRequestError("choice must be a non-empty list of strings", "structured_outputs")
+        return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    if kind == "grammar":
+        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+        try:
+            return M.grammar_from_lark(any_to_lark(text))      # GBNF converted, Lark as it is
+        except (GbnfToLarkError, ValueError) as exc:
+            raise InvalidRequestError(f"the grammar does not parse: {exc}", "structured_outputs") from exc
+    raise InvalidRequestError(f"unknown structured output kind {kind!r}", "structured_outputs")
+
+
+class Grammars:
+    """One engine's llguidance tokenizer and its cache of compiled grammars."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids):
+        self._hf, self.vocab_size, self._eos = hf_tokenizer, vocab_size, sorted(eos_token_ids)
+        self._tokenizer = None
+        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._lock = threading.Lock()     # the server compiles off the event loop, the engine thread copies
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            llg = _llguidance()
+            self._tokenizer = llg.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self._eos)
+        return self._tokenizer
+
+    def compile(self, guided: tuple[str, str]):
+        """The compiled matcher of `guided` at its start (cached); InvalidRequestError if it does not compile."""
+        with self._lock:
+            hit = self._compiled.get(guided)
+            if hit is not None:
+                self._compiled.move_to_end(guided)
+                return hit
+        llg = _llguidance()
+        text = grammar_text(*guided)
+        error = llg.LLMatcher.validate_grammar(text, self.tokenizer)
+        if error:
+            raise InvalidRequestError(f"the {guided[0]} constraint does not compile: {error.strip()}",
+                                      "response_format" if guided[0] == "json" else "structured_outputs")
+        matcher = llg.LLMatcher(self.tokenizer, text)
+        if matcher.is_error():
+            raise InvalidRequestError(f"the {guided[0]} constraint does not compile: {matcher.get_error()}",
+                                      "structured_outputs")
+        with self._lock:
+            self._compiled[guided] = matcher
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def state(self, guided: tuple[str, str]) -> "GrammarState":
+        return GrammarState(self.compile(guided).deep_copy())
+
+
+class GrammarState:
+    """A sequence's matcher, at the state after its committed output."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def mask(self) -> np.ndarray:
+        """[words] int32: the tokens allowed next."""
+        return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)
+
+    def tree_masks(self, tokens: list[int], parents: list[int]) -> np.ndarray:
+        """[num_nodes, words] int32: per node of a tree rooted at the last committed token, the
+        tokens allowed after its path (a forbidden node and its subtree: its parent's mask)."""
+        n = len(tokens)
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            children[parents[i]].append(i)
+        m = self.matcher
+        root = self.mask()
+        out = np.empty((n, root.shape[0]), dtype=np.int32)
+        out[0] = root
+        stack = [(c, 1) for c in reversed(children[0])]   # (node, 1: enter / 0: leave)
+        while stack:
+            node, enter = stack.pop()
+            if not enter:
+                m.rollback(1)
+                continue
+            if m.try_consume_tokens([tokens[node]]) == 1:
+                out[node] = self.mask()
+                stack.append((node, 0))
+                stack.extend((c, 1) for c in reversed(children[node]))
+            else:                                     # forbidden: never accepted; its subtree neither
+                out[node] = out[parents[node]]
+                sub = list(children[node])
+                while sub:
+                    c = sub.pop()
+                    out[c] = out[node]
+                    sub.extend(children[c])
+        return out
+
+    def advance(self, tokens: list[int]) -> None:
+        """Consume the committed tokens (each allowed by the masks they were drawn under)."""
+        self.matcher.consume_tokens(tokens)
+
+
+def apply_masks(logits: torch.Tensor, masks: np.ndarray) -> torch.Tensor:
+    """logits [..., V] with every token whose bit is 0 in masks [..., words] (int32) set to -inf."""
+    words = torch.from_numpy(np.ascontiguousarray(masks)).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[..., None] >> shifts) & 1).bool().flatten(-2)[..., :logits.shape[-1]]
+    return logits.float().masked_fill(~allowed, float("-inf"))
