@@ -56,8 +56,8 @@ def grammar_text(kind: str, text: str) -> str:
             raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}", "response_format") from exc
         if schema is True or schema == {}:
             schema = {"type": "object"}
-        # whitespace as models write it ("a": 1, newlines), not only the compact form
-        return M.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": True})
+        # compact JSON: with whitespace allowed between values, a model can write newlines until max_tokens
+        return M.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
     if kind == "regex":
         return M.grammar_from_regex(text)
     if kind == "choice":

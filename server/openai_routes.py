@@ -369,6 +369,18 @@ def _check_logit_bias(state: ServerState, bias: dict[int, float] | None) -> None
                                    f"vocabulary [0, {vocab}).", param="logit_bias", code="invalid_value")
 
 
+async def _compile_constraint(state: ServerState, body: SamplingFields, params: SamplingParams) -> None:
+    """Compile the request's output constraint off the event loop (the engine's check then finds it
+    in its cache); a constraint that does not compile is a 400 naming the field it came from."""
+    grammars = getattr(getattr(state.engine, "engine", None), "grammars", None)
+    if params.guided is None or grammars is None:
+        return
+    try:
+        await asyncio.to_thread(grammars.compile, params.guided)
+    except InvalidRequestError as exc:
+        raise OpenAIError(400, str(exc), param=body.guided()[1], code="invalid_value") from exc
+
+
 def _sampling_params(state: ServerState, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
                      logprobs: int | None, prompt_param: str) -> SamplingParams:
     _check_stop_token_ids(state, body.stop_token_ids)
@@ -402,6 +414,7 @@ def _sampling_params(state: ServerState, body: SamplingFields, num_prompt_tokens
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logit_bias=body.logit_bias_ids,
             min_p=body.min_p or 0.0,
+            guided=guided[0] if (guided := body.guided()) else None,
         )
     except InvalidRequestError as exc:
         raise engine_error(exc, prompt_param) from exc
@@ -494,6 +507,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Respons
     prompt_ids = await state.off_loop(_chat_prompt_ids, state, body.messages, size=size)
     params = _sampling_params(state, body, len(prompt_ids), body.requested_max_tokens, body.num_logprobs,
                               "messages")
+    await _compile_constraint(state, body, params)
     call = EngineCall(state, raw, _new_id("chatcmpl"), prompt_ids, params, "messages", drafter_args)
     if body.stream:
         return _streaming_response(_chat_stream(state, body, call, params.n))
@@ -611,6 +625,7 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     state.check_prompt_size(size, "prompt")
     prompt_ids = await state.off_loop(_completion_prompt_ids, state, body.single_prompt, size=size)
     params = _sampling_params(state, body, len(prompt_ids), body.max_tokens, body.logprobs, "prompt")
+    await _compile_constraint(state, body, params)
     call = EngineCall(state, raw, _new_id("cmpl"), prompt_ids, params, "prompt", drafter_args)
     if body.stream:
         return _streaming_response(_completion_stream(state, body, call))

@@ -26,6 +26,7 @@ those a model leaves out when None (`ResponseModel._omit_if_none`).
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Annotated, Any, ClassVar, Literal, Union
@@ -162,6 +163,30 @@ class SpeculativeOptions(BaseModel):
         return self.drafter not in (None, "", "none")
 
 
+class StructuredOutputs(RequestModel):
+    """vLLM's `structured_outputs`: exactly one constraint on the output."""
+
+    json_: Annotated[dict[str, Any] | str | bool | None, Field(alias="json")] = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise param_error("structured_outputs", "structured_outputs takes exactly one of json, regex, choice, "
+                                                    f"grammar, json_object; got {len(given)}")
+        return self
+
+
+def _json_text(schema: dict[str, Any] | str | bool) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
 class SamplingFields(RequestModel):
     """Fields shared by chat and completions requests."""
 
@@ -194,6 +219,43 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculative: SpeculativeOptions | None = None
+    # structured output (vLLM's names; chat also takes OpenAI's response_format)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+
+    def guided(self) -> tuple[tuple[str, str], str] | None:
+        """((kind, text), the parameter it came from) of the request's output constraint, or None."""
+        found = []
+        so = self.structured_outputs
+        if so is not None:
+            kind = next(k for k in ("json_", "regex", "choice", "grammar", "json_object")
+                        if getattr(so, k) not in (None, False))
+            value = {"json_": lambda: _json_text(so.json_), "regex": lambda: so.regex,
+                     "choice": lambda: json.dumps(so.choice), "grammar": lambda: so.grammar,
+                     "json_object": lambda: '{"type": "object"}'}[kind]()
+            found.append(((kind.rstrip("_").replace("json_object", "json"), value), "structured_outputs"))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                text = _json_text(value) if kind == "json" else json.dumps(value) if kind == "choice" else value
+                found.append(((kind, text), name))
+        found += self._response_format_constraint()
+        if len(found) > 1:
+            raise param_error(found[1][1], "give one output constraint: "
+                                           + ", ".join(param for _, param in found) + " were all given")
+        return found[0] if found else None
+
+    def _response_format_constraint(self) -> list:
+        return []
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        self.guided()
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -279,10 +341,25 @@ class ChatMessage(RequestModel):
         return "\n".join(part.text for part in self.content)
 
 
-class ResponseFormat(RequestModel):
-    """Only plain text: structured outputs (``json_object``, ``json_schema``) are not supported."""
+class JsonSchemaFormat(RequestModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
 
-    type: Literal["text"]
+
+class ResponseFormat(RequestModel):
+    """OpenAI's `response_format`: text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise param_error("response_format.json_schema", "response_format type json_schema takes a json_schema "
+                                                             "object, and only it does")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -318,12 +395,12 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tool calling is not supported by this server")
         return v
 
-    @field_validator("response_format", mode="before")
-    @classmethod
-    def _text_format_only(cls, v: Any) -> Any:
-        if isinstance(v, dict) and v.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        return v
+    def _response_format_constraint(self) -> list:
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return []
+        schema = rf.json_schema.schema_ if rf.type == "json_schema" else None
+        return [(("json", json.dumps(schema if schema is not None else {"type": "object"})), "response_format")]
 
     @model_validator(mode="after")
     def _check_logprobs(self):

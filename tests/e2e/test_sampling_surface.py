@@ -1,10 +1,16 @@
 """The OpenAI sampling surface through the real `openai` client and a real server: penalties,
 logit_bias, repetition_penalty and min_p are honoured, give the same greedy text with a drafter as
-without one, and out-of-range values are 400s naming the parameter."""
+without one, and out-of-range values are 400s naming the parameter; structured output (the client's
+`parse` helper with a pydantic model, vLLM's `structured_outputs` and `guided_*`) holds with and
+without drafters, and a constraint that does not compile is a 400 naming its field."""
 
 from __future__ import annotations
 
+import re
+from typing import Literal
+
 import openai
+import pydantic
 import pytest
 
 CHAT = [{"role": "user", "content": "Count: one two three one two three one two"}]
@@ -63,4 +69,47 @@ def test_min_p_is_accepted_with_sampling(client):
 def test_out_of_range_values_are_400s_naming_the_parameter(client, fields, param):
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, **fields)
+    assert exc.value.response.json()["error"]["param"] == param
+
+
+# ---- structured output ------------------------------------------------------------------------------
+
+
+class City(pydantic.BaseModel):
+    city: Literal["Paris", "Rome"]
+    population: Literal[1, 2, 3]
+
+
+def test_parse_helper_gets_a_validated_object(client):
+    # the openai client's helper sends response_format json_schema (strict) and parses the answer
+    for drafter in (None, "ngram", "draft_model"):
+        r = client.chat.completions.parse(model="tiny", messages=CHAT, response_format=City, max_tokens=200,
+                                          temperature=0, extra_body={"speculative": {"drafter": drafter or "none"}})
+        assert isinstance(r.choices[0].message.parsed, City), r.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra, check", [
+    ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+    ({"guided_grammar": 'root ::= "a" [0-9] [0-9]'}, lambda t: re.fullmatch("a[0-9]{2}", t)),
+])
+def test_constraints_hold_with_and_without_a_drafter(client, extra, check):
+    texts = set()
+    for drafter in ("none", "ngram", "draft_model"):
+        r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0,
+                                           extra_body={**extra, "speculative": {"drafter": drafter}})
+        assert r.choices[0].finish_reason == "stop" and check(r.choices[0].message.content), r.choices[0].message
+        texts.add(r.choices[0].message.content)
+    assert len(texts) == 1
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+])
+def test_constraints_that_do_not_compile_are_400s(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, extra_body=extra)
     assert exc.value.response.json()["error"]["param"] == param

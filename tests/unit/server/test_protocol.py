@@ -151,7 +151,6 @@ def test_logit_bias_maps_token_ids_to_bounded_biases():
 @pytest.mark.parametrize("fields, param", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_unsupported_openai_features_are_clear_400s(fields, param):
     with pytest.raises(ValidationError) as exc:
@@ -159,18 +158,40 @@ def test_unsupported_openai_features_are_clear_400s(fields, param):
     assert openai_error(exc).param == param
 
 
-@pytest.mark.parametrize("response_format, param, expected", [
-    ({"type": "json_object"}, "response_format", "only response_format {'type': 'text'}"),
-    ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format", "only response_format"),
-    ({"type": "text", "json_schema": {}}, "response_format.json_schema", "Unrecognized request argument"),
-    ("text", "response_format", "valid dictionary"),
-    ({}, "response_format", "only response_format"),
+@pytest.mark.parametrize("fields, guided", [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, ("json", '{"type": "object"}')),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "integer"},
+                                                                  "strict": True}}}, ("json", '{"type": "integer"}')),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, ("regex", "[0-9]+")),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, ("choice", '["a", "b"]')),
+    ({"structured_outputs": {"json": {"type": "object"}}}, ("json", '{"type": "object"}')),
+    ({"structured_outputs": {"grammar": "start: /x/"}}, ("grammar", "start: /x/")),
+    ({"structured_outputs": {"json_object": True}}, ("json", '{"type": "object"}')),
+    ({"guided_json": '{"type": "string"}'}, ("json", '{"type": "string"}')),
+    ({"guided_regex": "a|b"}, ("regex", "a|b")),
+    ({"guided_choice": ["x"]}, ("choice", '["x"]')),
+    ({"guided_grammar": "root ::= \"a\""}, ("grammar", 'root ::= "a"')),
 ])
-def test_response_format_is_exactly_text(response_format, param, expected):
+def test_output_constraints_in_every_spelling(fields, guided):
+    got = chat(**fields).guided()
+    assert (got[0] if got else None) == guided
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "a"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"yaml": "a"}}, "structured_outputs.yaml"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
+])
+def test_conflicting_or_malformed_constraints_are_400s(fields, param):
     with pytest.raises(ValidationError) as exc:
-        chat(response_format=response_format)
-    info = openai_error(exc)
-    assert info.param == param and expected in info.message
+        chat(**fields)
+    assert openai_error(exc).param == param
 
 
 def test_neutral_values_of_unsupported_features_pass():
@@ -434,9 +455,9 @@ def test_prompt_schema_refuses_empty_and_batched_prompts():
     assert all(f["minItems"] == f["maxItems"] == 1 for f in forms[2:])
 
 
-def test_response_format_schema_is_text_only():
+def test_response_format_schema_lists_its_types():
     defs = ChatCompletionRequest.model_json_schema()["$defs"]
-    assert defs["ResponseFormat"]["properties"]["type"]["const"] == "text"
+    assert defs["ResponseFormat"]["properties"]["type"]["enum"] == ["text", "json_object", "json_schema"]
     assert defs["ResponseFormat"]["additionalProperties"] is False
 
 
