@@ -66,11 +66,8 @@ def grammar_text(kind: str, text: str) -> str:
             raise InvalidRequestError("choice must be a non-empty list of strings", "structured_outputs")
         return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
     if kind == "grammar":
-        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
-        try:
-            return M.grammar_from_lark(any_to_lark(text))      # GBNF converted, Lark as it is
-        except (GbnfToLarkError, ValueError) as exc:
-            raise InvalidRequestError(f"the grammar does not parse: {exc}", "structured_outputs") from exc
+        from llguidance.gbnf_to_lark import any_to_lark
+        return M.grammar_from_lark(any_to_lark(text))      # GBNF converted, Lark as it is
     raise InvalidRequestError(f"unknown structured output kind {kind!r}", "structured_outputs")
 
 
@@ -98,12 +95,17 @@ class Grammars:
                 self._compiled.move_to_end(guided)
                 return hit
         llg = _llguidance()
-        text = grammar_text(*guided)
-        error = llg.LLMatcher.validate_grammar(text, self.tokenizer)
+        param = "response_format" if guided[0] == "json" else "structured_outputs"
+        try:
+            text = grammar_text(*guided)
+            error = llg.LLMatcher.validate_grammar(text, self.tokenizer)
+            matcher = None if error else llg.LLMatcher(self.tokenizer, text)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:   # noqa: BLE001 - llguidance raises plain exceptions for what it cannot read
+            raise InvalidRequestError(f"the {guided[0]} constraint does not compile: {exc}", param) from exc
         if error:
-            raise InvalidRequestError(f"the {guided[0]} constraint does not compile: {error.strip()}",
-                                      "response_format" if guided[0] == "json" else "structured_outputs")
-        matcher = llg.LLMatcher(self.tokenizer, text)
+            raise InvalidRequestError(f"the {guided[0]} constraint does not compile: {error.strip()}", param)
         if matcher.is_error():
             raise InvalidRequestError(f"the {guided[0]} constraint does not compile: {matcher.get_error()}",
                                       "structured_outputs")

@@ -13,6 +13,7 @@ aborts it as well.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import secrets
@@ -32,10 +33,11 @@ from specserve.server.metrics import RequestTracker, ServerMetrics
 from specserve.server.prompt_guard import LaneFull, PromptBound, TokenizerLanes, text_bytes
 from specserve.server.protocol import (ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChoice,
                                        ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-                                       ChatMessage, ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
+                                       ChatMessage, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, DeltaToolCall,
                                        CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                        ErrorInfo, ErrorResponse, ModelCard, ModelList, SamplingFields,
-                                       SpeculativeOptions, SpeculativePartUsage, SpeculativeUsage, TopLogprob, UsageInfo)
+                                       SpeculativeOptions, SpeculativePartUsage, SpeculativeUsage, ToolCall, ToolCallFunction,
+                                       TopLogprob, UsageInfo)
 
 logger = logging.getLogger("specserve.server")
 
@@ -324,14 +326,15 @@ def _spec_usage(out: RequestOutput | None) -> SpeculativeUsage | None:
                             mean_accepted_length=round(spec.mean_accepted_length, 4), parts=parts)
 
 
-def _chat_prompt_ids(state: ServerState, messages: list[ChatMessage]) -> list[int]:
+def _chat_prompt_ids(state: ServerState, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
+    """The conversation through the model's chat template (with `tools` where the template renders them)."""
     tokenizer = state.engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise OpenAIError(400, "this model has no chat template; use /v1/completions with a plain prompt",
                           param="messages", code="chat_template_missing")
-    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+    conversation = [m.template_dict() for m in messages]
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation (e.g. role order) is a 400
         raise OpenAIError(400, f"the chat template rejected the messages: {exc}", param="messages",
                           code="invalid_value") from exc
@@ -504,7 +507,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Respons
     drafter_args = _drafter_args(body.speculative)
     size = text_bytes(m.text for m in body.messages)
     state.check_prompt_size(size, "messages")
-    prompt_ids = await state.off_loop(_chat_prompt_ids, state, body.messages, size=size)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tool_mode else None
+    prompt_ids = await state.off_loop(_chat_prompt_ids, state, body.messages, tools, size=size)
     params = _sampling_params(state, body, len(prompt_ids), body.requested_max_tokens, body.num_logprobs,
                               "messages")
     await _compile_constraint(state, body, params)
@@ -552,15 +556,37 @@ async def _collect(call: EngineCall, n: int) -> _Collected | None:
     return _Collected(["".join(t) for t in texts], logprobs, finish, stop_reasons, final)
 
 
+def _tool_calls(body: ChatCompletionRequest, text: str) -> list[ToolCall] | None:
+    """The forced tool calls in a constrained answer, or None when it is not complete JSON (cut by
+    max_tokens): named, the answer is the function's arguments; required, a list of
+    {"name", "parameters"} objects."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if body.tool_mode == "named":
+        calls = [(body.tool_choice.function.name, value)]
+    else:
+        calls = [(c["name"], c["parameters"]) for c in value]
+    return [ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=ToolCallFunction(name=name, arguments=json.dumps(args)))
+            for name, args in calls]
+
+
+def _tool_finish(body: ChatCompletionRequest, calls: list[ToolCall] | None, reason: str | None) -> str | None:
+    """OpenAI's finish reason of a forced tool call: tool_calls (required), stop (a named function)."""
+    return ("tool_calls" if body.tool_mode == "required" else "stop") if calls else reason
+
+
 async def _chat_full(state: ServerState, body: ChatCompletionRequest, call: EngineCall, n: int) -> Response:
     got = await _collect(call, n)
     if got is None:
         return Response(status_code=499)   # nobody is listening
+    calls = [_tool_calls(body, got.texts[i]) if body.tool_mode else None for i in range(n)]
     choices = [
         ChatCompletionChoice(
-            index=i, message=ChatResponseMessage(content=got.texts[i]),
+            index=i, message=ChatResponseMessage(content=None if calls[i] else got.texts[i], tool_calls=calls[i]),
             logprobs=state.renderer.chat_logprobs(got.logprobs[i]) if body.logprobs else None,
-            finish_reason=got.finish_reasons[i], stop_reason=got.stop_reasons[i])
+            finish_reason=_tool_finish(body, calls[i], got.finish_reasons[i]), stop_reason=got.stop_reasons[i])
         for i in range(n)]
     response = ChatCompletionResponse(id=call.request_id, model=state.model_name, choices=choices,
                                       usage=_usage(got.final), speculative=_spec_usage(got.final))
@@ -575,7 +601,19 @@ def _chat_stream(state: ServerState, body: ChatCompletionRequest, call: EngineCa
         return _sse(ChatCompletionChunk(id=call.request_id, created=created, model=state.model_name,
                                         choices=choices, usage=usage, speculative=speculative).model_dump_json())
 
+    texts: dict[int, list[str]] = {}
+
     def choice(d) -> ChatChunkChoice:
+        if body.tool_mode:     # a forced tool call is sent whole, in the choice's last delta
+            texts.setdefault(d.index, []).append(d.text)
+            if not d.finish_reason:
+                return None
+            text = "".join(texts.pop(d.index))
+            calls = _tool_calls(body, text)
+            delta = ChatDelta(content=None if calls else text, tool_calls=[
+                DeltaToolCall(index=k, id=c.id, function=c.function) for k, c in enumerate(calls)] if calls else None)
+            return ChatChunkChoice(index=d.index, delta=delta, finish_reason=_tool_finish(body, calls, d.finish_reason),
+                                   stop_reason=d.stop_reason)
         return ChatChunkChoice(
             index=d.index, delta=ChatDelta(content=d.text if d.text or not d.finish_reason else None),
             logprobs=state.renderer.chat_logprobs(d.logprobs) if body.logprobs and d.logprobs else None,
@@ -599,7 +637,9 @@ async def _stream(call: EngineCall, chunk, choice, include_usage: bool, opening=
                 return
             for d in out.outputs:
                 if d.text or d.finish_reason or d.logprobs:
-                    yield chunk([choice(d)])
+                    c = choice(d)
+                    if c is not None:
+                        yield chunk([c])
             final = out
         if include_usage:
             yield chunk([], usage=_usage(final), speculative=_spec_usage(final))

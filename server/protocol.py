@@ -166,7 +166,7 @@ class SpeculativeOptions(BaseModel):
 class StructuredOutputs(RequestModel):
     """vLLM's `structured_outputs`: exactly one constraint on the output."""
 
-    json_: Annotated[dict[str, Any] | str | bool | None, Field(alias="json")] = None
+    json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
     regex: str | None = None
     choice: Annotated[list[str], Field(min_length=1)] | None = None
     grammar: str | None = None
@@ -183,7 +183,7 @@ class StructuredOutputs(RequestModel):
         return self
 
 
-def _json_text(schema: dict[str, Any] | str | bool) -> str:
+def _json_text(schema: dict[str, Any] | str) -> str:
     return schema if isinstance(schema, str) else json.dumps(schema)
 
 
@@ -232,7 +232,7 @@ class SamplingFields(RequestModel):
         so = self.structured_outputs
         if so is not None:
             kind = next(k for k in ("json_", "regex", "choice", "grammar", "json_object")
-                        if getattr(so, k) not in (None, False))
+                        if getattr(so, k) is not None and getattr(so, k) is not False)
             value = {"json_": lambda: _json_text(so.json_), "regex": lambda: so.regex,
                      "choice": lambda: json.dumps(so.choice), "grammar": lambda: so.grammar,
                      "json_object": lambda: '{"type": "object"}'}[kind]()
@@ -305,13 +305,47 @@ MessageContent = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[Text
                            Discriminator(_str_or_list)]
 
 
+class FunctionDef(RequestModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(RequestModel):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(RequestModel):
+    """A tool call of an assistant message sent back in the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: MessageContent | None = None
     name: str | None = None
-    # fields a client sends back when it replays an assistant message from a response; must be empty
+    # fields a client sends back when it replays an assistant message from a response
     refusal: str | None = None
-    tool_calls: Annotated[list[dict[str, Any]], WithJsonSchema({"type": "array", "maxItems": 0})] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     annotations: list[Any] | None = None
 
@@ -325,12 +359,24 @@ class ChatMessage(RequestModel):
                     raise ValueError(f"content part {i} has type {kind!r}; only text parts are supported")
         return v
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if v:
-            raise ValueError("tool calls are not supported by this server")
-        return v
+    @model_validator(mode="after")
+    def _tool_fields_on_their_roles(self):
+        if self.tool_calls and self.role != "assistant":
+            raise param_error("messages.tool_calls", "only assistant messages carry tool_calls")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     @property
     def text(self) -> str:
@@ -376,27 +422,58 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Count | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WholeNumber] | None = None
-    tools: Annotated[list[dict[str, Any]], WithJsonSchema({"type": "array", "maxItems": 0})] | None = None
-    tool_choice: Annotated[str | dict[str, Any], WithJsonSchema({"enum": ["none", "auto"]})] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if v:
-            raise ValueError("tool calling is not supported by this server")
-        return v
+    @model_validator(mode="after")
+    def _check_tools(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise param_error("tools", "tool function names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise param_error("tool_choice", f"tool_choice names {choice.function.name!r}, which is not in tools")
+        if choice == "required" and not names:
+            raise param_error("tool_choice", "tool_choice required needs tools")
+        if names and choice in (None, "auto"):
+            raise param_error("tool_choice", "tool_choice auto (the default with tools) is not supported: this "
+                                             "server forces tool calls through a grammar; send tool_choice "
+                                             "'required' or a named function, or 'none'")
+        return self
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if v not in (None, "none", "auto"):
-            raise ValueError("tool calling is not supported by this server")
-        return v
+    @property
+    def tool_mode(self) -> str | None:
+        """"required", "named" (one named function) or None (no tool call)."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        return "required" if self.tool_choice == "required" else "named"
+
+    def tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema a forced tool call's output follows: the named function's arguments, or
+        (required) a list of {"name", "parameters"} objects, one per call (one when parallel calls
+        are off)."""
+        mode = self.tool_mode
+        if mode is None:
+            return None
+        params = {t.function.name: t.function.parameters or {"type": "object"} for t in self.tools}
+        if mode == "named":      # (an unknown name is the tool validator's 400)
+            return params.get(self.tool_choice.function.name)
+        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
+                           "required": ["name", "parameters"], "additionalProperties": False}
+                          for n, p in params.items()]}
+        schema = {"type": "array", "items": call, "minItems": 1}
+        if self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return schema
 
     def _response_format_constraint(self) -> list:
         rf = self.response_format
+        tools = self.tool_schema()
+        if tools is not None:
+            return [(("json", json.dumps(tools)), "tool_choice")] + ([] if rf is None or rf.type == "text" else
+                                                                     [(("json", "{}"), "response_format")])
         if rf is None or rf.type == "text":
             return []
         schema = rf.json_schema.schema_ if rf.type == "json_schema" else None
@@ -552,10 +629,24 @@ class CompletionLogprobs(ResponseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class ToolCallFunction(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(ResponseModel):
+    _omit_if_none = frozenset({"tool_calls"})
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(ResponseModel):
@@ -578,11 +669,19 @@ class ChatCompletionResponse(ResponseModel):
     speculative: SpeculativeUsage | None = None
 
 
+class DeltaToolCall(ResponseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatDelta(ResponseModel):
-    _omit_if_none = frozenset({"role", "content"})
+    _omit_if_none = frozenset({"role", "content", "tool_calls"})
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(ResponseModel):

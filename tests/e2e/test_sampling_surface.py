@@ -6,6 +6,7 @@ without drafters, and a constraint that does not compile is a 400 naming its fie
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Literal
 
@@ -113,3 +114,51 @@ def test_constraints_that_do_not_compile_are_400s(client, extra, param):
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, extra_body=extra)
     assert exc.value.response.json()["error"]["param"] == param
+
+
+# ---- forced tool calls ----------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+def test_a_named_function_is_called_with_valid_arguments(client):
+    seen = set()
+    for drafter in ("none", "ngram", "draft_model"):
+        r = client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=60, temperature=0, tools=[WEATHER, NOW],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            extra_body={"speculative": {"drafter": drafter}})
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        assert args["city"] in ("Paris", "Rome") and args["days"] in (1, 2, 3)
+        seen.add(call.function.arguments)
+    assert len(seen) == 1       # every drafter: plain decoding's call
+
+
+def test_required_tool_calls_stream_as_a_delta(client):
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=80, temperature=0,
+                                            tools=[WEATHER, NOW], tool_choice="required", parallel_tool_calls=False,
+                                            stream=True)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    [last] = [d for d in deltas if d.finish_reason]
+    assert last.finish_reason == "tool_calls"
+    [call] = last.delta.tool_calls
+    assert call.function.name in ("get_weather", "now") and isinstance(json.loads(call.function.arguments), dict)
+    # the same call as the non-streamed answer
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=80, temperature=0, tools=[WEATHER, NOW],
+                                       tool_choice="required", parallel_tool_calls=False)
+    assert r.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+
+
+def test_tool_choice_auto_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, tools=[WEATHER])
+    err = exc.value.response.json()["error"]
+    assert err["param"] == "tool_choice" and "required" in err["message"]

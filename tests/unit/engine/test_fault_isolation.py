@@ -72,11 +72,11 @@ def test_a_forward_that_raises_for_one_request_fails_only_that_request(tiny_llam
     execute = engine.runner.execute
     calls = {"n": 0}
 
-    def faulty(batch, trees=None, feature_idx=frozenset()):
+    def faulty(batch, *args, **kwargs):
         calls["n"] += 1
         if any(_is_bad(s) for s in batch.seqs) and calls["n"] > 3:   # mid-decode, not at its prefill
             raise InjectedFault("the forward broke")
-        return execute(batch, trees, feature_idx)
+        return execute(batch, *args, **kwargs)
 
     engine.runner.execute = faulty
     results = _run(engine)
@@ -92,11 +92,11 @@ def test_a_fault_that_needs_the_whole_batch_fails_nobody(tiny_llama_dir, clean):
     execute = engine.runner.execute
     raised = {"n": 0}
 
-    def faulty(batch, trees=None, feature_idx=frozenset()):
+    def faulty(batch, *args, **kwargs):
         if len(batch.seqs) >= 3 and raised["n"] < 5:
             raised["n"] += 1
             raise InjectedFault("too big")
-        return execute(batch, trees, feature_idx)
+        return execute(batch, *args, **kwargs)
 
     engine.runner.execute = faulty
     _check(_run(engine), clean, engine, failed=())
@@ -149,11 +149,11 @@ def test_a_verification_fault_falls_back_to_plain_decoding(tiny_llama_dir, clean
     execute = engine.runner.execute
     raised = {"n": 0}
 
-    def faulty(batch, trees=None, feature_idx=frozenset()):
+    def faulty(batch, trees=None, *args, **kwargs):
         if trees:
             raised["n"] += 1
             raise InjectedFault("verification broke")
-        return execute(batch, trees, feature_idx)
+        return execute(batch, trees, *args, **kwargs)
 
     engine.runner.execute = faulty
     _check(_run(engine, drafter="ngram"), clean, engine, failed=())
@@ -218,10 +218,10 @@ def test_async_engine_raises_the_failure_in_that_request_stream_only(tiny_llama_
     llm = make(tiny_llama_dir)
     execute = llm.runner.execute
 
-    def faulty(batch, trees=None, feature_idx=frozenset()):
+    def faulty(batch, *args, **kwargs):
         if any(_is_bad(s) for s in batch.seqs):
             raise InjectedFault("the forward broke")
-        return execute(batch, trees, feature_idx)
+        return execute(batch, *args, **kwargs)
 
     llm.runner.execute = faulty
     engine = AsyncEngine(llm)

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 from helpers import TINY_DRAFTERS as DRAFTERS
-from helpers import make_llm_engine, step_and_collect
+from helpers import empirical_first_two_law, make_llm_engine, step_and_collect, total_variation
 
 from specserve.engine.errors import InvalidRequestError
 from specserve.engine.grammar import GrammarState
@@ -128,3 +128,81 @@ def test_step_and_collect_sees_the_same_tokens(engine, prompts, plain):
     while engine.has_unfinished_requests():
         step_and_collect(engine, got)
     assert got["s"] == plain["choice"]["g0"][0]
+
+
+def test_seeded_sampling_under_a_grammar_is_the_same_with_every_drafter(engine, prompts):
+    def seeded(drafter):
+        params = SamplingParams(temperature=1.0, seed=7, max_tokens=40, guided=CASES["regex"], n=2)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"k{i}", p, params, **({"drafter": drafter} if drafter else {}))
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            step_and_collect(engine, got)
+        return got
+
+    plain = seeded(None)
+    for drafter in DRAFTERS:
+        assert seeded(drafter) == plain, drafter
+
+
+# ---- the sampling law under a grammar -------------------------------------------------------------
+
+# three characters, one from each class: after the first, the second class is allowed, after the
+# second the third. The prompt repeats "a d g" and "b e h", so the n-gram drafter proposes the second
+# and third characters after the first: the third is drawn at a tree node whose path holds the second.
+LAW_GUIDED = ("regex", "[ab][de][gh]")
+LAW_PARAMS = SamplingParams(temperature=1.0, max_tokens=5, guided=LAW_GUIDED)
+NGRAM = ("ngram", {"max_ngram": 1, "max_matches": 1})
+TRIALS = 3000
+TV_BOUND = 0.045
+
+
+def char_ids(tokenizer, text: str) -> list[int]:
+    return [tokenizer.convert_tokens_to_ids(c) for c in text]
+
+
+@pytest.fixture(scope="module")
+def masked_law(peaky_target) -> tuple[list[int], dict]:
+    """The law prompt, and the exact joint law of the first three tokens under LAW_PARAMS: transformers'
+    logits, masked with llguidance's state after each prefix."""
+    import transformers
+
+    from specserve.engine.grammar import Grammars, apply_masks
+    from specserve.engine.sampler import SamplingTensors, processed_probs
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(peaky_target)
+    prompt = char_ids(tokenizer, "adgbehadgbehadgbeh")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(peaky_target, dtype=torch.float32).eval()
+    grammars = Grammars(tokenizer, hf.config.vocab_size, [tokenizer.eos_token_id])
+    st = SamplingTensors.from_params([LAW_PARAMS], "cpu")
+
+    def law(output: list[int], p: float) -> dict:
+        if len(output) == 3:
+            return {tuple(output): p}
+        matcher = grammars.compile(LAW_GUIDED).deep_copy()
+        matcher.consume_tokens(output)
+        mask = GrammarState(matcher).mask()
+        logits = apply_masks(hf(torch.tensor([prompt + output])).logits[0, -1:], mask[None])
+        q = processed_probs(logits, st)[0]
+        return {k: v for t in q.nonzero().flatten().tolist() for k, v in law(output + [t], p * float(q[t])).items()}
+
+    with torch.no_grad():
+        return prompt, law([], 1.0)
+
+
+def test_sampling_under_a_grammar_with_a_tree_follows_the_masked_law(peaky_target, masked_law):
+    prompt, law = masked_law
+    emp, engine = empirical_first_two_law(peaky_target, *NGRAM, prompt, LAW_PARAMS, TRIALS, length=3)
+    stats = engine.get_stats().drafters["ngram"]
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert all(k in law for k in emp)                 # never outside the grammar
+    assert total_variation(emp, law) < TV_BOUND
+
+
+def test_sampling_law_control_committed_state_masks_are_caught(peaky_target, masked_law, monkeypatch):
+    prompt, law = masked_law
+    real = GrammarState.tree_masks
+    monkeypatch.setattr(GrammarState, "tree_masks",
+                        lambda self, tokens, parents: real(self, tokens, parents)[:1].repeat(len(tokens), axis=0))
+    emp, _ = empirical_first_two_law(peaky_target, *NGRAM, prompt, LAW_PARAMS, TRIALS, length=3)
+    assert total_variation(emp, law) > TV_BOUND

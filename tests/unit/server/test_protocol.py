@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+
 import pytest
 from pydantic import ValidationError
 
@@ -149,7 +150,7 @@ def test_logit_bias_maps_token_ids_to_bounded_biases():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),   # auto: not supported
     ({"tool_choice": "required"}, "tool_choice"),
 ])
 def test_unsupported_openai_features_are_clear_400s(fields, param):
@@ -192,6 +193,46 @@ def test_conflicting_or_malformed_constraints_are_400s(fields, param):
     with pytest.raises(ValidationError) as exc:
         chat(**fields)
     assert openai_error(exc).param == param
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "now"}}]
+
+
+def test_forced_tool_calls_become_json_constraints():
+    named = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.tool_mode == "named" and named.tool_schema() == TOOLS[0]["function"]["parameters"]
+    assert named.guided() == (("json", json.dumps(TOOLS[0]["function"]["parameters"])), "tool_choice")
+    required = chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    schema = required.tool_schema()
+    assert schema["type"] == "array" and schema["minItems"] == schema["maxItems"] == 1
+    assert [a["properties"]["name"] for a in schema["items"]["anyOf"]] == [{"const": "get_weather"}, {"const": "now"}]
+    assert "maxItems" not in chat(tools=TOOLS, tool_choice="required").tool_schema()
+    assert chat(tools=TOOLS, tool_choice="none").guided() is None
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"},
+     "tools.0.function.name"),
+])
+def test_bad_tool_requests_are_400s(fields, param):
+    with pytest.raises(ValidationError) as exc:
+        chat(**fields)
+    assert openai_error(exc).param == param
+
+
+def test_tool_calls_and_results_can_be_sent_back():
+    call = {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    r = chat(messages=[{"role": "user", "content": "time?"}, {"role": "assistant", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "call_1", "content": "noon"}])
+    assert r.messages[1].template_dict()["tool_calls"] == [call]
+    assert r.messages[2].template_dict() == {"role": "tool", "content": "noon", "tool_call_id": "call_1"}
+    with pytest.raises(ValidationError):
+        chat(messages=[{"role": "user", "content": "x", "tool_calls": [call]}])
 
 
 def test_neutral_values_of_unsupported_features_pass():
@@ -440,8 +481,6 @@ def _field_schema(model, name: str) -> dict:
     (CompletionRequest, "suffix", {"type": "string", "maxLength": 0}),
     (CompletionRequest, "best_of", {"type": "integer", "minimum": 1, "maximum": 128}),
     (CompletionRequest, "top_k", {"type": "integer", "minimum": -1, "maximum": MAX_INT32}),
-    (ChatCompletionRequest, "tools", {"type": "array", "maxItems": 0}),
-    (ChatCompletionRequest, "tool_choice", {"enum": ["none", "auto"]}),
     (ChatCompletionRequest, "response_format", {"$ref": "#/$defs/ResponseFormat"}),
 ])
 def test_neutral_only_fields_say_so_in_the_schema(model, name, expected):
