@@ -18,7 +18,7 @@ from specserve.engine.errors import InvalidRequestError, is_unrecoverable
 from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine.loader import LoadedModel, load_model
-from specserve.engine.grammar import Grammars
+from specserve.engine.grammar import GRAMMAR_PART, Grammars, forced_tree, is_forced_tree
 from specserve.engine.logits_processing import needs_processing
 from specserve.engine.model import LlamaModel, pack_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
@@ -176,6 +176,7 @@ class LLMEngine:
         for name, drafter in self.drafters.items():
             out[name] = DrafterStats()
             out[name].observe_parts({str(part): (0, 0) for part in getattr(drafter, "part_names", ()) or ()})
+        out[GRAMMAR_PART] = DrafterStats()    # the tokens structured output forces (engine/grammar.py)
         return out
 
     def capture_graphs(self, backend) -> None:
@@ -397,10 +398,14 @@ class LLMEngine:
             now = time.monotonic()
             for seq in first:
                 seq.request.metrics.first_scheduled_time = now
+            forced = {seq.seq_id for seq in batch.seqs
+                      if seq.seq_id in batch.granted and seq.grammar is not None and seq.grammar.forced()}
             for seq in batch.seqs:
                 if seq.seq_id in batch.granted:
-                    self.drafter_stats[seq.drafter].observe_budget(batch.granted[seq.seq_id])
-            report = StepReport(granted=dict(batch.granted))
+                    name = GRAMMAR_PART if seq.seq_id in forced else seq.drafter
+                    self.drafter_stats[name].observe_budget(batch.granted[seq.seq_id])
+            # the policy learns from the budgets it granted, not from the grammar's forced tokens
+            report = StepReport(granted={k: v for k, v in batch.granted.items() if k not in forced})
             try:
                 trees = self._propose(batch, report)
                 t0 = time.perf_counter()
@@ -562,10 +567,12 @@ class LLMEngine:
         """Ask each drafter for the trees of its sequences. A drafter that raises, or a tree that
         is malformed, means plain decoding for those sequences this step (counted as fallbacks)."""
         groups: dict[str, list[int]] = {}
-        for b, (seq, budget) in enumerate(zip(batch.seqs, batch.draft_budgets)):
-            if budget > 0 and seq.drafter is not None:
-                groups.setdefault(seq.drafter, []).append(b)
         trees: dict[int, TokenTree] = {}
+        for b, (seq, budget) in enumerate(zip(batch.seqs, batch.draft_budgets)):
+            if budget > 0 and seq.grammar is not None and seq.grammar.forced():   # the grammar's own draft
+                trees[b] = forced_tree(seq.token_ids[-1], seq.grammar.forced()[:budget])
+            elif budget > 0 and seq.drafter is not None:
+                groups.setdefault(seq.drafter, []).append(b)
         for name, idx in groups.items():
             stats = self.drafter_stats[name]
             seqs = [batch.seqs[b] for b in idx]
@@ -658,7 +665,7 @@ class LLMEngine:
             except Exception as exc:
                 self._fail_request(res.seq.request, exc, "processing its tokens")
                 continue
-            if res.tree is not None:
+            if res.tree is not None and not is_forced_tree(res.tree):   # the policy and drafters learn from theirs
                 outcomes.append(TreeOutcome(res.seq, res.tree.num_draft_tokens, max(tree_depths(res.tree.parents)),
                                             len(res.verify.accepted_nodes), res.verify))
         report.outcomes += outcomes
@@ -680,7 +687,7 @@ class LLMEngine:
             num_acc = len(res.verify.accepted_nodes)
             spec.num_draft_tokens += res.tree.num_draft_tokens
             spec.num_accepted_tokens += num_acc
-            stats = self.drafter_stats[seq.drafter]
+            stats = self.drafter_stats[GRAMMAR_PART if is_forced_tree(res.tree) else seq.drafter]
             stats.observe(res.tree.num_draft_tokens, num_acc)
             tally = res.tree.part_tally(res.verify.accepted_nodes)   # {} without provenance
             if tally:

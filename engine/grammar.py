@@ -32,6 +32,7 @@ import torch
 from specserve.engine.errors import InvalidRequestError
 
 GUIDED_KINDS = ("json", "regex", "choice", "grammar")
+GRAMMAR_PART = "grammar"  # the drafter name of forced tokens (their part in speculative.parts, /metrics)
 CACHE_SIZE = 256          # compiled grammars kept per engine
 
 
@@ -124,10 +125,18 @@ class GrammarState:
 
     def __init__(self, matcher):
         self.matcher = matcher
+        self._forced: list[int] | None = None
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens: `{"`, a key's name,
+        `":` ...), drafted for free (`forced_tree`); cached until the state moves."""
+        if self._forced is None:
+            self._forced = [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())
+        return self._forced
 
     def mask(self) -> np.ndarray:
         """[words] int32: the tokens allowed next."""
-        return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)
+        return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32).copy()
 
     def tree_masks(self, tokens: list[int], parents: list[int]) -> np.ndarray:
         """[num_nodes, words] int32: per node of a tree rooted at the last committed token, the
@@ -162,6 +171,22 @@ class GrammarState:
     def advance(self, tokens: list[int]) -> None:
         """Consume the committed tokens (each allowed by the masks they were drawn under)."""
         self.matcher.consume_tokens(tokens)
+        self._forced = None
+
+
+def forced_tree(root: int, tokens: list[int]):
+    """The chain of forced `tokens` after `root`, as the grammar part's draft. A deterministic draft
+    like any other: verified against the masked target, so it changes no output; a forced token is
+    accepted unless the target prefers another tokenisation of the same text."""
+    from specserve.engine.tree import TokenTree
+
+    tree = TokenTree.chain(root, tokens)
+    tree.sources, tree.source_names = [0] * tree.num_nodes, (GRAMMAR_PART,)
+    return tree
+
+
+def is_forced_tree(tree) -> bool:
+    return tree.source_names == (GRAMMAR_PART,)
 
 
 def apply_masks(logits: torch.Tensor, masks: np.ndarray) -> torch.Tensor:

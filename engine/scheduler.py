@@ -173,11 +173,18 @@ class Scheduler:
         room = left - admit_tokens   # draft nodes come after this step's prefill
         base_tokens, base_commits = admit_tokens, 0
         decoding = []
+        forced: dict[int, int] = {}   # sequences whose grammar forces tokens: drafted for free, no policy
         for seq, n in self._running_tokens():
             base_tokens += n
             base_commits += n == seq.num_uncomputed_tokens   # a decode, or a prompt's last chunk: one token
-            if seq.drafter is not None and seq.num_uncomputed_tokens == 1:
+            if seq.num_uncomputed_tokens != 1:
+                continue
+            if seq.grammar is not None and seq.grammar.forced():
+                forced[seq.seq_id] = min(len(seq.grammar.forced()), self._seq_cap(seq, self.max_draft_per_seq),
+                                         max(0, min(self.max_draft_tokens_per_step, room) - sum(forced.values())))
+            elif seq.drafter is not None:
                 decoding.append(seq)
+        room -= sum(forced.values())
         caps = StepCaps(max(0, min(self.max_draft_tokens_per_step, room)), base_tokens, base_commits,
                         len(self.running) + admitted)
         ask = self.context_of is not None and caps.max_total > 0 and getattr(self.policy, "reads_contexts", False)
@@ -187,7 +194,7 @@ class Scheduler:
             candidates.append(Candidate(seq.seq_id, seq.drafter, cap,
                                         self.context_of(seq) if ask and cap > 0 else None))
         sizes = self.policy.allocate(candidates, caps)
-        return {c.seq_id: size for c, size in zip(candidates, sizes)}
+        return {**{c.seq_id: size for c, size in zip(candidates, sizes)}, **forced}
 
     def _running_tokens(self) -> Iterator[tuple[Sequence, int]]:
         """(sequence, its own tokens this step: a decode token, or its prompt's next chunk) for the

@@ -206,3 +206,32 @@ def test_sampling_law_control_committed_state_masks_are_caught(peaky_target, mas
                         lambda self, tokens, parents: real(self, tokens, parents)[:1].repeat(len(tokens), axis=0))
     emp, _ = empirical_first_two_law(peaky_target, *NGRAM, prompt, LAW_PARAMS, TRIALS, length=3)
     assert total_variation(emp, law) > TV_BOUND
+
+
+def hf_constrained_greedy(model_dir, engine, prompt: list[int], guided, max_tokens: int) -> list[int]:
+    """Greedy decoding under the constraint, one token at a time with transformers and a matcher of its
+    own: what the engine must give, whatever it drafts."""
+    import transformers
+
+    from specserve.engine.grammar import apply_masks
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    state = GrammarState(engine.grammars.compile(guided).deep_copy())
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < max_tokens:
+            logits = apply_masks(hf(torch.tensor([prompt + out])).logits[0, -1:], state.mask()[None])
+            out.append(int(logits.argmax()))
+            state.advance(out[-1:])
+            if out[-1] in engine.eos_token_ids:
+                break
+    return out
+
+
+def test_forced_tokens_are_drafted_for_free_and_change_nothing(tiny_llama_dir, engine, prompts, plain):
+    before = engine.get_stats().drafters["grammar"]
+    out = decode(engine, prompts, CASES["json"])
+    stats = engine.get_stats().drafters["grammar"]
+    assert stats.num_draft_tokens > before.num_draft_tokens and stats.num_accepted_tokens > before.num_accepted_tokens
+    for i, p in enumerate(prompts):
+        assert out[f"g{i}"][0] == hf_constrained_greedy(tiny_llama_dir, engine, p, CASES["json"], 40)
