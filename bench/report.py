@@ -60,6 +60,12 @@ BENCHMARKS: dict[str, Benchmark] = {
         "specserve as served on the CPU (plain decoding and each drafter) against llama.cpp (plain and its prompt "
         "lookup) and transformers `generate` on the same GGUF: batch 1, greedy, the same chat prompts, tokens and "
         "threads, every method prompt by prompt in turn; then specserve at 16 concurrent requests."),
+    "structured": Benchmark(
+        "Structured output", "specserve.bench.structured", "structured",
+        "A JSON-extraction workload (GSM8K answered as `{\"reasoning\", \"answer\"}` under a JSON schema) on the "
+        "served default model: constrained decoding without drafts, with the grammar's forced tokens drafted, and "
+        "with a drafter besides, at batch 1 and with concurrent requests; every constrained row must give the same "
+        "tokens; then llguidance's compile time and per-token mask cost on this machine."),
     "plain_decode": Benchmark(
         "Plain decoding", "specserve.bench.plain_decode", "plain",
         "Our engine's plain (non-speculative) decoding against transformers `generate`: batch 1, greedy, the same "

@@ -40,6 +40,7 @@ class EngineConfig:
     #   adaptive - the per-step cap split evenly, each sequence's share following its acceptance (+2 / -1)
     #   fixed    - the per-step cap split evenly
     draft_budget: str = "goodput"
+    grammar_drafts: bool = True   # structured output: draft the tokens a grammar forces (engine/grammar.py)
     step_cost_calibration: bool = True  # goodput: time a few forwards at start-up (off: learn from steps only)
     # CPU: keep a oneDNN-prepacked copy of the target's projection weights and LM head (and of the
     # drafters' own layers), so that a step of a few rows (draft trees, small batches) costs little

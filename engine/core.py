@@ -78,6 +78,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.num_speculative_tokens, config.max_draft_tokens_per_step, self.max_model_len,
                                    draft_budget=config.draft_budget)
+        self.scheduler.grammar_drafts = config.grammar_drafts
         # the target's features of every KV position, for the sequences whose drafter reads them
         self.features = FeatureStore(mc.hidden_size, self.dtype, self.device)
         self.drafters = self._load_drafters(config.drafters)
@@ -398,8 +399,8 @@ class LLMEngine:
             now = time.monotonic()
             for seq in first:
                 seq.request.metrics.first_scheduled_time = now
-            forced = {seq.seq_id for seq in batch.seqs
-                      if seq.seq_id in batch.granted and seq.grammar is not None and seq.grammar.forced()}
+            forced = {seq.seq_id for seq in batch.seqs if seq.seq_id in batch.granted and seq.grammar is not None
+                      and self.scheduler.grammar_drafts and seq.grammar.forced()}
             for seq in batch.seqs:
                 if seq.seq_id in batch.granted:
                     name = GRAMMAR_PART if seq.seq_id in forced else seq.drafter
@@ -407,7 +408,7 @@ class LLMEngine:
             # the policy learns from the budgets it granted, not from the grammar's forced tokens
             report = StepReport(granted={k: v for k, v in batch.granted.items() if k not in forced})
             try:
-                trees = self._propose(batch, report)
+                trees = self._propose(batch, report, forced)
                 t0 = time.perf_counter()
                 self._run_batch(batch, trees, report)
                 report.seconds = time.perf_counter() - t0
@@ -563,13 +564,14 @@ class LLMEngine:
         self._changed[req.request_id] = req
         self.stats.num_failed_requests_total += 1
 
-    def _propose(self, batch, report: StepReport) -> dict[int, TokenTree]:
-        """Ask each drafter for the trees of its sequences. A drafter that raises, or a tree that
-        is malformed, means plain decoding for those sequences this step (counted as fallbacks)."""
+    def _propose(self, batch, report: StepReport, forced: set[int] = frozenset()) -> dict[int, TokenTree]:
+        """Ask each drafter for the trees of its sequences; the sequences in `forced` (ids) draft the
+        tokens their grammar forces instead. A drafter that raises, or a tree that is malformed,
+        means plain decoding for those sequences this step (counted as fallbacks)."""
         groups: dict[str, list[int]] = {}
         trees: dict[int, TokenTree] = {}
         for b, (seq, budget) in enumerate(zip(batch.seqs, batch.draft_budgets)):
-            if budget > 0 and seq.grammar is not None and seq.grammar.forced():   # the grammar's own draft
+            if budget > 0 and seq.seq_id in forced:   # the grammar's own draft
                 trees[b] = forced_tree(seq.token_ids[-1], seq.grammar.forced()[:budget])
             elif budget > 0 and seq.drafter is not None:
                 groups.setdefault(seq.drafter, []).append(b)

@@ -63,6 +63,7 @@ class Scheduler:
         # engine, asked only for a policy that reads contexts
         self.context_of: Callable[[Sequence], int | None] | None = None
         self.max_draft_per_seq = max_draft_per_seq
+        self.grammar_drafts = True     # draft the tokens a sequence's grammar forces (EngineConfig.grammar_drafts)
         self.max_draft_tokens_per_step = max_draft_tokens_per_step
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -133,7 +134,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         drafts: dict[int, int] = {}
-        if any(s.drafter is not None and s.num_uncomputed_tokens == 1 for s in self.running):
+        if any((s.drafter is not None or s.grammar is not None) and s.num_uncomputed_tokens == 1 for s in self.running):
             drafts = self._allocate()
         i = 0
         while i < len(self.running) and budget > 0:
@@ -179,7 +180,7 @@ class Scheduler:
             base_commits += n == seq.num_uncomputed_tokens   # a decode, or a prompt's last chunk: one token
             if seq.num_uncomputed_tokens != 1:
                 continue
-            if seq.grammar is not None and seq.grammar.forced():
+            if self.grammar_drafts and seq.grammar is not None and seq.grammar.forced():
                 forced[seq.seq_id] = min(len(seq.grammar.forced()), self._seq_cap(seq, self.max_draft_per_seq),
                                          max(0, min(self.max_draft_tokens_per_step, room) - sum(forced.values())))
             elif seq.drafter is not None:

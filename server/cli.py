@@ -32,7 +32,7 @@ ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seq
                        max_queue_len=256, seed=0, drafters=(), num_speculative_tokens=8,
                        max_draft_tokens_per_step=64, draft_budget="goodput",
                        prepack_weights=True, enforce_eager=False, compile=False, quantization="auto",
-                       quantize_lm_head=True, kv_cache_dtype="auto")
+                       quantize_lm_head=True, kv_cache_dtype="auto", grammar_drafts=True)
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config.DRAFT_BUDGETS (a unit test keeps them equal)
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")   # engine.quant.QUANTIZATIONS (a unit test keeps them equal)
 KV_CACHE_DTYPES = ("auto", "float32", "float64")    # engine.config.KV_CACHE_DTYPES (a unit test keeps them equal)
@@ -58,7 +58,7 @@ ENV_VARS = {
     "kv_cache_dtype": "SPECSERVE_KV_CACHE_DTYPE",
     "drafters": "SPECSERVE_DRAFTERS", "num_speculative_tokens": "SPECSERVE_NUM_SPECULATIVE_TOKENS",
     "max_draft_tokens_per_step": "SPECSERVE_MAX_DRAFT_TOKENS_PER_STEP",
-    "draft_budget": "SPECSERVE_DRAFT_BUDGET",
+    "draft_budget": "SPECSERVE_DRAFT_BUDGET", "grammar_drafts": "SPECSERVE_GRAMMAR_DRAFTS",
     "draft_model": "SPECSERVE_DRAFT_MODEL",
     "drafter_option": "SPECSERVE_DRAFTER_OPTIONS",
 }
@@ -140,6 +140,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "where it does not pay); adaptive = the per-step cap split evenly, each share following "
                         "its acceptance (+2 nodes after a fully accepted draft, -1 after a miss); fixed = the "
                         "per-step cap split evenly (default: %(default)s)")
+    s.add_argument("--grammar-drafts", action=argparse.BooleanOptionalAction, default=d["grammar_drafts"],
+                   help="structured output: draft the tokens a request's grammar forces next (free drafts, "
+                        "counted as the drafter 'grammar') (default: %(default)s)")
     s.add_argument("--draft-model", metavar="SOURCE",
                    help="the draft_model drafter's model: anything --model accepts (same tokenizer as the target), "
                         "or 'target:N' for the target's first N layers with its norm and LM head (shared weights, "
@@ -389,6 +392,8 @@ BENCHMARKS = {   # name -> (module with main(argv), what it measures)
     "plain": ("specserve.bench.plain_decode", "plain decoding: our engine vs transformers generate"),
     "cpu": ("specserve.bench.cpu", "batch 1 and 16 streams on the CPU: specserve plain and each drafter vs llama.cpp "
                                    "and transformers on the same GGUF"),
+    "structured": ("specserve.bench.structured", "structured output: constrained decoding by drafter, the grammar "
+                                                 "drafter's share, llguidance's mask cost"),
     "forward": ("specserve.bench.forward_cost", "the target forward's cost by step size, prepacked weights or not"),
     "replay": ("specserve.bench.budget_replay", "draft-budget policies replayed offline on recorded decoding (ngram, mag)"),
     "serve": ("specserve.bench.serve_throughput", "server throughput with concurrent streaming clients"),

@@ -230,7 +230,7 @@ def hf_constrained_greedy(model_dir, engine, prompt: list[int], guided, max_toke
 
 def test_forced_tokens_are_drafted_for_free_and_change_nothing(tiny_llama_dir, engine, prompts, plain):
     before = engine.get_stats().drafters["grammar"]
-    out = decode(engine, prompts, CASES["json"])
+    out = decode(engine, prompts, CASES["json"], "none")     # the grammar alone drafts
     stats = engine.get_stats().drafters["grammar"]
     assert stats.num_draft_tokens > before.num_draft_tokens and stats.num_accepted_tokens > before.num_accepted_tokens
     for i, p in enumerate(prompts):
