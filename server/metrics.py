@@ -7,8 +7,9 @@ from ``engine.get_stats()`` at scrape time, so they are current even while long 
 
 Every series has HELP text; counters end in ``_total``, durations are in seconds (``_seconds``), ratios in
 0..1 (``_ratio``). Labels are bounded: ``status`` takes the five values below, ``drafter`` the loaded
-drafters' names plus ``none`` (plain decoding), ``position`` 1 .. 16 (MAX_POSITION; a tree is never deeper
-than ``--num-speculative-tokens``), ``le`` a fixed bucket list.
+drafters' names plus ``none`` (plain decoding) and ``grammar`` (structured output's forced tokens),
+``position`` 1 .. 16 (MAX_POSITION; a tree is never deeper than ``--num-speculative-tokens``), ``le`` a
+fixed bucket list.
 
 Serving series (all prefixed ``specserve_``):
 

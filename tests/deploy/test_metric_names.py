@@ -112,7 +112,8 @@ def test_labels_are_bounded(families, spec_server):
     positions = {s.labels["position"] for f in families for s in f.samples if "position" in s.labels}
     assert positions and all(1 <= int(p) <= MAX_POSITION for p in positions), positions
     drafters = {s.labels["drafter"] for f in families for s in f.samples if "drafter" in s.labels}
-    assert drafters == {"none", "ngram"}, drafters   # the loaded drafters plus plain decoding, nothing per request
+    # the loaded drafters, plain decoding and the grammar's forced tokens: nothing per request
+    assert drafters == {"none", "ngram", "grammar"}, drafters
     les = {s.labels["le"] for f in families if f.name == "specserve_spec_decode_accepted_length" for s in f.samples
            if "le" in s.labels}
     assert len(les) == MAX_POSITION + 2      # le = 0 .. MAX_POSITION and +Inf
