@@ -586,5 +586,6 @@ def test_speculative_drafter_per_request(serve, make_tiny_engine, idle):
         assert m["specserve_e2e_request_latency_seconds_count{drafter=none}"] == 1
         # `position` is bounded by the tree depth (--num-speculative-tokens, 8 by default) and exported from 1 on
         positions = {k for k in m if k.startswith("specserve_spec_decode_accepted_tokens_per_position_total")}
-        assert positions == {f"specserve_spec_decode_accepted_tokens_per_position_total{{drafter=ngram,position={d}}}"
-                             for d in range(1, 9)}
+        # (per drafter: the loaded ones and `grammar`, structured output's forced tokens)
+        assert positions == {f"specserve_spec_decode_accepted_tokens_per_position_total{{drafter={name},position={d}}}"
+                             for name in ("ngram", "grammar") for d in range(1, 9)}

@@ -95,10 +95,10 @@ def test_a_step_makes_one_host_transfer_whatever_the_batch(tiny_llama_dir, monke
     counts: list[int] = []
     execute = ModelRunner.execute
 
-    def counted_execute(self, batch, trees=None, feature_idx=frozenset()):
+    def counted_execute(self, batch, trees=None, *args, **kwargs):
         counter.count, counter.active = 0, True
         try:
-            return execute(self, batch, trees, feature_idx)
+            return execute(self, batch, trees, *args, **kwargs)
         finally:
             counter.active = False
             counts.append((counter.count, len(batch.seqs), sum(t.num_nodes for t in (trees or {}).values())))
