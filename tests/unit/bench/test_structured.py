@@ -14,7 +14,7 @@ pytest.importorskip("llguidance")
 
 def test_a_small_run_measures_every_row_and_keeps_the_constrained_tokens(default_model, tmp_path):
     out = tmp_path / "structured.json"
-    assert structured.main(["--num-prompts", "1", "--max-tokens", "24", "--streams", "2", "--drafters", "ngram",
+    assert structured.main(["--num-prompts", "1", "--max-tokens", "12", "--streams", "2", "--drafters", "ngram",
                             "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["benchmark"] == "structured" and result["command"].startswith("specserve bench structured")
