@@ -77,8 +77,7 @@ class LLMEngine:
                              self.kv_dtype, self.device)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.num_speculative_tokens, config.max_draft_tokens_per_step, self.max_model_len,
-                                   draft_budget=config.draft_budget)
-        self.scheduler.grammar_drafts = config.grammar_drafts
+                                   draft_budget=config.draft_budget, grammar_drafts=config.grammar_drafts)
         # the target's features of every KV position, for the sequences whose drafter reads them
         self.features = FeatureStore(mc.hidden_size, self.dtype, self.device)
         self.drafters = self._load_drafters(config.drafters)
@@ -399,16 +398,14 @@ class LLMEngine:
             now = time.monotonic()
             for seq in first:
                 seq.request.metrics.first_scheduled_time = now
-            forced = {seq.seq_id for seq in batch.seqs if seq.seq_id in batch.granted and seq.grammar is not None
-                      and self.scheduler.grammar_drafts and seq.grammar.forced()}
             for seq in batch.seqs:
                 if seq.seq_id in batch.granted:
-                    name = GRAMMAR_PART if seq.seq_id in forced else seq.drafter
+                    name = GRAMMAR_PART if seq.seq_id in batch.forced else seq.drafter
                     self.drafter_stats[name].observe_budget(batch.granted[seq.seq_id])
             # the policy learns from the budgets it granted, not from the grammar's forced tokens
-            report = StepReport(granted={k: v for k, v in batch.granted.items() if k not in forced})
+            report = StepReport(granted={k: v for k, v in batch.granted.items() if k not in batch.forced})
             try:
-                trees = self._propose(batch, report, forced)
+                trees = self._propose(batch, report)
                 t0 = time.perf_counter()
                 self._run_batch(batch, trees, report)
                 report.seconds = time.perf_counter() - t0
@@ -564,14 +561,14 @@ class LLMEngine:
         self._changed[req.request_id] = req
         self.stats.num_failed_requests_total += 1
 
-    def _propose(self, batch, report: StepReport, forced: set[int] = frozenset()) -> dict[int, TokenTree]:
-        """Ask each drafter for the trees of its sequences; the sequences in `forced` (ids) draft the
+    def _propose(self, batch, report: StepReport) -> dict[int, TokenTree]:
+        """Ask each drafter for the trees of its sequences; the sequences in `batch.forced` draft the
         tokens their grammar forces instead. A drafter that raises, or a tree that is malformed,
         means plain decoding for those sequences this step (counted as fallbacks)."""
         groups: dict[str, list[int]] = {}
         trees: dict[int, TokenTree] = {}
         for b, (seq, budget) in enumerate(zip(batch.seqs, batch.draft_budgets)):
-            if budget > 0 and seq.seq_id in forced:   # the grammar's own draft
+            if budget > 0 and seq.seq_id in batch.forced:   # the grammar's own draft
                 trees[b] = forced_tree(seq.token_ids[-1], seq.grammar.forced()[:budget])
             elif budget > 0 and seq.drafter is not None:
                 groups.setdefault(seq.drafter, []).append(b)
@@ -641,8 +638,6 @@ class LLMEngine:
                 return "extra roots are not the target's own samples for this position"
             if seq.params.logprobs is not None:
                 return "target-initialised roots cannot report logprobs"
-            if needs_processing(seq.params, self.eos_token_ids) or seq.grammar is not None:
-                return "target-initialised roots cannot take penalties, logit_bias, min_tokens or a grammar"
         if tree.next_roots > 1 and (seq.params.greedy or seq.params.seed is not None or seq.params.logprobs is not None
                                     or seq.grammar is not None or needs_processing(seq.params, self.eos_token_ids)):
             return "target-initialised roots are for unseeded sampling requests without logprobs or constraints"

@@ -141,31 +141,26 @@ class GrammarState:
     def tree_masks(self, tokens: list[int], parents: list[int]) -> np.ndarray:
         """[num_nodes, words] int32: per node of a tree rooted at the last committed token, the
         tokens allowed after its path (a forbidden node and its subtree: its parent's mask)."""
-        n = len(tokens)
+        n, m = len(tokens), self.matcher
         children: list[list[int]] = [[] for _ in range(n)]
         for i in range(1, n):
             children[parents[i]].append(i)
-        m = self.matcher
         root = self.mask()
         out = np.empty((n, root.shape[0]), dtype=np.int32)
         out[0] = root
-        stack = [(c, 1) for c in reversed(children[0])]   # (node, 1: enter / 0: leave)
-        while stack:
-            node, enter = stack.pop()
-            if not enter:
-                m.rollback(1)
-                continue
-            if m.try_consume_tokens([tokens[node]]) == 1:
-                out[node] = self.mask()
-                stack.append((node, 0))
-                stack.extend((c, 1) for c in reversed(children[node]))
-            else:                                     # forbidden: never accepted; its subtree neither
-                out[node] = out[parents[node]]
-                sub = list(children[node])
-                while sub:
-                    c = sub.pop()
-                    out[c] = out[node]
-                    sub.extend(children[c])
+        allowed = [True] + [False] * (n - 1)
+
+        def visit(node: int) -> None:             # depth-first: consume, take the mask, recurse, roll back
+            for c in children[node]:
+                if m.try_consume_tokens([tokens[c]]) == 1:
+                    out[c], allowed[c] = self.mask(), True
+                    visit(c)
+                    m.rollback(1)
+
+        visit(0)
+        for i in range(1, n):                     # never accepted: whatever mask, their parent's
+            if not allowed[i]:
+                out[i] = out[parents[i]]
         return out
 
     def advance(self, tokens: list[int]) -> None:

@@ -72,36 +72,28 @@ class LogitsProcessing:
 
     @classmethod
     def for_seqs(cls, seqs, eos_token_ids, vocab: int, device) -> "LogitsProcessing":
-        ints: list[int] = []
-        groups = []        # (row ids, token ids) extents in `ints`, per table
-        bias_vals: list[float] = []
-        any_rep = any(s.params.repetition_penalty != 1.0 for s in seqs)
-        for table in ("counts", "prompt", "bias", "stops"):
-            rows, toks = [], []
-            for k, s in enumerate(seqs):
-                p = s.params
-                if table == "counts":
-                    ids = s.output_token_ids
-                elif table == "prompt":
-                    ids = s.token_ids[:s.num_prompt_tokens] if any_rep and p.repetition_penalty != 1.0 else ()
-                elif table == "bias":
-                    ids = list((p.logit_bias or {}).keys())
-                    bias_vals += [float(b) for b in (p.logit_bias or {}).values()]
-                else:
-                    ids = _stop_ids(p, eos_token_ids) if p.min_tokens > s.num_output_tokens else ()
-                rows += [k] * len(ids)
-                toks += ids
-            groups.append(len(rows))
-            ints += rows + toks
         K = len(seqs)
+        # per table, each sequence's token ids: the output, the prompt (with a repetition penalty),
+        # the biased tokens, the stop tokens (while the output is short of min_tokens)
+        tables = ([s.output_token_ids for s in seqs],
+                  [s.token_ids[:s.num_prompt_tokens] if s.params.repetition_penalty != 1.0 else () for s in seqs],
+                  [list(s.params.logit_bias or ()) for s in seqs],
+                  [_stop_ids(s.params, eos_token_ids) if s.params.min_tokens > s.num_output_tokens else ()
+                   for s in seqs])
+        ints: list[int] = []      # per table [its rows | its tokens], then min_tokens - len(output) per sequence
+        for ids in tables:
+            ints += [k for k, row in enumerate(ids) for _ in row]
+            ints += [t for row in ids for t in row]
         ints += [s.params.min_tokens - s.num_output_tokens for s in seqs]
         flat = torch.tensor(ints, dtype=torch.int64, device=device)
+        bias_vals = [float(b) for s in seqs for b in (s.params.logit_bias or {}).values()]
         floats = torch.tensor([[s.params.presence_penalty, s.params.frequency_penalty, s.params.repetition_penalty]
                                for s in seqs] + [[b, 0.0, 0.0] for b in bias_vals],
                               dtype=torch.float32, device=device)
-        tables, at = [], 0
+        groups = [sum(map(len, ids)) for ids in tables]
+        pairs, at = [], 0
         for n in groups:
-            tables.append((flat[at:at + n], flat[at + n:at + 2 * n]))
+            pairs.append((flat[at:at + n], flat[at + n:at + 2 * n]))
             at += 2 * n
         left = flat[at:at + K]
 
@@ -114,10 +106,10 @@ class LogitsProcessing:
             return out.index_put_((rows, toks), vals, accumulate=dtype != torch.bool)
 
         return cls(
-            counts=dense(tables[0], torch.float32),
-            prompt=dense(tables[1], torch.bool) if groups[1] else None,
-            bias=dense(tables[2], torch.float32, floats[K:, 0]) if groups[2] else None,
-            stops=dense(tables[3], torch.bool) if groups[3] else None,
+            counts=dense(pairs[0], torch.float32),
+            prompt=dense(pairs[1], torch.bool) if groups[1] else None,
+            bias=dense(pairs[2], torch.float32, floats[K:, 0]) if groups[2] else None,
+            stops=dense(pairs[3], torch.bool) if groups[3] else None,
             left=left, presence=floats[:K, 0], frequency=floats[:K, 1], repetition=floats[:K, 2])
 
     def apply(self, logits: torch.Tensor, extra_counts: torch.Tensor | None = None,

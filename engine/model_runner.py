@@ -252,12 +252,7 @@ class ModelRunner:
         if plain_seqs:
             st = SamplingTensors.from_params([s.params for s in plain_seqs], self.device,
                                              [s.sample_key for s in plain_seqs])
-            plain_logits = self._processed(logits[:num_plain], plain_seqs)
-            masked = [k for k, b in enumerate(inp.plain) if b in (grammar_masks or {})]
-            if masked:
-                ix = torch.tensor(masked, dtype=torch.int64, device=self.device)
-                rows = np.stack([grammar_masks[inp.plain[k]] for k in masked])
-                plain_logits = plain_logits.float().index_copy(0, ix, apply_masks(plain_logits.index_select(0, ix), rows))
+            plain_logits = self._masked(self._processed(logits[:num_plain], plain_seqs), inp.plain, grammar_masks)
             out = sample(plain_logits, st, [s.num_output_tokens for s in plain_seqs])
             device_out.append(out.token_ids)
             if out.logprobs is not None:
@@ -270,13 +265,7 @@ class ModelRunner:
             packed = inp.packed
             tree_logits = logits[num_plain:].index_select(0, inp.tree_pad_index.reshape(-1))
             tree_logits = tree_logits.view(*inp.tree_pad_index.shape, -1)                 # [T, N, V]
-            tree_logits = self._processed(tree_logits, tree_seqs, packed)
-            masked = [t for t, b in enumerate(inp.tree_idx) if b in (grammar_masks or {})]
-            if masked:
-                N = tree_logits.shape[1]
-                ix = torch.tensor(masked, dtype=torch.int64, device=self.device)
-                rows = np.stack([_pad_rows(grammar_masks[inp.tree_idx[t]], N) for t in masked])
-                tree_logits = tree_logits.float().index_copy(0, ix, apply_masks(tree_logits.index_select(0, ix), rows))
+            tree_logits = self._masked(self._processed(tree_logits, tree_seqs, packed), inp.tree_idx, grammar_masks)
             st = SamplingTensors.from_params([s.params for s in tree_seqs], self.device,
                                              [s.sample_key for s in tree_seqs])
             verified = verify_batched(packed, tree_logits, st, any_greedy=any(s.params.greedy for s in tree_seqs),
@@ -332,6 +321,20 @@ class ModelRunner:
         else:
             done = proc.apply(logits.index_select(0, ix), logits_processing.path_counts(packed, V, ix), packed.depths.index_select(0, ix))
         return logits.float().index_copy(0, ix, done)
+
+    def _masked(self, logits: torch.Tensor, batch_idx: list[int], grammar_masks: dict[int, np.ndarray] | None
+                ) -> torch.Tensor:
+        """`logits` ([B, V] of plain rows, or [T, N, V] of trees' nodes; row k is batch entry
+        batch_idx[k]) with the rows of constrained sequences masked (engine/grammar.py); a tree's
+        mask rows are padded as its nodes are. Unchanged when none is constrained."""
+        which = [k for k, b in enumerate(batch_idx) if b in (grammar_masks or {})]
+        if not which:
+            return logits
+        rows = [grammar_masks[batch_idx[k]] for k in which]
+        if logits.dim() == 3:
+            rows = [_pad_rows(r, logits.shape[1]) for r in rows]
+        ix = torch.tensor(which, dtype=torch.int64, device=self.device)
+        return logits.float().index_copy(0, ix, apply_masks(logits.index_select(0, ix), np.stack(rows)))
 
     def _collect_features(self, result: StepResult, batch: ScheduledBatch, inp: StepInputs,
                           hidden: torch.Tensor, feature_idx, layers: torch.Tensor | None = None) -> None:

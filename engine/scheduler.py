@@ -38,6 +38,7 @@ class ScheduledBatch:
     num_tokens: list[int] = field(default_factory=list)   # new tokens per sequence this step (tree root: 1)
     draft_budgets: list[int] = field(default_factory=list)  # max draft nodes per sequence (0 = none)
     granted: dict[int, int] = field(default_factory=dict)   # decoding seq_id -> draft nodes it got (0 = none)
+    forced: set[int] = field(default_factory=set)   # of those, the seq_ids drafting their grammar's forced tokens
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)   # raised while being scheduled
 
@@ -52,8 +53,9 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_draft_per_seq: int = 0, max_draft_tokens_per_step: int = 0, max_model_len: int | None = None,
-                 draft_budget: str | DraftPolicy = "fixed"):
-        """`draft_budget`: a policy's name ("goodput", "adaptive", "fixed") or a policy."""
+                 draft_budget: str | DraftPolicy = "fixed", grammar_drafts: bool = True):
+        """`draft_budget`: a policy's name ("goodput", "adaptive", "fixed") or a policy;
+        `grammar_drafts`: draft the tokens a sequence's grammar forces (EngineConfig.grammar_drafts)."""
         if isinstance(draft_budget, str):
             draft_budget = make_policy(draft_budget, max_draft_per_seq,
                                        max(max_num_batched_tokens, max_num_seqs + max_draft_tokens_per_step))
@@ -63,7 +65,7 @@ class Scheduler:
         # engine, asked only for a policy that reads contexts
         self.context_of: Callable[[Sequence], int | None] | None = None
         self.max_draft_per_seq = max_draft_per_seq
-        self.grammar_drafts = True     # draft the tokens a sequence's grammar forces (EngineConfig.grammar_drafts)
+        self.grammar_drafts = grammar_drafts
         self.max_draft_tokens_per_step = max_draft_tokens_per_step
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -134,8 +136,9 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         drafts: dict[int, int] = {}
+        forced: set[int] = set()
         if any((s.drafter is not None or s.grammar is not None) and s.num_uncomputed_tokens == 1 for s in self.running):
-            drafts = self._allocate()
+            drafts, forced = self._allocate()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -148,6 +151,8 @@ class Scheduler:
                 break
             if seq.seq_id in drafts:
                 batch.granted[seq.seq_id] = batch.draft_budgets[-1]
+                if seq.seq_id in forced:
+                    batch.forced.add(seq.seq_id)
             budget -= scheduled
             i += 1
         for seq in batch.preempted:   # preempted after being scheduled
@@ -165,24 +170,26 @@ class Scheduler:
             budget -= scheduled
         return batch
 
-    def _allocate(self) -> dict[int, int]:
-        """The draft policy's budgets for the decoding sequences with a drafter (seq_id -> nodes),
-        with what the step's token budget leaves after the running sequences' own tokens and the
-        prompts admitted this step."""
+    def _allocate(self) -> tuple[dict[int, int], set[int]]:
+        """The draft budgets of the decoding sequences (seq_id -> nodes), and which of them are their
+        grammar's forced tokens (granted first, outside the policy); the draft policy's for those
+        with a drafter, with what the step's token budget leaves after the running sequences' own
+        tokens, the prompts admitted this step and the forced tokens."""
         left = self.max_num_batched_tokens - sum(n for _, n in self._running_tokens())
         admitted, admit_tokens = self._admissions(left)
         room = left - admit_tokens   # draft nodes come after this step's prefill
         base_tokens, base_commits = admit_tokens, 0
         decoding = []
         forced: dict[int, int] = {}   # sequences whose grammar forces tokens: drafted for free, no policy
+        spare = max(0, min(self.max_draft_tokens_per_step, room))
         for seq, n in self._running_tokens():
             base_tokens += n
             base_commits += n == seq.num_uncomputed_tokens   # a decode, or a prompt's last chunk: one token
             if seq.num_uncomputed_tokens != 1:
                 continue
             if self.grammar_drafts and seq.grammar is not None and seq.grammar.forced():
-                forced[seq.seq_id] = min(len(seq.grammar.forced()), self._seq_cap(seq, self.max_draft_per_seq),
-                                         max(0, min(self.max_draft_tokens_per_step, room) - sum(forced.values())))
+                forced[seq.seq_id] = min(len(seq.grammar.forced()), self._seq_cap(seq, self.max_draft_per_seq), spare)
+                spare -= forced[seq.seq_id]
             elif seq.drafter is not None:
                 decoding.append(seq)
         room -= sum(forced.values())
@@ -195,7 +202,7 @@ class Scheduler:
             candidates.append(Candidate(seq.seq_id, seq.drafter, cap,
                                         self.context_of(seq) if ask and cap > 0 else None))
         sizes = self.policy.allocate(candidates, caps)
-        return {**{c.seq_id: size for c, size in zip(candidates, sizes)}, **forced}
+        return {**{c.seq_id: size for c, size in zip(candidates, sizes)}, **forced}, set(forced)
 
     def _running_tokens(self) -> Iterator[tuple[Sequence, int]]:
         """(sequence, its own tokens this step: a decode token, or its prompt's next chunk) for the

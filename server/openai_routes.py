@@ -364,14 +364,6 @@ def _check_stop_token_ids(state: ServerState, ids: list[int] | None) -> None:
                               code="invalid_value")
 
 
-def _check_logit_bias(state: ServerState, bias: dict[int, float] | None) -> None:
-    vocab = _vocab_size(state.engine)
-    for token in bias or ():
-        if vocab is not None and not token < vocab:
-            raise OpenAIError(400, f"Invalid value for 'logit_bias': token id {token} is outside this model's "
-                                   f"vocabulary [0, {vocab}).", param="logit_bias", code="invalid_value")
-
-
 async def _compile_constraint(state: ServerState, body: SamplingFields, params: SamplingParams) -> None:
     """Compile the request's output constraint off the event loop (the engine's check then finds it
     in its cache); a constraint that does not compile is a 400 naming the field it came from."""
@@ -387,7 +379,6 @@ async def _compile_constraint(state: ServerState, body: SamplingFields, params: 
 def _sampling_params(state: ServerState, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
                      logprobs: int | None, prompt_param: str) -> SamplingParams:
     _check_stop_token_ids(state, body.stop_token_ids)
-    _check_logit_bias(state, body.logit_bias_ids)
     max_model_len = state.engine.max_model_len
     room = max_model_len - num_prompt_tokens
     if num_prompt_tokens and (room < 1 or (max_tokens is not None and max_tokens > room)):
