@@ -20,7 +20,7 @@ from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine.loader import LoadedModel, load_model
 from specserve.engine.grammar import GRAMMAR_PART, Grammars, forced_tree, is_forced_tree
 from specserve.engine.logits_processing import needs_processing
-from specserve.engine.model import LlamaModel, pack_weights_in
+from specserve.engine.model import LlamaModel, cpu_kernels, pack_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
 from specserve.engine.quant import auto_quantization, native_bf16, quantize_model
@@ -420,10 +420,14 @@ class LLMEngine:
         return self._collect()
 
     def _kv_cache_dtype(self, config: EngineConfig, act: torch.dtype) -> torch.dtype:
-        """The KV cache's dtype (`EngineConfig.kv_cache_dtype`): float64 for bf16 activations on
-        the CPU unless one is named; attention runs in it (`engine.model.write_and_attend`)."""
+        """The KV cache's dtype (`EngineConfig.kv_cache_dtype`); attention runs in it
+        (`engine.model.write_and_attend`). auto: the model's, except float64 for bf16 activations on
+        a CPU without the native kernels (`kernels/cpu.py`). Where activations are rounded to bf16,
+        a last-bit difference between a tree row's attention and the same token's decode row can
+        change a token; the native kernel computes both alike in fp32, SDPA needs float64 for it."""
         if config.kv_cache_dtype == "auto":
-            return torch.float64 if act == torch.bfloat16 and self.device.type == "cpu" else self.dtype
+            bf16_cpu = act == torch.bfloat16 and self.device.type == "cpu"
+            return torch.float64 if bf16_cpu and cpu_kernels(torch.empty(0)) is None else self.dtype
         dtype = getattr(torch, config.kv_cache_dtype)
         if dtype != self.dtype and self.device.type != "cpu":
             raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} differs from the model's dtype: on "

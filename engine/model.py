@@ -170,6 +170,13 @@ def pack_weights_in(*objects) -> int:
     return packed
 
 
+def activation_dtype(weight: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype `linear` takes its input in for `weight`: its quantized kernel's activation dtype
+    (bf16 where the CPU has native bf16), else `dtype` (the model's)."""
+    q = quantized(weight)
+    return dtype if q is None else q.act_dtype
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 and cast back, as the reference implementation does. In fp32,
     torch's fused `F.rms_norm` (the same maths in one kernel instead of six ops; a third faster on a
@@ -273,14 +280,32 @@ def fused_kernels(x: torch.Tensor):
     return _FUSED if _FUSED and _FUSED.ENABLED else None
 
 
+_CPU_KERNELS = None  # kernels.cpu once imported; False where its library does not build here
+
+
+def cpu_kernels(x: torch.Tensor):
+    """`kernels.cpu` when the layer of `x` runs them: an fp32 CPU tensor, the native library built
+    here and `kernels.cpu.ENABLED` (SPECSERVE_CPU_KERNELS=0 turns it off); else None."""
+    global _CPU_KERNELS
+    if x.device.type != "cpu" or x.dtype != torch.float32 or _CPU_KERNELS is False:
+        return None
+    if _CPU_KERNELS is None:
+        from specserve.kernels import cpu
+        _CPU_KERNELS = cpu if cpu.library() is not None else False
+    return _CPU_KERNELS if _CPU_KERNELS and _CPU_KERNELS.ENABLED else None
+
+
 def write_and_attend(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float) -> torch.Tensor:
     """Write a layer's new keys and values to the cache slots `meta` names, then attend over the
     paged cache: q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads * D]. Attention runs in the
-    cache's dtype (float64 under bf16 activations, `EngineConfig.kv_cache_dtype`), the output comes
-    back in q's."""
+    cache's dtype (`EngineConfig.kv_cache_dtype`), the output comes back in q's; over an fp32 cache
+    on the CPU through the native kernel (`kernels/cpu.py`, row by row)."""
     dtype = k_cache.dtype   # `.to` of a tensor already in it is the tensor itself: no copy
     k_cache[meta.slot_mapping] = k.to(dtype)
     v_cache[meta.slot_mapping] = v.to(dtype)
+    native = cpu_kernels(q)
+    if native is not None and native.usable(q, k_cache, meta):
+        return native.paged_attention(q, k_cache, v_cache, meta, scale)
     return paged_attention(q.to(dtype), k_cache, v_cache, meta, scale).to(q.dtype)
 
 
@@ -304,6 +329,9 @@ class DecoderLayer(nn.Module):
         """h [T, hidden] -> [T, hidden]; the new keys and values go to the cache slots `meta`
         names before attention. `rope`: `rope_rows` of the rows' positions. On CUDA the element-wise
         parts run as fused kernels (`kernels/fused.py`: the same maths, one launch each)."""
+        native = cpu_kernels(h)
+        if native is not None and native.usable(h, k_cache, meta):
+            return self.forward_native(native, h, rope, k_cache, v_cache, meta)
         fused = fused_kernels(h) if self.fusable else None
         if fused is not None:
             x = fused.rms_norm(h, self.input_norm, self.eps)
@@ -315,6 +343,20 @@ class DecoderLayer(nn.Module):
             return h + linear(fused.silu_mul(linear(x, self.gate_up.weight)), self.down.weight)
         return self.forward_with(h, rope, lambda q, k, v: write_and_attend(q, k, v, k_cache, v_cache, meta,
                                                                           self.scale))
+
+    def forward_native(self, native, h, rope: RopeRows, k_cache, v_cache, meta: AttnMetadata):
+        """The layer through the CPU's native kernels (`kernels/cpu.py`): the element-wise parts in
+        four calls, attention in one, each producing what the next matmul takes (bf16 for
+        quantized weights with bf16 activations) so no cast runs between them."""
+        act = activation_dtype(self.qkv.weight, h.dtype)
+        qkv = linear(native.rms_norm(h, self.input_norm, self.eps, act), self.qkv.weight, self.qkv.bias)
+        q = native.rope_and_cache(qkv, rope.cos, rope.sin_signed, meta.slot_mapping, k_cache, v_cache,
+                                  self.num_heads, self.num_kv_heads, self.head_dim)
+        attn = native.paged_attention(q, k_cache, v_cache, meta, self.scale, activation_dtype(self.o.weight, h.dtype))
+        x, h = native.add_rms_norm(linear(attn, self.o.weight), h, self.post_attn_norm, self.eps,
+                                   activation_dtype(self.gate_up.weight, h.dtype))
+        gate_up = linear(x, self.gate_up.weight)
+        return h + linear(native.silu_mul(gate_up, activation_dtype(self.down.weight, h.dtype)), self.down.weight)
 
     def forward_with(self, h, rope: RopeRows, attend):
         """The layer with its attention given: `attend(q [T, heads, D], k, v [T, kv_heads, D])` ->

@@ -1,0 +1,233 @@
+"""The CPU step's native kernels (`cpu_kernels.c`), each beside its torch reference.
+
+A one-row decode step of a small model on the CPU spends as much time around its matmuls as in
+them: a decoder layer written in torch ops runs ~35 of them (norms, RoPE, casts to and from the
+quantized kernels' bf16, the SiLU gate, the cache write), each a dispatch of a few microseconds,
+and attention over the paged cache goes through SDPA's padding and views. These kernels do a
+layer's element-wise parts in four calls and attention in one, in fp32:
+
+    rms_norm(x, w)              = w * (x * rsqrt(mean(x²) + eps))                    -> out_dtype
+    add_rms_norm(x, r, w)       = (rms_norm(h, w), h)   with h = x + r (fp32)
+    silu_mul(gu)                = silu(g) * u, gu = [g | u] along the last dimension -> out_dtype
+    rope_and_cache(qkv, ...)    q, k rotated by `engine.model.apply_rope_rows`, q returned (fp32),
+                                k and v written to the cache slots of their rows
+    paged_attention(q, ...)     `engine.attention.paged_attention_reference`'s maths, -> out_dtype
+
+`out_dtype` is what the next matmul takes (bf16 for the quantized kernels' activations), so the
+cast is part of the kernel. Every row is computed alone by the same float operations whatever the
+batch (`cpu_kernels.c`): a tree row verified among others equals the same token decoded alone bit
+for bit, which is what keeps greedy speculation exact when activations are rounded to bf16 — with
+an fp32 KV cache, where SDPA needed float64 for it.
+
+The library is compiled at first use with the machine's C compiler (`cc`, or $CC) for this CPU
+(-march=native) and cached under ~/.cache/specserve (or $SPECSERVE_CACHE_DIR), keyed by the source,
+the compiler and the CPU's flags; ~1 s. Where no compiler is found or the build fails, `available()`
+is False and the model runs its torch ops. SPECSERVE_CPU_KERNELS=0 turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("specserve")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+ENABLED = os.environ.get("SPECSERVE_CPU_KERNELS") != "0"
+
+_lib = None          # the loaded library; False once a build failed
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_int = ctypes.c_int
+_f = ctypes.c_float
+_SIGNATURES = {
+    "rms_norm": [_p, _int, _p, _p, _p, _p, _int, _i64, _i64, _f, _int],
+    "silu_mul": [_p, _int, _p, _int, _i64, _i64, _int],
+    "rope_cache": [_p, _int, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _int],
+    "paged_attention": [_p, _p, _p, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _f, _int],
+}
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return next((shutil.which(c) for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path(cc: str) -> Path:
+    """Where the library built by `cc` for this source and CPU is cached."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode()).hexdigest()
+    root = Path(os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve")
+    return root / "kernels" / f"cpu_kernels-{key[:16]}.so"
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = _compiler()
+    if cc is None:
+        logger.info("no C compiler found: the CPU step runs its torch ops (slower)")
+        return None
+    path = library_path(cc)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if res.returncode != 0:
+            os.unlink(tmp)
+            logger.warning("building the CPU kernels failed, the CPU step runs its torch ops:\n%s", res.stderr[-2000:])
+            return None
+        os.replace(tmp, path)    # atomic: concurrent builders each write their own file
+    lib = ctypes.CDLL(str(path))
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def library():
+    """The loaded kernels, built on first use; None where they cannot be (no compiler, a failed build)."""
+    global _lib
+    if _lib is None:
+        try:
+            _lib = _build() or False
+        except OSError as e:
+            logger.warning("loading the CPU kernels failed, the CPU step runs its torch ops: %s", e)
+            _lib = False
+    return _lib or None
+
+
+def available() -> bool:
+    """Whether the model's CPU step uses these kernels: ENABLED and the library builds here."""
+    return ENABLED and library() is not None
+
+
+_BF16 = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _flag(t: torch.Tensor) -> int:
+    return _BF16[t.dtype]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[T, H] (fp32 or bf16) -> [T, H] in `out_dtype` (x's by default); `rms_norm_reference`'s values."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype)
+    library().rms_norm(x.data_ptr(), _flag(x), None, None, weight.data_ptr(), out.data_ptr(), _flag(out),
+                       x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h) in `out_dtype`, h) with h = x + residual in fp32 (x fp32 or bf16, residual fp32)."""
+    x, residual = x.contiguous(), residual.contiguous()
+    h = torch.empty(residual.shape, dtype=torch.float32)
+    out = torch.empty(residual.shape, dtype=out_dtype or residual.dtype)
+    library().rms_norm(x.data_ptr(), _flag(x), residual.data_ptr(), h.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                       _flag(out), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out, h
+
+
+def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[T, 2I] -> [T, I] in `out_dtype` (gate_up's by default); `silu_mul_reference`'s values."""
+    gate_up = gate_up.contiguous()
+    n = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], n, dtype=out_dtype or gate_up.dtype)
+    library().silu_mul(gate_up.data_ptr(), _flag(gate_up), out.data_ptr(), _flag(out), gate_up.shape[0], n,
+                       torch.get_num_threads())
+    return out
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, slots: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> torch.Tensor:
+    """qkv [T, (H + 2 Hkv) * D] (fp32 or bf16) -> q [T, H, D] fp32 rotated; k rotated and v written to
+    k_cache / v_cache [slots, Hkv, D] (fp32, contiguous) at `slots` [T] int64. cos / sin_signed:
+    [T, 1, D] fp32 (`engine.model.RopeRows`)."""
+    qkv, slots = qkv.contiguous(), slots.contiguous()
+    cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+    T = qkv.shape[0]
+    q = torch.empty(T, num_heads, head_dim, dtype=torch.float32)
+    library().rope_cache(qkv.data_ptr(), _flag(qkv), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(),
+                         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), T, num_heads, num_kv_heads, head_dim,
+                         torch.get_num_threads())
+    return q
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """q [T, H, D] fp32, caches [slots, Hkv, D] fp32 contiguous, `meta` an `engine.attention.AttnMetadata`
+    with block tables -> [T, H * D] in `out_dtype` (fp32 by default)."""
+    meta = meta.packed()
+    q = q.contiguous()
+    T, H, D = q.shape
+    out = torch.empty(T, H * D, dtype=out_dtype or torch.float32)
+    tables = meta.block_tables.contiguous()
+    library().paged_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), _flag(out), meta.num_seqs,
+        meta.cu_query_lens_t.data_ptr(), meta.context_lens_t.data_ptr(), tables.data_ptr(), tables.shape[1],
+        meta.block_size, meta.mask_offsets.data_ptr(), meta.mask_widths.data_ptr(), meta.mask_data.data_ptr(),
+        H, k_cache.shape[1], D, scale, torch.get_num_threads())
+    return out
+
+
+def usable(q: torch.Tensor, k_cache: torch.Tensor, meta) -> bool:
+    """Whether `paged_attention` takes this call: CPU fp32 queries and cache, paged metadata."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and meta.block_size > 0)
+
+
+# ---- the torch references ----------------------------------------------------------------------
+
+
+def rms_norm_reference(x, weight, eps, out_dtype=None):
+    xf = x.float()
+    return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(out_dtype or x.dtype)
+
+
+def add_rms_norm_reference(x, residual, weight, eps, out_dtype=None):
+    h = x.float() + residual.float()
+    return rms_norm_reference(h, weight, eps, out_dtype or residual.dtype), h
+
+
+def silu_mul_reference(gate_up, out_dtype=None):
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(out_dtype or gate_up.dtype)
+
+
+def rope_and_cache_reference(qkv, cos, sin_signed, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim):
+    T = qkv.shape[0]
+    heads = num_heads + num_kv_heads
+    x = qkv.float()[:, :heads * head_dim].view(T, heads, head_dim)
+    qk = x * cos + torch.roll(x, head_dim // 2, -1) * sin_signed
+    q, k = qk.split([num_heads, num_kv_heads], dim=1)
+    k_cache[slots] = k
+    v_cache[slots] = qkv.float()[:, heads * head_dim:].view(T, num_kv_heads, head_dim)
+    return q
+
+
+__all__ = ["available", "add_rms_norm", "library", "paged_attention", "rms_norm", "rope_and_cache", "silu_mul",
+           "usable"]

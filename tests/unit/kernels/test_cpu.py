@@ -1,0 +1,161 @@
+"""kernels/cpu.py (the native CPU kernels) against their torch references: RMSNorm with and
+without the residual add, SiLU-mul, RoPE with the cache write, each from and to fp32 and bf16;
+paged attention against the per-sequence oracle over a ragged batch (decode rows, a draft tree, a
+chain, a prefill chunk, scattered blocks, grouped-query heads); every row computed alone, bit for
+bit, whatever the batch; a decoder layer through the kernels against the layer in torch ops; and
+the build falling back when no compiler works."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.engine.attention import _paged_attention_loop, build_attn_metadata
+from specserve.engine.tree import NO_PARENT, build_tree_buffers
+from specserve.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the native CPU kernels do not build here")
+BF16 = torch.bfloat16
+DTYPES = [torch.float32, BF16]
+
+
+def _rand(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _close(got, want, dtype):
+    """fp32: to fp32 rounding; bf16 output: within one bf16 step (the fp32 values before rounding
+    may differ in their last bits)."""
+    assert got.dtype == want.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_rms_norm_and_add_rms_norm(in_dtype, out_dtype):
+    x, res, w = _rand(5, 96, seed=1).to(in_dtype), _rand(5, 96, seed=2), _rand(96, seed=3)
+    _close(cpu.rms_norm(x, w, 1e-5, out_dtype), cpu.rms_norm_reference(x, w, 1e-5, out_dtype), out_dtype)
+    out, h = cpu.add_rms_norm(x, res, w, 1e-5, out_dtype)
+    want_out, want_h = cpu.add_rms_norm_reference(x, res, w, 1e-5, out_dtype)
+    assert torch.equal(h, want_h)                      # one fp32 add per element
+    _close(out, want_out, out_dtype)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_silu_mul(in_dtype, out_dtype):
+    gu = _rand(3, 2 * 80, scale=6).to(in_dtype)        # wide enough to reach exp's clamped range
+    _close(cpu.silu_mul(gu, out_dtype), cpu.silu_mul_reference(gu, out_dtype), out_dtype)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_rope_and_cache(in_dtype):
+    T, H, Hkv, D, S = 6, 4, 2, 16, 40
+    qkv = _rand(T, (H + 2 * Hkv) * D).to(in_dtype)
+    angle = _rand(T, 1, D, seed=4) * 3
+    cos, sin = angle.cos(), angle.sin()
+    slots = torch.tensor([3, 7, 8, 20, 21, 39])
+    caches, ref_caches = [_rand(S, Hkv, D, seed=5), _rand(S, Hkv, D, seed=6)], None
+    ref_caches = [c.clone() for c in caches]
+    q = cpu.rope_and_cache(qkv, cos, sin, slots, *caches, H, Hkv, D)
+    want = cpu.rope_and_cache_reference(qkv, cos, sin, slots, *ref_caches, H, Hkv, D)
+    assert torch.equal(q, want)                        # the same two products and one add per element
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+
+
+def _ragged_batch(head_dim: int):
+    """A decode row, a 6-node draft tree, a causal 4-token chain and a 20-token prefill chunk over
+    scattered blocks of 16 slots: (q, k_cache, v_cache, metadata)."""
+    H, Hkv, bs = 6, 2, 16
+    tree = build_tree_buffers([NO_PARENT, 0, 0, 1, 2, 2])
+    tables = [[5, 2, 9], [1, 3, 4, 7], [8, 0], [10, 11, 12, 13, 14]]
+    starts, qlens = [40, 50, 17, 30], [1, 6, 4, 20]
+    _, meta = build_attn_metadata(tables, bs, starts, qlens, [None, tree.mask, None, None], "cpu")
+    k_cache, v_cache = _rand(16 * bs, Hkv, head_dim, seed=7), _rand(16 * bs, Hkv, head_dim, seed=8)
+    return _rand(sum(qlens), H, head_dim, seed=9), k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_paged_attention_matches_the_per_sequence_oracle(head_dim, out_dtype):
+    q, k_cache, v_cache, meta = _ragged_batch(head_dim)
+    want = _paged_attention_loop(q, k_cache, v_cache, meta, head_dim ** -0.5).to(out_dtype)
+    got = cpu.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, out_dtype)
+    tol = 2e-6 if out_dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_a_tree_row_computes_what_the_same_token_decoded_alone_computes(head_dim):
+    """Row invariance, the property greedy speculation relies on under bf16 activations: a node of
+    a draft tree, verified among its siblings and another sequence's rows, attends over the same
+    keys as the decode row of the same token after its path was committed, and gets the same bits.
+    (SDPA, the torch reference, does not: its blocking depends on the call's shape.)"""
+    H, Hkv, bs, prefix = 6, 2, 16, 181
+    k_cache, v_cache = _rand(40 * bs, Hkv, head_dim, seed=10), _rand(40 * bs, Hkv, head_dim, seed=11)
+    # a 16-node tree after the prefix (blocks 0..12): the path 0 -> 2 -> 5 -> 9 -> 14, siblings hidden from it
+    parents = [NO_PARENT, NO_PARENT, 0, 1, 2, 2, 3, 4, 4, 5, 6, 7, 8, 9, 9, 10]
+    tree = build_tree_buffers(parents)
+    tq = _rand(16, H, head_dim, seed=12)
+    other_q = _rand(9, H, head_dim, seed=13)
+    _, meta = build_attn_metadata([list(range(13)), [20, 21]], bs, [prefix, 20], [16, 9], [tree.mask, None], "cpu")
+    in_tree = cpu.paged_attention(torch.cat([tq, other_q]), k_cache, v_cache, meta, 0.3)[:16]
+    # the path committed: its keys and values at consecutive positions of a sequence on blocks 24..36
+    path = [0, 2, 5, 9, 14]
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    src = list(range(prefix)) + [prefix + n for n in path]
+    dst = torch.arange(24 * bs, 24 * bs + len(src))
+    k2[dst], v2[dst] = k_cache[src], v_cache[src]
+    for i, node in enumerate(path):                   # each path token decoded alone
+        _, m = build_attn_metadata([list(range(24, 37))], bs, [prefix + i], [1], None, "cpu")
+        alone = cpu.paged_attention(tq[node:node + 1], k2, v2, m, 0.3)
+        assert torch.equal(alone[0], in_tree[node])
+
+
+def test_a_decoder_layer_through_the_kernels_gives_the_torch_layers_output(monkeypatch):
+    """A 2-layer Llama, one prefill and one tree-verification step, native kernels against the
+    layer in torch ops (fp32, fp32 KV cache)."""
+    import transformers
+
+    from specserve.engine import model as model_mod
+    from specserve.engine.config import ModelConfig
+    from specserve.engine.kv_cache import KVCache
+    from specserve.engine.model import LlamaModel
+
+    hf_cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    sd = transformers.LlamaForCausalLM(hf_cfg).state_dict()
+    model = LlamaModel.from_state_dict(ModelConfig.from_hf(hf_cfg), sd, max_positions=64, dtype=torch.float32,
+                                       device=torch.device("cpu"))
+    tree = build_tree_buffers([NO_PARENT, 0, 0, 1])
+    outs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(cpu, "ENABLED", enabled)
+        assert (model_mod.cpu_kernels(torch.zeros(1)) is not None) == enabled
+        cache = KVCache(2, 4, 4, 2, 16, torch.float32, torch.device("cpu"))
+        pos, meta = build_attn_metadata([[0, 1], [2, 3]], 4, [0, 0], [5, 3], None, "cpu")
+        first = model(torch.tensor([1, 5, 9, 2, 7, 3, 3, 8]), pos, cache, meta)
+        pos, meta = build_attn_metadata([[0, 1, 2]], 4, [5], [4], [tree.mask], "cpu")
+        second = model(torch.tensor([4, 6, 8, 10]), 5 + tree.depths, cache, meta)
+        outs.append((first, second, cache.kv.clone()))
+    for got, want in zip(outs[0], outs[1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_working_compiler_the_model_runs_its_torch_ops(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")                  # a "compiler" that fails every build
+    assert cpu.library() is None and not cpu.available()
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_the_library_is_cached_per_source_and_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    cc = cpu._compiler()
+    path = cpu.library_path(cc)
+    assert path.parent == tmp_path / "kernels" and path.suffix == ".so"
+    monkeypatch.setattr(cpu, "FLAGS", [*cpu.FLAGS, "-DVARIANT"])
+    assert cpu.library_path(cc) != path
