@@ -170,11 +170,17 @@ def pack_weights_in(*objects) -> int:
     return packed
 
 
-def activation_dtype(weight: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    """The dtype `linear` takes its input in for `weight`: its quantized kernel's activation dtype
-    (bf16 where the CPU has native bf16), else `dtype` (the model's)."""
+def _quantized_and_act(weight: torch.Tensor, dtype: torch.dtype):
+    """(the weight's quantized copy or None, the dtype its linear takes: the quantized kernel's
+    activation dtype, bf16 where the CPU has native bf16, else `dtype`, the model's)."""
     q = quantized(weight)
-    return dtype if q is None else q.act_dtype
+    return q, dtype if q is None else q.act_dtype
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, q, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear(x, weight, bias)` with the quantized copy `q` already looked up (the native layer's
+    inner loop)."""
+    return quantized_linear(x, q, bias) if q is not None else linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -331,7 +337,8 @@ class DecoderLayer(nn.Module):
         parts run as fused kernels (`kernels/fused.py`: the same maths, one launch each)."""
         native = cpu_kernels(h)
         if native is not None and native.usable(h, k_cache, meta):
-            return self.forward_native(native, h, rope, k_cache, v_cache, meta)
+            h, delta = self.forward_native(native, h, None, rope, k_cache, v_cache, meta)
+            return h + delta
         fused = fused_kernels(h) if self.fusable else None
         if fused is not None:
             x = fused.rms_norm(h, self.input_norm, self.eps)
@@ -344,19 +351,25 @@ class DecoderLayer(nn.Module):
         return self.forward_with(h, rope, lambda q, k, v: write_and_attend(q, k, v, k_cache, v_cache, meta,
                                                                           self.scale))
 
-    def forward_native(self, native, h, rope: RopeRows, k_cache, v_cache, meta: AttnMetadata):
-        """The layer through the CPU's native kernels (`kernels/cpu.py`): the element-wise parts in
-        four calls, attention in one, each producing what the next matmul takes (bf16 for
-        quantized weights with bf16 activations) so no cast runs between them."""
-        act = activation_dtype(self.qkv.weight, h.dtype)
-        qkv = linear(native.rms_norm(h, self.input_norm, self.eps, act), self.qkv.weight, self.qkv.bias)
-        q = native.rope_and_cache(qkv, rope.cos, rope.sin_signed, meta.slot_mapping, k_cache, v_cache,
-                                  self.num_heads, self.num_kv_heads, self.head_dim)
-        attn = native.paged_attention(q, k_cache, v_cache, meta, self.scale, activation_dtype(self.o.weight, h.dtype))
-        x, h = native.add_rms_norm(linear(attn, self.o.weight), h, self.post_attn_norm, self.eps,
-                                   activation_dtype(self.gate_up.weight, h.dtype))
-        gate_up = linear(x, self.gate_up.weight)
-        return h + linear(native.silu_mul(gate_up, activation_dtype(self.down.weight, h.dtype)), self.down.weight)
+    def forward_native(self, native, h, delta, rope: RopeRows, k_cache, v_cache, meta: AttnMetadata):
+        """The layer through the CPU's native kernels (`kernels/cpu.py`): (h, delta) -> (h, delta),
+        the residual stream before and after the layer being h + delta (delta None: h alone), so the
+        residual add of one layer's output joins the next layer's input norm in one call. Each kernel
+        produces what the next matmul takes (bf16 for quantized weights with bf16 activations), so
+        no cast runs between them: three element-wise calls and one attention call per layer."""
+        (qkv_q, qkv_act), (o_q, o_act), (gu_q, gu_act), (down_q, down_act) = (
+            _quantized_and_act(w, h.dtype) for w in (self.qkv.weight, self.o.weight, self.gate_up.weight,
+                                                     self.down.weight))
+        if delta is None:
+            x = native.rms_norm(h, self.input_norm, self.eps, qkv_act)
+        else:
+            x, h = native.add_rms_norm(delta, h, self.input_norm, self.eps, qkv_act)
+        qkv = _project(x, self.qkv.weight, qkv_q, self.qkv.bias)
+        attn = native.attend(qkv, rope, meta, k_cache, v_cache, self.num_heads, self.num_kv_heads, self.head_dim,
+                             self.scale, o_act)
+        x, h = native.add_rms_norm(_project(attn, self.o.weight, o_q), h, self.post_attn_norm, self.eps, gu_act)
+        gate_up = _project(x, self.gate_up.weight, gu_q)
+        return h, _project(native.silu_mul(gate_up, down_act), self.down.weight, down_q)
 
     def forward_with(self, h, rope: RopeRows, attend):
         """The layer with its attention given: `attend(q [T, heads, D], k, v [T, kv_heads, D])` ->
@@ -435,8 +448,31 @@ class LlamaModel(nn.Module):
         *before* the final norm (transformers' last entry is after it). EAGLE-3's low/mid/high
         features (2, L//2, L-3) are these indices: its code records the input of those decoder
         layers. An empty `capture_layers` costs nothing."""
+        native = cpu_kernels(self.norm)
+        if native is not None and native.usable(self.norm, kv_cache.layer(0)[0], attn_metadata):
+            return self._forward_native(native, input_ids, positions, kv_cache, attn_metadata, capture_layers)
         return self.run_layers(input_ids, positions, capture_layers,
                                lambda i, layer, h, rope: layer(h, rope, *kv_cache.layer(i), attn_metadata))
+
+    def _forward_native(self, native, input_ids, positions, kv_cache, meta: AttnMetadata, capture_layers):
+        """`forward` through the CPU's native kernels (`DecoderLayer.forward_native`): each layer's
+        output residual add joins the next layer's input norm, the last one the final norm."""
+        h = self.embed(input_ids)
+        rope = rope_at(self.rope_cos, self.rope_sin, positions, h.dtype)
+        if capture_layers:
+            self.check_capture_layers(capture_layers)
+        slots = {k: j for j, k in enumerate(capture_layers)}
+        captured = h.new_empty(h.shape[0], len(capture_layers), h.shape[1]) if capture_layers else None
+        if 0 in slots:
+            captured[:, slots[0]] = h
+        delta = None
+        for i, layer in enumerate(self.layers):
+            h, delta = layer.forward_native(native, h, delta, rope, *kv_cache.layer(i), meta)
+            if i + 1 in slots:
+                captured[:, slots[i + 1]] = h + delta     # the add the next norm makes, in the same fp32
+        out = native.rms_norm(h, self.norm, self.cfg.rms_norm_eps) if delta is None else \
+            native.add_rms_norm(delta, h, self.norm, self.cfg.rms_norm_eps)[0]
+        return out if not capture_layers else (out, captured)
 
     def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, capture_layers: tuple[int, ...], step):
         """`forward` with each decoder layer run by `step(i, layer, h, rope) -> h` (the eager layer

@@ -4,7 +4,7 @@ A one-row decode step of a small model on the CPU spends as much time around its
 them: a decoder layer written in torch ops runs ~35 of them (norms, RoPE, casts to and from the
 quantized kernels' bf16, the SiLU gate, the cache write), each a dispatch of a few microseconds,
 and attention over the paged cache goes through SDPA's padding and views. These kernels do a
-layer's element-wise parts in four calls and attention in one, in fp32:
+layer's element-wise parts and its attention in four calls, in fp32:
 
     rms_norm(x, w)              = w * (x * rsqrt(mean(x²) + eps))                    -> out_dtype
     add_rms_norm(x, r, w)       = (rms_norm(h, w), h)   with h = x + r (fp32)
@@ -12,6 +12,7 @@ layer's element-wise parts in four calls and attention in one, in fp32:
     rope_and_cache(qkv, ...)    q, k rotated by `engine.model.apply_rope_rows`, q returned (fp32),
                                 k and v written to the cache slots of their rows
     paged_attention(q, ...)     `engine.attention.paged_attention_reference`'s maths, -> out_dtype
+    attend(qkv, ...)            rope_and_cache then paged_attention, in one call
 
 `out_dtype` is what the next matmul takes (bf16 for the quantized kernels' activations), so the
 cast is part of the kernel. Every row is computed alone by the same float operations whatever the
@@ -56,6 +57,8 @@ _SIGNATURES = {
     "silu_mul": [_p, _int, _p, _int, _i64, _i64, _int],
     "rope_cache": [_p, _int, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _int],
     "paged_attention": [_p, _p, _p, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _f, _int],
+    "rope_cache_attention": [_p, _int, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64,
+                             _i64, _i64, _f, _int],
 }
 
 
@@ -194,6 +197,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def attend(qkv: torch.Tensor, rope, meta, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+           num_kv_heads: int, head_dim: int, scale: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A layer's attention in one call: `rope_and_cache` then `paged_attention` (the same numbers)
+    for qkv [T, (H + 2 Hkv) * D] with `rope` an `engine.model.RopeRows` of the rows and `meta`'s
+    slot mapping -> [T, H * D] in `out_dtype` (fp32 by default)."""
+    meta = meta.packed()
+    qkv, slots = qkv.contiguous(), meta.slot_mapping.contiguous()
+    cos, sin_signed = rope.cos.contiguous(), rope.sin_signed.contiguous()
+    out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=out_dtype or torch.float32)
+    tables = meta.block_tables.contiguous()
+    library().rope_cache_attention(
+        qkv.data_ptr(), _flag(qkv), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), out.data_ptr(), _flag(out), meta.num_seqs, meta.cu_query_lens_t.data_ptr(),
+        meta.context_lens_t.data_ptr(), tables.data_ptr(), tables.shape[1], meta.block_size,
+        meta.mask_offsets.data_ptr(), meta.mask_widths.data_ptr(), meta.mask_data.data_ptr(), num_heads,
+        num_kv_heads, head_dim, scale, torch.get_num_threads())
+    return out
+
+
 def usable(q: torch.Tensor, k_cache: torch.Tensor, meta) -> bool:
     """Whether `paged_attention` takes this call: CPU fp32 queries and cache, paged metadata."""
     return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
@@ -229,5 +251,5 @@ def rope_and_cache_reference(qkv, cos, sin_signed, slots, k_cache, v_cache, num_
     return q
 
 
-__all__ = ["available", "add_rms_norm", "library", "paged_attention", "rms_norm", "rope_and_cache", "silu_mul",
+__all__ = ["attend", "available", "add_rms_norm", "library", "paged_attention", "rms_norm", "rope_and_cache", "silu_mul",
            "usable"]

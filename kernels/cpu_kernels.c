@@ -317,3 +317,18 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
     }
     free(seq_of);
 }
+
+/* ---- a layer's attention in one call: RoPE and the cache write, then paged attention ------------ */
+void rope_cache_attention(const void *qkv, int qkv_bf16, const float *cos, const float *sin_signed,
+                          const int64_t *slots, float *k_cache, float *v_cache, void *out, int out_bf16,
+                          int64_t num_seqs, const int32_t *cu_q, const int32_t *context_lens,
+                          const int32_t *block_tables, int64_t table_width, int64_t block_size,
+                          const int32_t *mask_offsets, const int32_t *mask_widths, const uint8_t *mask_data,
+                          int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
+    int64_t T = cu_q[num_seqs];
+    float *q = (float *)malloc(sizeof(float) * (T > 0 ? T : 1) * H * D);
+    rope_cache(qkv, qkv_bf16, cos, sin_signed, slots, q, k_cache, v_cache, T, H, Hkv, D, nthreads);
+    paged_attention(q, k_cache, v_cache, out, out_bf16, num_seqs, cu_q, context_lens, block_tables, table_width,
+                    block_size, mask_offsets, mask_widths, mask_data, H, Hkv, D, scale, nthreads);
+    free(q);
+}

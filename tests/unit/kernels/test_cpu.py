@@ -1,5 +1,5 @@
 """kernels/cpu.py (the native CPU kernels) against their torch references: RMSNorm with and
-without the residual add, SiLU-mul, RoPE with the cache write, each from and to fp32 and bf16;
+without the residual add, SiLU-mul, RoPE with the cache write, each from and to fp32 and bf16; the fused RoPE + attention call;
 paged attention against the per-sequence oracle over a ragged batch (decode rows, a draft tree, a
 chain, a prefill chunk, scattered blocks, grouped-query heads); every row computed alone, bit for
 bit, whatever the batch; a decoder layer through the kernels against the layer in torch ops; and
@@ -84,6 +84,22 @@ def test_paged_attention_matches_the_per_sequence_oracle(head_dim, out_dtype):
     got = cpu.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, out_dtype)
     tol = 2e-6 if out_dtype == torch.float32 else 8e-3
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_attend_is_rope_and_cache_then_paged_attention(in_dtype):
+    from specserve.engine.model import rope_rows
+
+    q, k_cache, v_cache, meta = _ragged_batch(64)
+    T, H, Hkv, D = q.shape[0], 6, 2, 64
+    qkv = _rand(T, (H + 2 * Hkv) * D, seed=14).to(in_dtype)
+    angle = _rand(T, D, seed=15) * 3
+    rope = rope_rows(angle.cos(), angle.sin())
+    caches = [k_cache.clone(), v_cache.clone()]
+    got = cpu.attend(qkv, rope, meta, *caches, H, Hkv, D, 0.125, BF16)
+    q = cpu.rope_and_cache(qkv, rope.cos, rope.sin_signed, meta.slot_mapping, k_cache, v_cache, H, Hkv, D)
+    assert torch.equal(got, cpu.paged_attention(q, k_cache, v_cache, meta, 0.125, BF16))
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
 
 
 @pytest.mark.parametrize("head_dim", [16, 64])
