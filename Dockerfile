@@ -5,7 +5,7 @@
 #   docker build -t specserve:gpu .
 #   docker run --gpus all -p 8000:8000 specserve:gpu
 # CPU image:
-#   docker build -t specserve:cpu --build-arg BASE=python:3.11-slim \
+#   docker build -t specserve:cpu --build-arg BASE=python:3.11-slim --build-arg CPU_KERNELS=1 \
 #     --build-arg TORCH_SPEC=torch==2.13.0 --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
 #   docker run -p 8000:8000 specserve:cpu
 # Configuration: SPECSERVE_* environment variables (docs/deploy.md), or flags after the image name,
@@ -51,6 +51,15 @@ RUN --mount=type=bind,source=engine,target=/tmp/engine \
 
 # ---- runtime -------------------------------------------------------------------------------------------------------
 FROM deps AS runtime
+# 1 (the CPU image): a C compiler, with which the server builds its native CPU kernels at first start (kernels/cpu.py;
+# without one the CPU step runs its torch ops, slower, and attention in float64)
+ARG CPU_KERNELS=0
+# hadolint ignore=DL3008
+RUN if [ "${CPU_KERNELS}" = "1" ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends gcc libc6-dev \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 # uid 10001: clear of the base images' own users; the Kubernetes manifests run as the same uid
 RUN groupadd --gid 10001 specserve \
     && useradd --create-home --uid 10001 --gid 10001 --shell /usr/sbin/nologin specserve

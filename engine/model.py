@@ -17,7 +17,7 @@ from torch import nn
 
 from specserve.engine.attention import AttnMetadata, paged_attention
 from specserve.engine.config import ModelConfig
-from specserve.engine.quant import quantized, quantized_linear
+from specserve.engine.quant import exact_top_logits, quantized, quantized_linear
 
 
 def _onednn_linear():
@@ -506,8 +506,16 @@ class LlamaModel(nn.Module):
             raise ValueError(f"capture layers repeat: {tuple(capture_layers)}")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> [rows, vocab] logits (fp32)."""
-        return linear(hidden, self.lm_head_weight).float()
+        """[rows, hidden] -> [rows, vocab] logits (fp32). From an int8 head with bf16 activations
+        the logits come back rounded to bf16, and each row's top bin is recomputed in fp32
+        (`engine.quant.exact_top_logits`) so that bf16 ties do not decide greedy tokens."""
+        weight = self.lm_head_weight
+        logits = linear(hidden, weight).float()
+        q = quantized(weight) if hidden.device.type == "cpu" else None
+        if q is not None and q.kind == "int8" and q.act_dtype == torch.bfloat16 and hidden.dim() == 2 \
+                and not torch.is_grad_enabled():
+            exact_top_logits(logits, hidden, q)
+        return logits
 
     def truncated(self, num_layers: int) -> "LlamaModel":
         """A model made of this one's first `num_layers` layers plus its final norm and LM head,

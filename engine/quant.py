@@ -133,6 +133,23 @@ def quantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | N
     return out + bias if bias is not None else out
 
 
+def exact_top_logits(logits: torch.Tensor, hidden: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
+    """`logits` [rows, vocab] from an int8 LM head with bf16 activations (`quantized_linear`: the
+    kernel's fp32 sums come back rounded to bf16) with each row's top bin recomputed in fp32: the
+    tokens whose rounded logit equals the row's maximum get their unrounded value,
+    sum_k bf16(h_k) q[t, k] times the row scale. bf16's step at a logit of 16-32 is 0.125, so two
+    tokens 0.08 apart often round to the same value, and argmax would then take the lower token id
+    (the default model answered "L'Étoile" for "The" when asked for the capital of France). The
+    largest true logit always rounds into the top bin, so greedy decoding picks the fp32 maximum;
+    the rest of the row keeps its rounded values (each within half a bf16 step). Per row, so a
+    row's result does not depend on the batch. In place; returns `logits`."""
+    rows, cols = (logits == logits.max(-1, keepdim=True).values).nonzero(as_tuple=True)
+    x = hidden.to(torch.bfloat16).float().index_select(0, rows)
+    w = q.data.index_select(0, cols).float()
+    logits[rows, cols] = (x * w).sum(-1) * q.scales.index_select(0, cols).float()
+    return logits
+
+
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX-512 BF16 / AMX): then bf16 activations pay."""
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
@@ -206,5 +223,5 @@ def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True, act_dty
 
 
 __all__ = ["GGUF_KINDS", "INT4_GROUP", "QUANTIZATIONS", "QuantizedWeight", "auto_quantization", "can_quantize",
-           "dequantize", "gguf_weight_kinds", "int4_codes", "int8_codes", "native_bf16", "quantize_model",
+           "dequantize", "exact_top_logits", "gguf_weight_kinds", "int4_codes", "int8_codes", "native_bf16", "quantize_model",
            "quantize_weight", "quantized", "quantized_linear"]

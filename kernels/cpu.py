@@ -36,6 +36,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -97,12 +98,14 @@ def _build() -> ctypes.CDLL | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
+        t0 = time.perf_counter()
         res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
         if res.returncode != 0:
             os.unlink(tmp)
             logger.warning("building the CPU kernels failed, the CPU step runs its torch ops:\n%s", res.stderr[-2000:])
             return None
         os.replace(tmp, path)    # atomic: concurrent builders each write their own file
+        logger.info("built the native CPU kernels with %s in %.1f s: %s", cc, time.perf_counter() - t0, path)
     lib = ctypes.CDLL(str(path))
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)

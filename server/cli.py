@@ -120,10 +120,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --quantization, quantize the LM head too: int8 under int8 and int4 (GGUF files keep "
                         "it at 8 bits or more), the file's type under gguf (default: on)")
     g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
-                   help="the KV cache's dtype, in which attention runs; auto: the model's, except float64 on the "
-                        "CPU under --quantization with bf16 activations, so that a verified draft row computes "
-                        "the same numbers as a decoded one and greedy speculation reproduces plain decoding "
-                        "token for token (default: %(default)s)")
+                   help="the KV cache's dtype, in which attention runs; auto: the model's, except float64 on a "
+                        "CPU without the native kernels (no C compiler) under --quantization with bf16 "
+                        "activations, so that a verified draft row computes the same numbers as a decoded one "
+                        "and greedy speculation reproduces plain decoding token for token (default: %(default)s)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--drafter", dest="drafters", action=_AppendReplacingDefault, default=None, metavar="NAME",
                    help="load this drafter (repeatable); the first one is the default of requests that name none, "

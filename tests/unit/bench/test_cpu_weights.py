@@ -29,14 +29,18 @@ def test_forward_cost_times_every_weight_variant(default_model, tmp_path):
 def test_plain_decode_per_quantization(default_model, tmp_path):
     out = tmp_path / "plain.json"
     plain_decode.main(["--num-prompts", "2", "--max-tokens", "6", "--no-hf", "--quantization", "none", "int8",
-                       "--kv-cache-dtype", "float32", "--out", str(out)])
+                       "--kv-cache-dtype", "float32", "--cpu-kernels", "both", "--out", str(out)])
     result = json.loads(out.read_text())
-    assert set(result["quantization"]) == {"none+kv=float32", "int8+kv=float32"}
+    assert set(result["quantization"]) == {"none+kv=float32", "int8+kv=float32", "none+kv=float32+torch-ops",
+                                           "int8+kv=float32+torch-ops"}
     assert all(v > 0 for v in result["quantization"].values())
     assert result["same_as_unquantized"]["int8+kv=float32"].endswith("/2")    # against the unquantized variant
+    assert result["same_as_unquantized"]["none+kv=float32+torch-ops"] == "2/2"    # fp32: same tokens either way
     assert set(result["kv_cache_dtype"].values()) == {"float32"}
     table = plain_decode.markdown(result)
-    assert "| specserve plain decoding | int8 | eager | float32 |" in table and "| 1.00x |" in table
+    layer = "native kernels" if result["native_kernels"] else "torch ops"
+    assert f"| specserve plain decoding | int8 | eager | {layer} | float32 |" in table and "| 1.00x |" in table
+    assert "| specserve plain decoding | int8 | eager | torch ops | float32 |" in table
     assert "transformers generate" not in table
 
 
@@ -47,7 +51,7 @@ def test_plain_decode_table_names_compiled_variants():
               "same_as_unquantized": {"none+compile": "2/2", "int4": "1/2", "int4+compile": "1/2"},
               "kv_cache_dtype": {"int4+compile": "float64"}}
     table = plain_decode.markdown(result)
-    assert "| specserve plain decoding | int4 | compiled | float64 | 60.0 | 3.00x | 1/2 |" in table
-    assert "| specserve plain decoding | fp32 | eager | – | 20.0 | 1.00x | – |" in table
+    assert "| specserve plain decoding | int4 | compiled | torch ops | float64 | 60.0 | 3.00x | 1/2 |" in table
+    assert "| specserve plain decoding | fp32 | eager | torch ops | – | 20.0 | 1.00x | – |" in table
     assert plain_decode.variant_name("int4", True) == "int4+compile"
     assert plain_decode.variant_name("int4", False, "float32") == "int4+kv=float32"
