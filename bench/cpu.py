@@ -42,6 +42,7 @@ from specserve.engine.core import LLMEngine
 from specserve.engine.loader import load_model, locate_default_gguf
 from specserve.engine.quant import QUANTIZATIONS
 from specserve.engine.sampling_params import SamplingParams
+from specserve.kernels import cpu as native_kernels
 
 PLAIN = "specserve plain"
 HF = "transformers generate (fp32)"
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info("cpu"),
         "model": loaded.name, "gguf": gguf.name, "threads": threads, "quantization": engine.quantization,
         "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."), "compiled": args.compile,
+        "native_kernels": native_kernels.available(),
         "torch": torch.__version__, "llama_cpp": llama.version if llama else None,
         "datasets": list(prompts), "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
         "memory_mib": {k: round(v / 2**20) for k, v in engine.stats.memory_bytes.items()},
@@ -213,7 +215,8 @@ def markdown(result: dict) -> str:
         ratio = f"{mean / anchor:.2f}×" if anchor else "–"
         lines.append(f"| {m} | " + " | ".join(f"{per[d]:.1f}" for d in ds) + f" | {mean:.1f} | {ratio} | "
                      f"{result['same_as_plain'].get(m, '–')} |")
-    notes = [f"specserve: {quant} weights, KV cache {result['kv_cache_dtype']}"
+    layer = {True: ", native CPU kernels", False: ", torch ops (no native CPU kernels)"}.get(result.get("native_kernels"), "")
+    notes = [f"specserve: {quant} weights, KV cache {result['kv_cache_dtype']}{layer}"
              f"{', compiled forward' if result.get('compiled') else ''}; memory at load (MiB): "
              + ", ".join(f"{k} {v}" for k, v in result["memory_mib"].items()) + "."]
     notes.append(f"llama.cpp: llama-cpp-python {result['llama_cpp']}." if result.get("llama_cpp") else
