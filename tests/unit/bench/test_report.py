@@ -51,7 +51,7 @@ def test_report_writes_one_table_per_file_with_command_machine_and_date(tmp_path
     assert "### `plain_old.json` (2030-01-02)" in plain and "x86_64 5 threads, CPU" in plain
     assert "python -m specserve.bench.plain_decode --dataset gsm8k --num-prompts 4 --max-tokens 16" in plain
     assert "rebuilt from them" in plain                                       # and says so
-    assert "| specserve plain decoding | fp32 | eager | – | 40.0 |" in plain
+    assert "| specserve plain decoding | fp32 | eager | torch ops | – | 40.0 |" in plain
 
     assert "notes.json" not in page
     assert "notes.json: no known benchmark" in capsys.readouterr().err
