@@ -45,7 +45,7 @@ import torch.nn.functional as F
 logger = logging.getLogger("specserve")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-Wno-psabi"]
 ENABLED = os.environ.get("SPECSERVE_CPU_KERNELS") != "0"
 
 _lib = None          # the loaded library; False once a build failed
