@@ -151,6 +151,15 @@ def variant_name(kind: str, compiled: bool, kv_cache_dtype: str = "auto", native
             + ("" if native else "+torch-ops"))
 
 
+def _layer(flags: list[str], result: dict) -> str:
+    """What ran a variant's layers: the native CPU kernels, the torch ops, or (compiled) inductor's
+    code with the native attention or the torch reference's."""
+    native = "torch-ops" not in flags and result.get("native_kernels", False)
+    if "compile" in flags:
+        return "inductor, native attention" if native else "inductor"
+    return "native kernels" if native else "torch ops"
+
+
 def markdown(result: dict) -> str:
     """The table of a run's JSON: batch-1 greedy tokens/s of our plain decoding (per quantization)
     and of transformers."""
@@ -167,7 +176,7 @@ def markdown(result: dict) -> str:
         ratio = f"{tok_s / base:.2f}x" if base else "–"
         lines.append(f"| specserve plain decoding | {'fp32' if kind == 'none' else kind} | "
                      f"{'compiled' if 'compile' in flags else 'eager'} | "
-                     f"{'torch ops' if 'torch-ops' in flags or 'native_kernels' not in result else 'native kernels'} | "
+                     f"{_layer(flags, result)} | "
                      f"{kv.get(name, '–')} | {tok_s:.1f} | {ratio} | {same.get(name, '–')} |")
     if result.get("hf_tok_s"):
         lines.append(f"| transformers generate | fp32 | eager | – | float32 | {result['hf_tok_s']:.1f} | – | – |")

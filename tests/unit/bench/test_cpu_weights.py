@@ -51,7 +51,7 @@ def test_plain_decode_table_names_compiled_variants():
               "same_as_unquantized": {"none+compile": "2/2", "int4": "1/2", "int4+compile": "1/2"},
               "kv_cache_dtype": {"int4+compile": "float64"}}
     table = plain_decode.markdown(result)
-    assert "| specserve plain decoding | int4 | compiled | torch ops | float64 | 60.0 | 3.00x | 1/2 |" in table
+    assert "| specserve plain decoding | int4 | compiled | inductor | float64 | 60.0 | 3.00x | 1/2 |" in table
     assert "| specserve plain decoding | fp32 | eager | torch ops | – | 20.0 | 1.00x | – |" in table
     assert plain_decode.variant_name("int4", True) == "int4+compile"
     assert plain_decode.variant_name("int4", False, "float32") == "int4+kv=float32"
