@@ -290,10 +290,12 @@ _CPU_KERNELS = None  # kernels.cpu once imported; False where its library does n
 
 
 def cpu_kernels(x: torch.Tensor):
-    """`kernels.cpu` when the layer of `x` runs them: an fp32 CPU tensor, the native library built
-    here and `kernels.cpu.ENABLED` (SPECSERVE_CPU_KERNELS=0 turns it off); else None."""
+    """`kernels.cpu` when the layer of `x` runs them: an fp32 CPU tensor that needs no gradient (the
+    kernels have no backward), the native library built here and `kernels.cpu.ENABLED`
+    (SPECSERVE_CPU_KERNELS=0 turns it off); else None."""
     global _CPU_KERNELS
-    if x.device.type != "cpu" or x.dtype != torch.float32 or _CPU_KERNELS is False:
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or _CPU_KERNELS is False
+            or (x.requires_grad and torch.is_grad_enabled())):
         return None
     if _CPU_KERNELS is None:
         from specserve.kernels import cpu

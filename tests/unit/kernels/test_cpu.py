@@ -160,6 +160,17 @@ def test_a_decoder_layer_through_the_kernels_gives_the_torch_layers_output(monke
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_tensor_that_needs_gradients_is_left_to_the_torch_ops():
+    """The kernels have no backward: a layer whose input wants a gradient runs its torch ops."""
+    from specserve.engine.model import cpu_kernels
+
+    x = torch.zeros(2, 8, requires_grad=True)
+    assert cpu_kernels(x) is None
+    with torch.no_grad():
+        assert cpu_kernels(x) is cpu
+    assert cpu_kernels(x.detach()) is cpu
+
+
 def test_without_a_working_compiler_the_model_runs_its_torch_ops(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu, "_lib", None)
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
