@@ -20,7 +20,7 @@ from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine.loader import LoadedModel, load_model
 from specserve.engine.grammar import GRAMMAR_PART, Grammars, forced_tree, is_forced_tree
 from specserve.engine.logits_processing import needs_processing
-from specserve.engine.model import LlamaModel, cpu_kernels, pack_weights_in
+from specserve.engine.model import LlamaModel, pack_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
 from specserve.engine.quant import auto_quantization, native_bf16, quantize_model
@@ -30,6 +30,7 @@ from specserve.engine.scheduler import ScheduledBatch, Scheduler
 from specserve.engine.sequence import DraftRequest, Request, Sequence, SeqStatus
 from specserve.engine.stats import DrafterStats, EngineStats, add_part_tally
 from specserve.engine.tree import TokenTree, sources_problem, tree_depths
+from specserve.kernels import cpu as native_cpu
 
 _DEFAULT = object()
 NO_DRAFTER = "none"
@@ -427,7 +428,7 @@ class LLMEngine:
         change a token; the native kernel computes both alike in fp32, SDPA needs float64 for it."""
         if config.kv_cache_dtype == "auto":
             bf16_cpu = act == torch.bfloat16 and self.device.type == "cpu"
-            return torch.float64 if bf16_cpu and cpu_kernels(torch.empty(0)) is None else self.dtype
+            return torch.float64 if bf16_cpu and not native_cpu.available() else self.dtype
         dtype = getattr(torch, config.kv_cache_dtype)
         if dtype != self.dtype and self.device.type != "cpu":
             raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} differs from the model's dtype: on "

@@ -18,6 +18,7 @@ from torch import nn
 from specserve.engine.attention import AttnMetadata, paged_attention
 from specserve.engine.config import ModelConfig
 from specserve.engine.quant import exact_top_logits, quantized, quantized_linear
+from specserve.kernels import cpu as native_cpu
 
 
 def _onednn_linear():
@@ -286,21 +287,13 @@ def fused_kernels(x: torch.Tensor):
     return _FUSED if _FUSED and _FUSED.ENABLED else None
 
 
-_CPU_KERNELS = None  # kernels.cpu once imported; False where its library does not build here
-
-
 def cpu_kernels(x: torch.Tensor):
     """`kernels.cpu` when the layer of `x` runs them: an fp32 CPU tensor that needs no gradient (the
-    kernels have no backward), the native library built here and `kernels.cpu.ENABLED`
-    (SPECSERVE_CPU_KERNELS=0 turns it off); else None."""
-    global _CPU_KERNELS
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or _CPU_KERNELS is False
-            or (x.requires_grad and torch.is_grad_enabled())):
+    kernels have no backward) and the kernels available here (`kernels.cpu.available`: built, and
+    not turned off by SPECSERVE_CPU_KERNELS=0); else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or (x.requires_grad and torch.is_grad_enabled()):
         return None
-    if _CPU_KERNELS is None:
-        from specserve.kernels import cpu
-        _CPU_KERNELS = cpu if cpu.library() is not None else False
-    return _CPU_KERNELS if _CPU_KERNELS and _CPU_KERNELS.ENABLED else None
+    return native_cpu if native_cpu.available() else None
 
 
 def write_and_attend(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float) -> torch.Tensor:

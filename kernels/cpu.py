@@ -187,16 +187,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """q [T, H, D] fp32, caches [slots, Hkv, D] fp32 contiguous, `meta` an `engine.attention.AttnMetadata`
     with block tables -> [T, H * D] in `out_dtype` (fp32 by default)."""
-    meta = meta.packed()
     q = q.contiguous()
     T, H, D = q.shape
     out = torch.empty(T, H * D, dtype=out_dtype or torch.float32)
-    tables = meta.block_tables.contiguous()
-    library().paged_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), _flag(out), meta.num_seqs,
-        meta.cu_query_lens_t.data_ptr(), meta.context_lens_t.data_ptr(), tables.data_ptr(), tables.shape[1],
-        meta.block_size, meta.mask_offsets.data_ptr(), meta.mask_widths.data_ptr(), meta.mask_data.data_ptr(),
-        H, k_cache.shape[1], D, scale, torch.get_num_threads())
+    library().paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), _flag(out),
+                              *_metadata_args(meta), H, k_cache.shape[1], D, scale, torch.get_num_threads())
     return out
 
 
@@ -205,18 +200,27 @@ def attend(qkv: torch.Tensor, rope, meta, k_cache: torch.Tensor, v_cache: torch.
     """A layer's attention in one call: `rope_and_cache` then `paged_attention` (the same numbers)
     for qkv [T, (H + 2 Hkv) * D] with `rope` an `engine.model.RopeRows` of the rows and `meta`'s
     slot mapping -> [T, H * D] in `out_dtype` (fp32 by default)."""
-    meta = meta.packed()
     qkv, slots = qkv.contiguous(), meta.slot_mapping.contiguous()
     cos, sin_signed = rope.cos.contiguous(), rope.sin_signed.contiguous()
     out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=out_dtype or torch.float32)
-    tables = meta.block_tables.contiguous()
     library().rope_cache_attention(
         qkv.data_ptr(), _flag(qkv), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), out.data_ptr(), _flag(out), meta.num_seqs, meta.cu_query_lens_t.data_ptr(),
-        meta.context_lens_t.data_ptr(), tables.data_ptr(), tables.shape[1], meta.block_size,
-        meta.mask_offsets.data_ptr(), meta.mask_widths.data_ptr(), meta.mask_data.data_ptr(), num_heads,
-        num_kv_heads, head_dim, scale, torch.get_num_threads())
+        v_cache.data_ptr(), out.data_ptr(), _flag(out), *_metadata_args(meta), num_heads, num_kv_heads, head_dim,
+        scale, torch.get_num_threads())
     return out
+
+
+def _metadata_args(meta) -> tuple:
+    """The attention kernels' metadata arguments (`engine.attention.AttnMetadata`, packed): sequences,
+    cu_query_lens, context_lens, block tables with their width and block size, mask offsets, widths
+    and bytes."""
+    meta = meta.packed()
+    if not meta.block_tables.is_contiguous():   # kept on the metadata: the pointer must outlive the call
+        meta.block_tables = meta.block_tables.contiguous()
+    tables = meta.block_tables
+    return (meta.num_seqs, meta.cu_query_lens_t.data_ptr(), meta.context_lens_t.data_ptr(), tables.data_ptr(),
+            tables.shape[1], meta.block_size, meta.mask_offsets.data_ptr(), meta.mask_widths.data_ptr(),
+            meta.mask_data.data_ptr())
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, meta) -> bool:
