@@ -2,7 +2,9 @@
 for n new tokens (a decode row and the nodes of a draft tree) after a prefix, for each variant of
 the weights: fp32 as they are (`unpacked`), fp32 with the CPU's prepacked copies
 (`LlamaModel.pack_weights`, `prepacked`), and weight-only quantized (`engine/quant.py`: `int8`,
-`int4`, with fp32 activations, or `int8-bf16`, `int4-bf16` with bf16 ones). This is the curve the
+`int4` through the native kernels where they build, fp32 activations, `int4-a8` with int8 ones
+(`--quantized-activations int8`); `int8-torch`, `int4-torch`
+through torch's packed kernels with fp32 activations, `int8-bf16`, `int4-bf16` with bf16 ones). This is the curve the
 goodput budget learns (what a draft tree of n - 1 nodes adds to a step) and what quantization buys.
 
     python -m specserve.bench.forward_cost --prefix 256 --tokens 1 2 3 5 9 17 33 [--variants unpacked prepacked int8 int4]
@@ -25,7 +27,7 @@ import torch
 
 
 COPIES = ("_specserve_packed", "_specserve_quant")   # what `engine.model.linear` computes with, where present
-VARIANTS = ("unpacked", "prepacked", "int8", "int8-bf16", "int4", "int4-bf16")
+VARIANTS = ("unpacked", "prepacked", "int8", "int8-torch", "int8-bf16", "int4", "int4-a8", "int4-torch", "int4-bf16")
 
 
 def _take(model) -> dict:
@@ -54,8 +56,9 @@ def _variant_copies(model, variant: str) -> tuple[dict, int]:
     if variant == "prepacked":
         done = model.pack_weights()
     elif variant != "unpacked":
-        kind, _, act = variant.partition("-")
-        done = quantize_model(model, kind, act_dtype=torch.bfloat16 if act == "bf16" else torch.float32)["weights"]
+        kind, _, how = variant.partition("-")
+        done = quantize_model(model, kind, act_dtype=torch.bfloat16 if how == "bf16" else torch.float32,
+                              native=None if how in ("", "a8") else False, int8_act=how == "a8")["weights"]
     else:
         done = 0
     return _take(model), done

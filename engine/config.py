@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from specserve.engine.errors import InvalidRequestError, UnsupportedModelError
-from specserve.engine.quant import QUANTIZATIONS
+from specserve.engine.quant import ACTIVATIONS, QUANTIZATIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.draft_policy.POLICIES
@@ -63,6 +63,10 @@ class EngineConfig:
     # quantize_lm_head is False
     quantization: str = "auto"
     quantize_lm_head: bool = True
+    # CPU: what int4 weights multiply (engine/quant.py `int8_activations`): float (fp32, or bf16 in
+    # torch's kernels) | int8 (opt-in, lossy: activations quantized per group of 32, as llama.cpp's
+    # Q4 x Q8 dot products; native kernels only)
+    quantized_activations: str = "float"
     # the KV cache's dtype, in which attention runs: auto | float32 | float64. auto is the model's
     # dtype, except float64 on the CPU when the quantized kernels take bf16 activations: there a
     # verification row's attention, computed in fp32 over a padded tree, differs from the decode
@@ -83,6 +87,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queue_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
+        if self.quantized_activations not in ACTIVATIONS:
+            raise ValueError(f"quantized_activations must be one of {', '.join(ACTIVATIONS)}, "
+                             f"got {self.quantized_activations!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -23,7 +23,7 @@ from specserve.engine.logits_processing import needs_processing
 from specserve.engine.model import LlamaModel, pack_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
-from specserve.engine.quant import auto_quantization, native_bf16, quantize_model
+from specserve.engine.quant import auto_quantization, int8_activations, native_bf16, quantize_model
 from specserve.engine.sampler import sample_key
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -449,16 +449,22 @@ class LLMEngine:
             return self.dtype
         if self.device.type != "cpu":
             raise ValueError(f"--quantization {mode} runs on the CPU only (device {self.device})")
-        act = torch.bfloat16 if self.dtype == torch.float32 and native_bf16() else self.dtype
-        if act == torch.float32:
+        if native_cpu.available():     # the native kernels take fp32 activations (engine/quant.py)
+            act = self.dtype
+        else:
+            act = torch.bfloat16 if self.dtype == torch.float32 and native_bf16() else self.dtype
+        if act == torch.float32 and not native_cpu.available():
             logger.warning("this CPU has no native bf16: the quantized kernels take fp32 activations, which torch "
                            "runs about 2x slower than unquantized fp32 weights (measured on an AVX-512 CPU)")
-        done = quantize_model(self.model, mode, lm_head=config.quantize_lm_head, act_dtype=act, gguf_types=gguf_types)
+        int8_act = int8_activations(config.quantized_activations)
+        done = quantize_model(self.model, mode, lm_head=config.quantize_lm_head, act_dtype=act, gguf_types=gguf_types,
+                              int8_act=int8_act)
         if done["dequantized"]:
             logger.warning("this GGUF's %s tensors have no packed kernel here: they are dequantized and served "
                            "in %s", ", ".join(done["dequantized"]), str(self.dtype).removeprefix("torch."))
-        logger.info("quantized %d weight matrices to %s (%s activations): %.0f MB -> %.0f MB", done["weights"],
-                    mode, str(act).removeprefix("torch."), done["bytes_before"] / 1e6,
+        logger.info("quantized %d weight matrices to %s (%s kernels, %s activations): %.0f MB -> %.0f MB",
+                    done["weights"], mode, "native" if native_cpu.available() else "torch",
+                    "int8 (int4 weights)" if int8_act else str(act).removeprefix("torch."), done["bytes_before"] / 1e6,
                     done["bytes_after"] / 1e6)
         return act
 

@@ -4,17 +4,25 @@ A decode step on the CPU is bound by reading the weights: the default model's pr
 head are ~540 MB in fp32, read once per step. Quantized, each weight is read as int8 (a quarter)
 or int4 (an eighth) and widened inside torch's packed kernels:
 
-* **int8** (`torch._weight_int8pack_mm`): symmetric, one scale per output row,
-  w ~= s[n] * q[n, k], q in [-127, 127], s = max |w[n, :]| / 127.
-* **int4** (`torch._weight_int4pack_mm_for_cpu`): asymmetric, one scale and zero per group of
-  `group_size` inputs of a row, w ~= (q - 8) * s + z, q in [0, 15], s = (max - min) / 15,
-  z = min + 8 s. A GGUF Q4_1 block (32 weights, w = d q + m) is such a group with s = d and
-  z = m + 8 d: where a block's codes reach both 0 and 15 (the quantizer puts its min and max
-  there), quantizing the dequantized block again recovers it exactly.
+* **int8**: symmetric, one scale per output row, w ~= s[n] * q[n, k], q in [-127, 127],
+  s = max |w[n, :]| / 127.
+* **int4**: asymmetric, one scale and offset per group of `group_size` (32) inputs of a row,
+  w ~= q * s + lo, q in [0, 15], s = (max - min) / 15, lo = min. A GGUF Q4_1 block (32 weights,
+  w = d q + m) is such a group with s = d and lo = m: where a block's codes reach both 0 and 15
+  (the quantizer puts its min and max there), quantizing the dequantized block again recovers it.
 
-The activations go in as they are (fp32 on the CPU by default) or, with `act_dtype=bfloat16`
-where the CPU has native bf16 (AVX-512 BF16 / AMX), as bf16; the output comes back in the
-input's dtype. The quantized copy is attached to the weight tensor (`quantize_weight`), so every
+Two kernels compute them, chosen when a weight is quantized:
+
+* **native** (`kernels.cpu.quant_matmul`, where the CPU kernels build): fp32 activations, int4
+  scales and offsets in fp16 (a Q4_1 block's d and m as the file stores them), each weight widened
+  to fp32 once per step for all the rows of a call: verifying a 9-row tree costs ~1.5x one row
+  where torch's kernels cost ~5x (`specserve bench kernels`). Each row's result is independent of
+  the other rows in the call, bit for bit.
+* **torch** (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`, elsewhere): the
+  activations go in as they are (fp32) or, with `act_dtype=bfloat16` where the CPU has native bf16
+  (AVX-512 BF16 / AMX), as bf16; int4 in torch's packing with w = (q - 8) * s + (lo + 8 s).
+
+The output comes back in the input's dtype. The quantized copy is attached to the weight tensor (`quantize_weight`), so every
 module that shares the weight (a truncated draft model, a head reading the target's LM head)
 computes with the same numbers as the target: losslessness holds against the quantized target
 actually served. `engine.model.linear` dispatches to it.
@@ -27,7 +35,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specserve.kernels import cpu as native_cpu
+
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")   # --quantization (auto: `auto_quantization`)
+ACTIVATIONS = ("float", "int8")   # --quantized-activations (`int8_activations`)
 # what a GGUF tensor type is served as under `--quantization gguf`: Q4_0 / Q4_1 blocks are int4
 # groups of 32, Q8_0 (8 bits per weight, a scale per 32) is served as int8 with a scale per row,
 # float tensors as they are; any other type (K-quants, Q5, IQ) is dequantized and served in fp32
@@ -41,9 +52,12 @@ INT4_INNER_K_TILES = 2     # the int4 packing's tile (torch's CPU kernel takes 2
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight's quantized copy: `kind` int8 (data int8 [N, K], scales [N]) or int4 (data packed
-    by torch [N, K / 2] uint8, scales [K / group, N, 2] scale and zero); `version`: the weight's
-    `_version` when quantized (a weight changed in place since is no longer represented)."""
+    """A weight's quantized copy: `kind` int8 or int4, `native` whether in the native kernel's
+    layout (`kernels.cpu.pack_int4` / `pack_int8`: data and scales) or torch's (int8: data int8
+    [N, K], scales [N]; int4: data packed by torch [N, K / 2] uint8, scales [K / group, N, 2]
+    scale and zero); `shape` the weight's [N, K]; `int8_act`: int4 in the native layout that
+    multiplies int8-quantized activations (`kernels.cpu.pack_int4_a8`); `version`: the weight's `_version` when quantized
+    (a weight changed in place since is no longer represented)."""
 
     kind: str
     data: torch.Tensor
@@ -51,6 +65,9 @@ class QuantizedWeight:
     group_size: int
     act_dtype: torch.dtype
     version: int
+    native: bool = False
+    shape: tuple[int, int] = (0, 0)
+    int8_act: bool = False
 
 
 def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,55 +79,84 @@ def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int4_codes(weight: torch.Tensor, group_size: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric group-wise int4: (q int32 [N, K] in 0..15, s fp32 [N, K / g], z fp32 [N, K / g])
-    with w ~= (q - 8) * s + z per group (module docstring)."""
+    """Asymmetric group-wise int4: (q int32 [N, K] in 0..15, s fp32 [N, K / g], lo fp32 [N, K / g])
+    with w ~= q * s + lo per group (module docstring)."""
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // group_size, group_size)
     lo, hi = w.amin(dim=2), w.amax(dim=2)
     s = ((hi - lo) / 15.0).clamp_min(1e-12)
     q = torch.round((w - lo[..., None]) / s[..., None]).clamp_(0, 15).to(torch.int32)
-    return q.reshape(n, k), s, lo + 8.0 * s
+    return q.reshape(n, k), s, lo
 
 
 def dequantize(q: QuantizedWeight, codes: tuple | None = None) -> torch.Tensor:
-    """The fp32 weight that `q` computes with (for tests and references); `codes`: the codes it was
-    made from (`int8_codes` / `int4_codes`), needed for int4, whose packed layout is torch's."""
+    """The fp32 weight that `q` computes with (for tests and references; with `int8_act` the
+    activations are quantized too); `codes`: the codes a torch-layout int4 weight was made from
+    (`int4_codes`; torch's packing is opaque)."""
+    if q.native:
+        if q.kind == "int8":
+            return native_cpu.unpack_int8(q.data, q.scales)
+        return (native_cpu.unpack_int4_a8 if q.int8_act else native_cpu.unpack_int4)(q.data, q.scales)
     if q.kind == "int8":
         return q.data.float() * q.scales.float()[:, None]
     if codes is None:
         raise ValueError("int4 dequantization needs the codes the weight was packed from")
-    codes_q, s, z = codes
+    codes_q, s, lo = codes
     n, k = codes_q.shape
     g = q.group_size
+    s, z = s.to(q.act_dtype).float(), (lo + 8.0 * s).to(q.act_dtype).float()   # what torch's kernel holds
     w = (codes_q.float().reshape(n, k // g, g) - 8.0) * s[..., None] + z[..., None]
     return w.reshape(n, k)
 
 
 def can_quantize(weight: torch.Tensor, kind: str, group_size: int = INT4_GROUP) -> bool:
-    """Whether torch's CPU kernel takes `weight` as `kind` (int4: rows a multiple of 16, inputs of
-    the group size)."""
+    """Whether a CPU kernel takes `weight` as `kind` (int4: rows a multiple of 16, inputs of the
+    group size)."""
     return (kind in ("int8", "int4") and weight.device.type == "cpu" and weight.dim() == 2
             and (kind == "int8" or (weight.shape[0] % 16 == 0 and weight.shape[1] % group_size == 0)))
 
 
+def _native_fits(weight: torch.Tensor, kind: str, group_size: int) -> bool:
+    """Whether the native kernel takes `weight` (rows a multiple of 16; int4 in groups of 32)."""
+    return (native_cpu.available() and weight.shape[0] % 16 == 0
+            and (kind == "int8" or (group_size == 32 and weight.shape[1] % 32 == 0)))
+
+
 def quantize_weight(weight: torch.Tensor, kind: str, act_dtype: torch.dtype = torch.float32,
-                    group_size: int = INT4_GROUP) -> bool:
+                    group_size: int = INT4_GROUP, native: bool | None = None, int8_act: bool = False) -> bool:
     """Attach a `kind` quantized copy to `weight` ([out, in], on the CPU) that `engine.model.linear`
-    computes with from now on; False (nothing done) for "none" or a weight it cannot hold."""
+    computes with from now on: in the native kernel's layout where it takes the weight (`native`:
+    None where it fits, False never), with fp32 activations, or for int4 with `int8_act` int8 ones
+    quantized per group of 32 (llama.cpp's Q4_1 x Q8_1 dot product); else in torch's with
+    `act_dtype` activations. False (nothing done) for "none" or a weight no kernel takes."""
     if not can_quantize(weight, kind, group_size):
         return False
+    fits = _native_fits(weight, kind, group_size)
+    if native and not fits:
+        raise ValueError(f"the native CPU kernels do not take this {kind} weight {tuple(weight.shape)} here")
+    native = fits if native is None else native
+    int8_act = int8_act and native and kind == "int4"
     old = getattr(weight, "_specserve_quant", None)
-    if old is not None and old.kind == kind and old.version == weight._version:
+    if (old is not None and old.kind == kind and old.native == native and old.int8_act == int8_act
+            and old.version == weight._version):
         return True   # shared with a model quantized already
     with torch.no_grad():
         if kind == "int8":
             q, s = int8_codes(weight)
-            data, scales = q.contiguous(), s.to(act_dtype)
+            if native:
+                act_dtype, (data, scales) = torch.float32, native_cpu.pack_int8(q, s)
+            else:
+                data, scales = q.contiguous(), s.to(act_dtype)
         else:
-            q, s, z = int4_codes(weight, group_size)
-            data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), INT4_INNER_K_TILES)
-            scales = torch.stack([s.t(), z.t()], dim=2).contiguous().to(act_dtype)   # [K / g, N, 2]
-    weight._specserve_quant = QuantizedWeight(kind, data, scales, group_size, act_dtype, weight._version)
+            q, s, lo = int4_codes(weight, group_size)
+            if native:
+                pack = native_cpu.pack_int4_a8 if int8_act else native_cpu.pack_int4
+                act_dtype, (data, scales) = torch.float32, pack(q, s, lo)
+            else:
+                data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), INT4_INNER_K_TILES)
+                scales = torch.stack([s.t(), (lo + 8.0 * s).t()], dim=2).contiguous().to(act_dtype)  # [K / g, N, 2]
+    weight._specserve_quant = QuantizedWeight(kind, data, scales, group_size, act_dtype, weight._version, native,
+                                              tuple(weight.shape), int8_act)
     return True
 
 
@@ -125,7 +171,9 @@ def quantized(weight: torch.Tensor) -> QuantizedWeight | None:
 def quantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) with W's quantized copy; the result in x's dtype."""
     a = x.to(q.act_dtype).contiguous()
-    if q.kind == "int8":
+    if q.native:
+        out = native_cpu.quant_matmul(a, "int4-a8" if q.int8_act else q.kind, q.data, q.scales, q.shape[0])
+    elif q.kind == "int8":
         out = torch.ops.aten._weight_int8pack_mm(a, q.data, q.scales)
     else:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(a, q.data, q.group_size, q.scales)
@@ -180,18 +228,34 @@ def gguf_weight_kinds(gguf_types: dict[str, str], num_layers: int) -> tuple[dict
 
 
 def auto_quantization(gguf_types: dict[str, str], device: torch.device) -> str:
-    """`--quantization auto`: "gguf" for a GGUF with Q4 / Q8 tensors served on a CPU with native
-    bf16 (elsewhere the packed kernels are slower than fp32 weights), else "none"."""
+    """`--quantization auto`: "gguf" for a GGUF with Q4 / Q8 tensors served on a CPU where the
+    native kernels build or torch's have native bf16 (elsewhere torch's packed kernels are slower
+    than fp32 weights), else "none"."""
     quantized_file = any(GGUF_KINDS.get(t, "none") != "none" for t in gguf_types.values())
-    return "gguf" if quantized_file and device.type == "cpu" and native_bf16() else "none"
+    fast = native_cpu.available() or native_bf16()
+    return "gguf" if quantized_file and device.type == "cpu" and fast else "none"
+
+
+def int8_activations(setting: str = "float") -> bool:
+    """`--quantized-activations`: whether int4 weights multiply int8-quantized activations (int8,
+    opt-in and lossy: llama.cpp's Q4 x Q8 numerics; on a CPU with AVX-512 VNNI one instruction
+    multiplies 64 int8 pairs and a 9-row forward costs ~20 % less, `specserve bench forward`), or
+    the activations as they are (float: fp32 in the native kernels, the file's weights computed
+    exactly). Against transformers on the dequantized default model (3 chat prompts): float
+    cosine >= 0.9998, the same top-1 token on every row; int8 >= 0.97, 95-100 %; llama.cpp 0.991,
+    95-100 % (measured 2026-11-27)."""
+    if setting not in ACTIVATIONS:
+        raise ValueError(f"quantized activations must be one of {', '.join(ACTIVATIONS)}, got {setting!r}")
+    return setting == "int8" and native_cpu.available()
 
 
 def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True, act_dtype: torch.dtype = torch.float32,
-                   gguf_types: dict[str, str] | None = None) -> dict[str, int]:
+                   gguf_types: dict[str, str] | None = None, native: bool | None = None,
+                   int8_act: bool = False) -> dict[str, int]:
     """Quantize the projections of every decoder layer of `model` (an `engine.model.LlamaModel`)
     and, with `lm_head`, its LM head (the embedding itself stays as it is: a lookup reads one row):
     every weight to `kind` (int8 | int4), or under "gguf" each as the GGUF file `gguf_types`
-    stores it (`gguf_weight_kinds`). Under int4 the LM head is int8: GGUF files keep it at 8 bits
+    stores it (`gguf_weight_kinds`); `native` and `int8_act` as `quantize_weight`'s. Under int4 the LM head is int8: GGUF files keep it at 8 bits
     or more (the default model's is Q8_0), and an int4 head changes answers (the default model,
     asked for the capital of France, said "L'Étoile (The City of Lights)" instead of "Paris").
     Returns {"weights": how many, "bytes_before": their fp bytes, "bytes_after": the quantized,
@@ -214,7 +278,7 @@ def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True, act_dty
         weights.append((model.lm_head_weight, kinds["lm_head"]))
     done = before = after = 0
     for w, k in weights:
-        if quantize_weight(w, k, act_dtype):
+        if quantize_weight(w, k, act_dtype, native=native, int8_act=int8_act):
             q = quantized(w)
             done += 1
             before += w.numel() * w.element_size()
@@ -222,6 +286,6 @@ def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True, act_dty
     return {"weights": done, "bytes_before": before, "bytes_after": after, "dequantized": dequantized}
 
 
-__all__ = ["GGUF_KINDS", "INT4_GROUP", "QUANTIZATIONS", "QuantizedWeight", "auto_quantization", "can_quantize",
-           "dequantize", "exact_top_logits", "gguf_weight_kinds", "int4_codes", "int8_codes", "native_bf16", "quantize_model",
+__all__ = ["ACTIVATIONS", "GGUF_KINDS", "INT4_GROUP", "QUANTIZATIONS", "QuantizedWeight", "auto_quantization", "can_quantize",
+           "dequantize", "exact_top_logits", "gguf_weight_kinds", "int4_codes", "int8_activations", "int8_codes", "native_bf16", "quantize_model",
            "quantize_weight", "quantized", "quantized_linear"]

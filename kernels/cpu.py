@@ -58,6 +58,7 @@ _SIGNATURES = {
     "silu_mul": [_p, _int, _p, _int, _i64, _i64, _int],
     "rope_cache": [_p, _int, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _int],
     "paged_attention": [_p, _p, _p, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _f, _int],
+    "quant_matmul": [_int, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _int],   # returns int
     "rope_cache_attention": [_p, _int, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64,
                              _i64, _i64, _f, _int],
 }
@@ -109,7 +110,7 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = args, (_int if name == "quant_matmul" else None)
     return lib
 
 
@@ -123,6 +124,12 @@ def library():
             logger.warning("loading the CPU kernels failed, the CPU step runs its torch ops: %s", e)
             _lib = False
     return _lib or None
+
+
+def has_vnni() -> bool:
+    """Whether this CPU multiplies int8 vectors in one instruction (AVX-512 VNNI), which the int4 x
+    int8-activation kernel uses (elsewhere it emulates it, correct but slower)."""
+    return " avx512_vnni" in _cpu_flags()
 
 
 def available() -> bool:
@@ -210,6 +217,103 @@ def attend(qkv: torch.Tensor, rope, meta, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quant_matmul`'s int4 layout for w[n, k] = codes[n, k] * scales[n, g] + zeros[n, g], g = k / 32:
+    codes [N, K] in 0..15, scales and zeros fp32 [N, K / 32]; N a multiple of 16 -> (packed codes
+    uint8 [N / 16, K / 2, 16], scales and zeros fp16 [N / 16, K / 32, 2, 16]; `cpu_kernels.c`)."""
+    n, k = codes.shape
+    q = codes.to(torch.uint8).reshape(n // 16, 16, k // 2, 2)
+    packed = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 1).contiguous()
+    sz = torch.stack([scales, zeros], dim=-1).to(torch.float16).reshape(n // 16, 16, k // 32, 2)
+    return packed, sz.permute(0, 2, 3, 1).contiguous()
+
+
+def pack_int4_a8(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_int4`'s weights in the layout of the int4 x int8-activation kernel (`cpu_kernels.c`,
+    kind 5): codes uint8 [N / 16, K / 32, 4, 16, 4], block j's lane i byte b holding
+    codes[16t + i, 32g + 8j + b] | codes[16t + i, 32g + 8j + 4 + b] << 4; the same fp16 scales and
+    zeros."""
+    n, k = codes.shape
+    q = codes.to(torch.uint8).reshape(n // 16, 16, k // 32, 4, 2, 4)
+    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()
+    return packed, pack_int4(codes, scales, zeros)[1]
+
+
+def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quant_matmul`'s int8 layout for w[n, k] = codes[n, k] * scales[n]: codes int8 [N, K], N a
+    multiple of 16 -> (codes [N / 16, K, 16], scales fp32 [N])."""
+    n, k = codes.shape
+    return codes.reshape(n // 16, 16, k).permute(0, 2, 1).contiguous(), scales.float().contiguous()
+
+
+def _int4_weight(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """codes q [N, K] and packed fp16 scales and zeros [N / 16, K / 32, 2, 16] -> q * s + z in fp32,
+    rounded once (as the kernels' fused multiply-add)."""
+    n, k = q.shape
+    s, z = sz.double().permute(0, 3, 1, 2).reshape(n, k // 32, 2).unbind(-1)
+    return torch.addcmul(z[..., None], q.double().reshape(n, k // 32, 32), s[..., None]).float().reshape(n, k)
+
+
+def unpack_int4(packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [N, K] that `pack_int4`'s layout computes with: q * s + z, rounded once."""
+    tiles, half_k, _ = packed.shape
+    q = torch.stack([packed & 15, packed >> 4], dim=2).permute(0, 3, 1, 2).reshape(tiles * 16, half_k * 2)
+    return _int4_weight(q, sz)
+
+
+def unpack_int4_a8(packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [N, K] of `pack_int4_a8`'s layout (q * s + z, rounded once)."""
+    tiles, groups = packed.shape[:2]
+    q = torch.stack([packed & 15, packed >> 4], dim=4)            # [T, G, 4, 16, 2, 4]
+    return _int4_weight(q.permute(0, 3, 1, 2, 4, 5).reshape(tiles * 16, groups * 32), sz)
+
+
+def quantize_rows_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int4 x int8 kernel's activations: per row and group of 32, (qx int8 [M, K], dx, sx fp32
+    [M, K / 32]) with qx = sign(v) floor(|v| + 1/2), v = x / dx, dx = max |x| / 127, sx = dx sum(qx)."""
+    m, k = x.shape
+    xg = x.float().reshape(m, k // 32, 32)
+    d = xg.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    v = xg * inv[..., None]
+    q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).to(torch.int8)   # fp32, as the kernel
+    return q.reshape(m, k), d, d * q.sum(-1, dtype=torch.int32).float()
+
+
+def quant_matmul_a8_reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                              zeros: torch.Tensor) -> torch.Tensor:
+    """y = sum_g (s dx) sum_k q qx + z sx in float64 (the int4 x int8 kernel's maths), for
+    codes `weight` [N, K], scales and zeros [N, K / 32]."""
+    qx, dx, sx = quantize_rows_q8_reference(x)
+    m, k = qx.shape
+    n = weight.shape[0]
+    isum = torch.einsum("mgk,ngk->mng", qx.double().reshape(m, k // 32, 32), weight.double().reshape(n, k // 32, 32))
+    s, z = scales.half().double(), zeros.half().double()
+    return (isum * s[None] * dx.double()[:, None] + z[None] * sx.double()[:, None]).sum(-1)
+
+
+def unpack_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [N, K] of `pack_int8`'s layout (the row scale times the code)."""
+    tiles, k, _ = codes.shape
+    return codes.permute(0, 2, 1).reshape(tiles * 16, k).float() * scales[:, None]
+
+
+KINDS = {"int4": 4, "int8": 8, "int4-a8": 5}
+
+
+def quant_matmul(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] fp32 @ W^T -> [M, N] fp32 for W packed by `pack_int4` (kind "int4": each output the
+    sum over k in order of x[m, k] * w[n, k], one fused multiply-add per term), `pack_int8` ("int8":
+    the same with the row scale applied to the sum) or `pack_int4_a8` ("int4-a8": activations
+    quantized to int8 per group of 32, `quant_matmul_a8_reference`'s maths)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if library().quant_matmul(KINDS[kind], x.data_ptr(), x.shape[1], codes.data_ptr(), scales.data_ptr(),
+                              out.data_ptr(), n, x.shape[0], n, x.shape[1], torch.get_num_threads()) != 0:
+        raise MemoryError("quant_matmul: no scratch memory for the int8 activations")
+    return out
+
+
 def _metadata_args(meta) -> tuple:
     """The attention kernels' metadata arguments (`engine.attention.AttnMetadata`, packed): sequences,
     cu_query_lens, context_lens, block tables with their width and block size, mask offsets, widths
@@ -258,5 +362,5 @@ def rope_and_cache_reference(qkv, cos, sin_signed, slots, k_cache, v_cache, num_
     return q
 
 
-__all__ = ["attend", "available", "add_rms_norm", "library", "paged_attention", "rms_norm", "rope_and_cache", "silu_mul",
-           "usable"]
+__all__ = ["attend", "available", "add_rms_norm", "has_vnni", "library", "pack_int4", "pack_int4_a8", "pack_int8", "paged_attention", "quant_matmul",
+           "rms_norm", "rope_and_cache", "silu_mul", "unpack_int4", "unpack_int4_a8", "unpack_int8", "usable"]

@@ -332,3 +332,328 @@ void rope_cache_attention(const void *qkv, int qkv_bf16, const float *cos, const
                     block_size, mask_offsets, mask_widths, mask_data, H, Hkv, D, scale, nthreads);
     free(q);
 }
+
+/* ---- Weight-only quantized matmuls: y[M, N] = x[M, K] @ W^T, W int4 per group or int8 per row ------
+ * The weights are packed in tiles of 16 output rows (kernels/cpu.py `pack_int4` / `pack_int8`):
+ *   int4: codes [N/16][K/2][16] bytes, byte [t][j][i] = q[16t+i][2j] | q[16t+i][2j+1] << 4, and per
+ *         tile and group of 32 inputs 16 scales then 16 offsets in fp16 ([N/16][K/32][2][16]);
+ *         w[n][k] = q[n][k] * s[n][k/32] + z[n][k/32] in fp32, rounded once (a GGUF Q4_1 block's
+ *         d q + m exactly: d q is exact in fp32);
+ *   int8: codes [N/16][K][16] (int8), w[n][k] = q[n][k] * s[n], the row scale (fp32) applied to the sum.
+ * One step of k widens 16 codes of a tile to fp32 once and multiplies them into every row of the
+ * block (a broadcast fused multiply-add per row), so verifying a tree of M rows reads and widens the
+ * weights once per block of up to 12 rows instead of once per row. Each output is one chain over k
+ * in order, y = fma(x[k], w[k], y), whatever the block, the tiles beside it or the thread: a row's
+ * result does not depend on the other rows in the call (the file's invariant). Threads split the
+ * output tiles evenly.
+ */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline i32x16 widen_u8(const uint8_t *p) { return (i32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline i32x16 widen_i8(const int8_t *p) { return (i32x16)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline v16 load_half16(const uint16_t *p) { return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+static inline i32x16 join_i(__m256i lo, __m256i hi) {
+    i32x16 r;
+    memcpy(&r, &lo, 32);
+    memcpy((char *)&r + 32, &hi, 32);
+    return r;
+}
+static inline i32x16 widen_u8(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    return join_i(_mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+}
+static inline i32x16 widen_i8(const int8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    return join_i(_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+static inline v16 load_half16(const uint16_t *p) {
+    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    v16 r;
+    memcpy(&r, &lo, 32);
+    memcpy((char *)&r + 32, &hi, 32);
+    return r;
+}
+#else
+static inline i32x16 widen_u8(const uint8_t *p) { return __builtin_convertvector(*(const u8x16 *)p, i32x16); }
+static inline i32x16 widen_i8(const int8_t *p) { return __builtin_convertvector(*(const i8x16 *)p, i32x16); }
+/* IEEE half -> float (normal, subnormal, zero, inf, NaN) */
+static inline float half_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp != 0) u = sign | ((exp + 112) << 23) | (man << 13);
+    else {
+        float f = (float)man * 5.9604644775390625e-08f;   /* man * 2^-24 */
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline v16 load_half16(const uint16_t *p) {
+    v16 r;
+    for (int i = 0; i < 16; i++) r[i] = half_to_f32(p[i]);
+    return r;
+}
+#endif
+
+#define QMM_MAX_ROWS 12     /* rows per block (fp32 activations) */
+#define QMM_MAX_ROWS_A8 8   /* rows per block (int8 activations: an integer and a float accumulator each) */
+#define QMM_MAX_TILES 8     /* tiles of 16 outputs per step */
+#ifndef QMM_PREFETCH
+#define QMM_PREFETCH 4096   /* bytes ahead in a tile's codes */
+#endif
+#define QMM_CHUNK 8         /* tiles whose weights every row block reads while they are in cache */
+
+static inline __attribute__((always_inline)) void q4_block(const float *x, int64_t ldx, const int M, const int NT,
+                                                           const uint8_t *codes, const uint16_t *sz, int64_t K,
+                                                           float *y, int64_t ldy) {
+    v16 acc[QMM_MAX_ROWS][QMM_MAX_TILES];
+    const int64_t G = K / 32, tile_codes = K * 8, tile_sz = G * 32;
+#pragma GCC unroll 12
+    for (int m = 0; m < M; m++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) acc[m][t] = (v16){0};
+    for (int64_t g = 0; g < G; g++) {
+        v16 s[QMM_MAX_TILES], z[QMM_MAX_TILES];
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            s[t] = load_half16(sz + t * tile_sz + g * 32);
+            z[t] = load_half16(sz + t * tile_sz + g * 32 + 16);
+        }
+        for (int j = 0; j < 16; j++) {
+            const int64_t k = g * 32 + 2 * j;
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) {
+                i32x16 q = widen_u8(codes + t * tile_codes + (k / 2) * 16);
+                v16 lo = __builtin_convertvector(q & 15, v16) * s[t] + z[t];
+                v16 hi = __builtin_convertvector(q >> 4, v16) * s[t] + z[t];
+#pragma GCC unroll 12
+                for (int m = 0; m < M; m++) {
+                    acc[m][t] = x[m * ldx + k] * lo + acc[m][t];
+                    acc[m][t] = x[m * ldx + k + 1] * hi + acc[m][t];
+                }
+            }
+        }
+    }
+#pragma GCC unroll 12
+    for (int m = 0; m < M; m++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) *(v16u *)(y + m * ldy + 16 * t) = acc[m][t];
+}
+
+static inline __attribute__((always_inline)) void q8_block(const float *x, int64_t ldx, const int M, const int NT,
+                                                           const int8_t *codes, const float *scale, int64_t K,
+                                                           float *y, int64_t ldy) {
+    v16 acc[QMM_MAX_ROWS][QMM_MAX_TILES];
+    const int64_t tile_codes = K * 16;
+#pragma GCC unroll 12
+    for (int m = 0; m < M; m++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) acc[m][t] = (v16){0};
+    for (int64_t k = 0; k < K; k++) {
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            v16 w = __builtin_convertvector(widen_i8(codes + t * tile_codes + k * 16), v16);
+#pragma GCC unroll 12
+            for (int m = 0; m < M; m++) acc[m][t] = x[m * ldx + k] * w + acc[m][t];
+        }
+    }
+#pragma GCC unroll 12
+    for (int m = 0; m < M; m++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) *(v16u *)(y + m * ldy + 16 * t) = acc[m][t] * load16(scale + 16 * t);
+}
+
+/* int4 weights times int8 activations (kind 5; `pack_int4_a8`): per row and group of 32 inputs the
+ * activations are x ~= dx * qx, qx int8 = round(x / dx), dx = max |x| / 127, with sx = dx * sum(qx)
+ * (`quantize_rows_q8`), and per group
+ *     y += (s dx) * sum_k q[k] qx[k] + z sx              (the integer sum exact, then two FMAs)
+ * which is llama.cpp's Q4_1 x Q8_1 dot product. The codes of a tile and group are 4 blocks of 64
+ * bytes, block j's lane i holding q[16t+i][8j + b] (low nibble) and q[16t+i][8j + 4 + b] (high) in
+ * byte b = 0..3: one u8 x s8 dot-product instruction per 4 inputs and row (AVX-512 VNNI). */
+typedef uint8_t u8x64 __attribute__((vector_size(64)));
+typedef int8_t i8x64 __attribute__((vector_size(64)));
+
+static inline i32x16 dot_u8_s8(i32x16 acc, u8x64 w, const int8_t *x4) {
+#if defined(__AVX512VNNI__)
+    int32_t xs;
+    memcpy(&xs, x4, 4);
+    return (i32x16)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(xs));
+#else
+    typedef uint32_t u32x16 __attribute__((vector_size(64)));
+    u32x16 lanes;
+    memcpy(&lanes, &w, 64);      /* lane i's 4 bytes: the codes of its 4 inputs, byte b the b-th */
+    for (int b = 0; b < 4; b++) acc += (i32x16)((lanes >> (8 * b)) & 0xff) * (int32_t)x4[b];
+    return acc;
+#endif
+}
+
+static inline __attribute__((always_inline)) void q4a8_block(const int8_t *qx, const float *dx, const float *sx,
+                                                             int M, int NT, const uint8_t *codes, const uint16_t *sz,
+                                                             int64_t K, float *y, int64_t ldy) {
+    v16 acc[QMM_MAX_ROWS_A8][QMM_MAX_TILES];
+    const int64_t G = K / 32, tile_codes = K * 8, tile_sz = G * 32;
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) acc[m][t] = (v16){0};
+    for (int64_t g = 0; g < G; g++) {
+        i32x16 isum[QMM_MAX_ROWS_A8][QMM_MAX_TILES];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) isum[m][t] = (i32x16){0};
+        for (int j = 0; j < 4; j++) {
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) {
+                u8x64 w;
+                __builtin_prefetch(codes + t * tile_codes + (g * 4 + j) * 64 + QMM_PREFETCH);
+                memcpy(&w, codes + t * tile_codes + (g * 4 + j) * 64, 64);
+                const u8x64 lo = w & 15, hi = w >> 4;
+#pragma GCC unroll 8
+                for (int m = 0; m < M; m++) {
+                    isum[m][t] = dot_u8_s8(isum[m][t], lo, qx + m * K + g * 32 + 8 * j);
+                    isum[m][t] = dot_u8_s8(isum[m][t], hi, qx + m * K + g * 32 + 8 * j + 4);
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            const v16 s = load_half16(sz + t * tile_sz + g * 32), z = load_half16(sz + t * tile_sz + g * 32 + 16);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                acc[m][t] = __builtin_convertvector(isum[m][t], v16) * (s * dx[m * G + g]) + acc[m][t];
+                acc[m][t] = z * sx[m * G + g] + acc[m][t];
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) *(v16u *)(y + m * ldy + 16 * t) = acc[m][t];
+}
+
+/* x [M, K] -> qx int8 [M, K], dx and sx fp32 [M, K / 32] (the q4a8 kernel's activations, above):
+ * qx = sign(v) floor(|v| + 1/2) for v = x / dx (in fp32: round half away from zero, as llama.cpp's
+ * Q8_1 up to the last bit of v) */
+static void quantize_rows_q8(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *qx, float *dx, float *sx) {
+    const int64_t G = K / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *xg = x + m * ldx + g * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                const float a = fabsf(xg[i]);
+                amax = a > amax ? a : amax;
+            }
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int32_t q[32], sum = 0;
+            for (int i = 0; i < 32; i++) {
+                const float v = xg[i] * id;
+                const int32_t r = (int32_t)(fabsf(v) + 0.5f);
+                q[i] = v < 0.0f ? -r : r;
+            }
+            for (int i = 0; i < 32; i++) {
+                qx[m * K + g * 32 + i] = (int8_t)q[i];
+                sum += q[i];
+            }
+            dx[m * G + g] = d;
+            sx[m * G + g] = d * (float)sum;
+        }
+}
+
+/* the instances: for a block of M rows up to 8 / M tiles a step (at least 8 chains in flight for one
+ * row, few enough accumulators for the registers); M and NT constants in each, so the accumulators
+ * live in registers */
+#define QMM_CALL(M, NT)                                                                                  \
+    do {                                                                                                 \
+        if (kind == 4) q4_block(x, ldx, M, NT, (const uint8_t *)codes, (const uint16_t *)scales, K, y, ldy); \
+        else if (kind == 8) q8_block(x, ldx, M, NT, (const int8_t *)codes, (const float *)scales, K, y, ldy); \
+        else if (M <= QMM_MAX_ROWS_A8)                                                                   \
+            q4a8_block(a8->qx, a8->dx, a8->sx, M, NT, (const uint8_t *)codes, (const uint16_t *)scales, K, y, ldy); \
+    } while (0)
+typedef struct { const int8_t *qx; const float *dx, *sx; } a8_rows;
+static void qmm_step(int kind, const float *x, int64_t ldx, const a8_rows *a8, int M, int NT, const void *codes,
+                     const void *scales, int64_t K, float *y, int64_t ldy) {
+    switch (NT * 16 + M) {
+    case 8 * 16 + 1: QMM_CALL(1, 8); break;
+    case 4 * 16 + 1: QMM_CALL(1, 4); break;
+    case 4 * 16 + 2: QMM_CALL(2, 4); break;
+    case 2 * 16 + 1: QMM_CALL(1, 2); break;
+    case 2 * 16 + 2: QMM_CALL(2, 2); break;
+    case 2 * 16 + 3: QMM_CALL(3, 2); break;
+    case 2 * 16 + 4: QMM_CALL(4, 2); break;
+    case 1 * 16 + 1: QMM_CALL(1, 1); break;
+    case 1 * 16 + 2: QMM_CALL(2, 1); break;
+    case 1 * 16 + 3: QMM_CALL(3, 1); break;
+    case 1 * 16 + 4: QMM_CALL(4, 1); break;
+    case 1 * 16 + 5: QMM_CALL(5, 1); break;
+    case 1 * 16 + 6: QMM_CALL(6, 1); break;
+    case 1 * 16 + 7: QMM_CALL(7, 1); break;
+    case 1 * 16 + 8: QMM_CALL(8, 1); break;
+    case 1 * 16 + 9: QMM_CALL(9, 1); break;
+    case 1 * 16 + 10: QMM_CALL(10, 1); break;
+    case 1 * 16 + 11: QMM_CALL(11, 1); break;
+    case 1 * 16 + 12: QMM_CALL(12, 1); break;
+    }
+}
+
+static inline int qmm_tiles(int M) { return M == 1 ? 8 : (M == 2 ? 4 : (M <= 4 ? 2 : 1)); }
+
+/* kind 4 (int4 weights, fp32 activations), 8 (int8 weights) or 5 (int4 weights, int8 activations);
+ * x [M, K] fp32 (row stride ldx), y [M, N] fp32 (row stride ldy); N a multiple of 16, K of 32
+ * (int4). Returns 0, or -1 when scratch memory could not be had. */
+int quant_matmul(int kind, const float *x, int64_t ldx, const void *codes, const void *scales, float *y,
+                 int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t max_rows = kind == 5 ? QMM_MAX_ROWS_A8 : QMM_MAX_ROWS;
+    const int64_t tiles = N / 16, blocks = (M + max_rows - 1) / max_rows;
+    const int64_t tile_codes = kind == 8 ? K * 16 : K * 8;             /* bytes */
+    const int64_t tile_scales = kind == 8 ? 64 : (K / 32) * 64;        /* bytes */
+    int8_t *scratch = NULL;
+    a8_rows a8 = {0};
+    if (kind == 5) {
+        scratch = malloc(M * K + 2 * sizeof(float) * M * (K / 32) + 64);
+        if (!scratch) return -1;
+        float *f = (float *)(scratch + ((M * K + 63) / 64) * 64);
+        quantize_rows_q8(x, ldx, M, K, scratch, f, f + M * (K / 32));
+        a8 = (a8_rows){scratch, f, f + M * (K / 32)};
+    }
+#pragma omp parallel num_threads(threads_for(nthreads, tiles * K * (M < 4 ? M : 4), 4096))
+    {
+        int nth = 1, me = 0;
+#ifdef _OPENMP
+        nth = omp_get_num_threads();
+        me = omp_get_thread_num();
+#endif
+        const int64_t t0 = tiles * me / nth, t1 = tiles * (me + 1) / nth;
+        for (int64_t c = t0; c < t1; c += QMM_CHUNK) {
+            const int64_t c1 = c + QMM_CHUNK < t1 ? c + QMM_CHUNK : t1;
+            for (int64_t b = 0; b < blocks; b++) {
+                /* rows split evenly over the blocks: 13 rows are 7 + 6, not 12 + 1 */
+                const int64_t r0 = b * M / blocks, r1 = (b + 1) * M / blocks;
+                const int rows = (int)(r1 - r0);
+                const a8_rows a8b = {a8.qx + r0 * K, a8.dx + r0 * (K / 32), a8.sx + r0 * (K / 32)};
+                for (int64_t t = c; t < c1;) {
+                    int step = qmm_tiles(rows);
+                    while (t + step > c1) step /= 2;
+                    qmm_step(kind, x + r0 * ldx, ldx, &a8b, rows, step, (const char *)codes + t * tile_codes,
+                             (const char *)scales + t * tile_scales, K, y + r0 * ldy + t * 16, ldy);
+                    t += step;
+                }
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+#pragma GCC pop_options

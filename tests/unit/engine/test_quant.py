@@ -28,13 +28,20 @@ def _weight(n=96, k=128, seed=0):
     return torch.randn(n, k, generator=g) * 0.05
 
 
+KERNELS = [pytest.param(True, id="native", marks=pytest.mark.skipif(not cpu_kernels.available(),
+                                                                   reason="the native CPU kernels do not build here")),
+           pytest.param(False, id="torch")]
+
+
+@pytest.mark.parametrize("native", KERNELS)
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 3, 17])
-def test_quantized_linear_matches_its_dequantized_weight(kind, rows):
+def test_quantized_linear_matches_its_dequantized_weight(kind, rows, native):
     w = _weight()
     codes = int8_codes(w) if kind == "int8" else int4_codes(w)
-    assert quantize_weight(w, kind)
+    assert quantize_weight(w, kind, native=native)
     q = quantized(w)
+    assert q.native == native
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(1))
     ref = F.linear(x, dequantize(q, codes))
     assert torch.allclose(quantized_linear(x, q), ref, atol=1e-5, rtol=1e-5)
@@ -48,7 +55,7 @@ def test_quantized_linear_matches_its_dequantized_weight(kind, rows):
 def test_bf16_activations(kind):
     w = _weight()
     codes = int8_codes(w) if kind == "int8" else int4_codes(w)
-    assert quantize_weight(w, kind, act_dtype=torch.bfloat16)
+    assert quantize_weight(w, kind, act_dtype=torch.bfloat16, native=False)
     x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(2))
     out = linear(x, w)
     assert out.dtype == torch.float32
@@ -56,21 +63,25 @@ def test_bf16_activations(kind):
     assert (out - ref).abs().max() < 0.02 * ref.abs().max()
 
 
-def test_a_gguf_q4_1_block_maps_exactly_onto_an_int4_group():
-    """Q4_1: w = d * q + m per block of 32, q in 0..15. A block whose codes reach 0 and 15 is
-    recovered exactly: the same codes, s = d and z = m + 8 d."""
+@pytest.mark.parametrize("native", KERNELS)
+def test_a_gguf_q4_1_block_maps_exactly_onto_an_int4_group(native):
+    """Q4_1: w = d * q + m per block of 32, q in 0..15, d and m fp16. A block whose codes reach 0
+    and 15 is recovered exactly: the same codes, s = d and lo = m; the native kernel (fp16 scales
+    and offsets, one rounding) computes with exactly the file's weights."""
     g = torch.Generator().manual_seed(3)
     n, k = 16, 64
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
     q[:, ::32] = 0
     q[:, 1::32] = 15
-    d = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3
-    m = -torch.rand(n, k // 32, generator=g) * 0.1
+    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()
+    m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
     w = (d[..., None] * q.reshape(n, k // 32, 32).float() + m[..., None]).reshape(n, k)
-    codes, s, z = int4_codes(w)
+    codes, s, lo = int4_codes(w)
     assert torch.equal(codes, q)
-    assert torch.allclose(s, d, rtol=1e-5) and torch.allclose(z, m + 8 * d, rtol=1e-5, atol=1e-7)
-    assert quantize_weight(w, "int4")
+    assert torch.allclose(s, d, rtol=1e-5) and torch.equal(lo, m)
+    assert quantize_weight(w, "int4", native=native)
+    if native:
+        assert torch.equal(dequantize(quantized(w)), w)
     x = torch.randn(2, k, generator=g)
     assert torch.allclose(linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-4)
 
@@ -91,18 +102,21 @@ def test_a_weight_changed_in_place_is_no_longer_quantized():
     assert torch.allclose(linear(x, w), F.linear(x, w), atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_drafters_are_lossless_against_the_quantized_target(tiny_llama_dir, kind):
+@pytest.mark.parametrize("kind,activations", [("int8", "float"), ("int4", "float"), pytest.param(
+    "int4", "int8", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="needs the native CPU kernels"))])
+def test_drafters_are_lossless_against_the_quantized_target(tiny_llama_dir, kind, activations):
     """Greedy decoding of a quantized target, requests arriving at different steps: plain and
     speculative decoding (a truncated target as draft model, sharing the quantized weights; n-gram)
-    give the same tokens."""
+    give the same tokens, with the activations as they are or quantized to int8."""
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 17, 9)]
     prompts.append([7, 100, 42, 9, 250, 31, 7, 100, 42, 9, 250, 31, 7, 100])
     engine = make_llm_engine(tiny_llama_dir, ("none", "ngram", "draft_model"),
-                             {"draft_model": {"draft_layers": 1}}, quantization=kind)
+                             {"draft_model": {"draft_layers": 1}}, quantization=kind,
+                             quantized_activations=activations)
     layer = engine.model.layers[0]
     assert all(quantized(w).kind == kind for w in (layer.qkv.weight, layer.down.weight))
+    assert quantized(layer.qkv.weight).int8_act == (activations == "int8")
     assert quantized(engine.model.lm_head_weight).kind == "int8"     # the LM head keeps 8 bits
     memory = engine.get_stats().memory_bytes
     assert 0 < memory["quantized"] < memory["weights"] / (3 if kind == "int8" else 6)
@@ -152,18 +166,24 @@ def test_a_gguf_model_is_served_quantized_by_default_and_an_hf_folder_is_not(def
         make_llm_engine(tiny_llama_dir, quantization="gguf")
 
 
-def test_the_gguf_served_default_model_computes_the_dequantized_models_logits_closely(default_model):
-    """The default model served as its GGUF stores it (int4 projections, int8 head; bf16 activations
-    where the CPU has them) against transformers on the dequantized fp32 weights, every row of three
-    chat prompts: cosine similarity >= 0.99, mean |difference| < 3 % of the logits' spread, the
-    same top-1 token on >= 95 % of rows (measured 2026-11-27: 0.995, 1.7 %, 100 %; the top bin of
-    the int8 head's bf16 logits recomputed in fp32, without which 2 rows of 111 tied and took the
-    lower token id)."""
+@pytest.mark.parametrize("activations", ["float", pytest.param("int8", marks=pytest.mark.skipif(
+    not cpu_kernels.available(), reason="int8 activations need the native CPU kernels"))])
+def test_the_gguf_served_default_model_computes_the_dequantized_models_logits_closely(default_model, activations):
+    """The default model served as its GGUF stores it (int4 projections, int8 head; fp32 activations
+    in the native kernels, else bf16 where the CPU has them) against transformers on the dequantized
+    fp32 weights, every row of three chat prompts: cosine similarity >= 0.99, mean |difference| < 3 %
+    of the logits' spread, the same top-1 token on >= 95 % of rows (measured 2026-11-27: native
+    0.9998, 0.7 %, 100 %; torch's kernels with bf16 0.995, 1.7 %, 100 %, the top bin of the int8
+    head's bf16 logits recomputed in fp32, without which 2 rows of 111 tied and took the lower token
+    id). With int8 activations (opt-in) the bounds are llama.cpp's on the same prompts (0.991,
+    2.6 %, 94.6 %) loosened: cosine >= 0.96, mean < 5 %, top-1 >= 90 % (measured 0.973, 3.7 %,
+    94.6 %)."""
     from specserve.bench.common import build_hf_model, chat_ids
 
     hf = build_hf_model(default_model)
     engine = make_llm_engine("default", loaded=default_model, quantization="gguf", max_model_len=256,
-                             num_kv_blocks=32, block_size=16)
+                             num_kv_blocks=32, block_size=16, quantized_activations=activations)
+    cos, mean, top1 = (0.99, 0.03, 0.95) if activations == "float" else (0.96, 0.05, 0.90)
     for text in ("What is the capital of France?", "Write a haiku about autumn.", "def quicksort(xs):"):
         ids = chat_ids(default_model.tokenizer, text)
         cache = KVCache(engine.model_config.num_layers, 16, 16, engine.model_config.num_kv_heads,
@@ -172,9 +192,9 @@ def test_the_gguf_served_default_model_computes_the_dequantized_models_logits_cl
         with torch.inference_mode():
             want = hf(torch.tensor([ids])).logits[0]
             got = engine.model.compute_logits(engine.model(torch.tensor(ids), positions, cache, meta))
-        assert F.cosine_similarity(got, want, dim=-1).min() >= 0.99
-        assert (got - want).abs().mean() < 0.03 * want.std()
-        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+        assert F.cosine_similarity(got, want, dim=-1).min() >= cos
+        assert (got - want).abs().mean() < mean * want.std()
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= top1
 
 
 def test_an_unknown_quantization_is_refused():

@@ -1,9 +1,10 @@
 """kernels/cpu.py (the native CPU kernels) against their torch references: RMSNorm with and
 without the residual add, SiLU-mul, RoPE with the cache write, each from and to fp32 and bf16; the fused RoPE + attention call;
 paged attention against the per-sequence oracle over a ragged batch (decode rows, a draft tree, a
-chain, a prefill chunk, scattered blocks, grouped-query heads); every row computed alone, bit for
-bit, whatever the batch; a decoder layer through the kernels against the layer in torch ops; and
-the build falling back when no compiler works."""
+chain, a prefill chunk, scattered blocks, grouped-query heads); the int4 / int8 weight-only matmuls
+against their unpacked weights, built for AVX-512, AVX2 and plain x86-64; every row computed alone,
+bit for bit, whatever the batch; a decoder layer through the kernels against the layer in torch
+ops; and the build falling back when no compiler works."""
 
 from __future__ import annotations
 
@@ -158,6 +159,79 @@ def test_a_decoder_layer_through_the_kernels_gives_the_torch_layers_output(monke
         outs.append((first, second, cache.kv.clone()))
     for got, want in zip(outs[0], outs[1]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+KINDS = ["int4", "int8", "int4-a8"]
+
+
+def _quantized(kind, n, k, seed=0):
+    """(packed codes, scales, a function x -> the product in float64 by the kernel's maths) for a
+    random [n, k] weight as `kind`."""
+    from specserve.engine.quant import int4_codes, int8_codes
+
+    w = _rand(n, k, seed=seed, scale=0.05)
+    if kind == "int8":
+        codes, scales = cpu.pack_int8(*int8_codes(w))
+        unpacked = cpu.unpack_int8(codes, scales)
+    elif kind == "int4":
+        codes, scales = cpu.pack_int4(*int4_codes(w))
+        unpacked = cpu.unpack_int4(codes, scales)
+    else:
+        q, s, lo = int4_codes(w)
+        codes, scales = cpu.pack_int4_a8(q, s, lo)
+        assert torch.equal(cpu.unpack_int4_a8(codes, scales), cpu.unpack_int4(*cpu.pack_int4(q, s, lo)))
+        return codes, scales, lambda x: cpu.quant_matmul_a8_reference(x, q, s, lo)
+    return codes, scales, lambda x: x.double() @ unpacked.double().T
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", [(16, 32), (208, 96), (960, 576)])
+def test_quant_matmul_computes_its_reference(kind, n, k):
+    """int4 / int8 with fp32 activations: x @ W^T of the unpacked weight (fp32 rounding); int4 with
+    int8 activations: the activations quantized per group of 32 as the reference quantizes them,
+    then the weights' integer dot products scaled (the same codes to the bit, fp32 rounding)."""
+    codes, scales, reference = _quantized(kind, n, k)
+    for rows in (1, 2, 3, 5, 8, 9, 12, 13, 30):
+        x = _rand(rows, k, seed=rows)
+        want = reference(x).float()
+        torch.testing.assert_close(cpu.quant_matmul(x, kind, codes, scales, n), want, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_activations_round_half_away_from_zero():
+    qx, dx, sx = cpu.quantize_rows_q8_reference(torch.tensor([[127.0, -63.5, 0.49, -0.5] + [0.0] * 28]))
+    assert qx[0, :4].tolist() == [127, -64, 0, -1] and dx.item() == 1.0 and sx.item() == 127 - 64 - 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_quant_matmul_row_is_the_same_whatever_the_other_rows(kind):
+    """Every row block size and tile step computes a row by the same chain of operations: a tree
+    row verified among 1..30 others equals that row multiplied alone, bit for bit."""
+    n, k = 16 * 21, 96          # 21 tiles: steps of 8, 4, 2 and 1 all occur
+    codes, scales, _ = _quantized(kind, n, k)
+    x = _rand(30, k, seed=7)
+    alone = torch.cat([cpu.quant_matmul(x[i:i + 1], kind, codes, scales, n) for i in range(30)])
+    for rows in (2, 3, 4, 7, 8, 9, 12, 13, 25, 30):
+        assert torch.equal(cpu.quant_matmul(x[:rows], kind, codes, scales, n), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("march,exact", [("x86-64-v3", True), ("x86-64", False)])
+def test_the_quant_matmul_builds_for_other_cpus(monkeypatch, tmp_path, march, exact):
+    """Built for AVX2 + FMA (x86-64-v3: no AVX-512, no VNNI) the kernels compute this machine's
+    numbers bit for bit; for plain x86-64 (no FMA: a product rounded before its add) to fp32
+    rounding. Runs where this CPU executes the build."""
+    x = _rand(13, 96, seed=3)
+    weights = {kind: _quantized(kind, 208, 96)[:2] for kind in KINDS}
+    here = {kind: cpu.quant_matmul(x, kind, *weights[kind], 208) for kind in KINDS}
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "FLAGS", [f"-march={march}" if f == "-march=native" else f for f in cpu.FLAGS])
+    monkeypatch.setattr(cpu, "_lib", None)
+    assert cpu.library() is not None
+    for kind in KINDS:
+        got = cpu.quant_matmul(x, kind, *weights[kind], 208)
+        if exact:
+            assert torch.equal(got, here[kind]), kind
+        else:
+            torch.testing.assert_close(got, here[kind], rtol=1e-5, atol=1e-5)
 
 
 def test_a_tensor_that_needs_gradients_is_left_to_the_torch_ops():

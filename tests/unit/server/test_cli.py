@@ -24,9 +24,9 @@ def test_engine_defaults_match_engine_config():
 
 
 def test_quantization_choices_match_the_engine():
-    from specserve.engine.quant import QUANTIZATIONS
+    from specserve.engine.quant import ACTIVATIONS, QUANTIZATIONS
 
-    assert cli.QUANTIZATIONS == QUANTIZATIONS
+    assert cli.QUANTIZATIONS == QUANTIZATIONS and cli.ACTIVATIONS == ACTIVATIONS
 
 
 def test_kv_cache_dtype_choices_match_the_engine():
