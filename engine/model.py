@@ -461,13 +461,45 @@ class LlamaModel(nn.Module):
         if 0 in slots:
             captured[:, slots[0]] = h
         delta = None
-        for i, layer in enumerate(self.layers):
-            h, delta = layer.forward_native(native, h, delta, rope, *kv_cache.layer(i), meta)
-            if i + 1 in slots:
-                captured[:, slots[i + 1]] = h + delta     # the add the next norm makes, in the same fp32
+        stack = self._native_stack(native, kv_cache)
+        if stack is not None:       # every layer's projections native: runs of layers in one call each
+            first = self.layers[0]
+            h, delta, prev = h.contiguous(), torch.empty_like(h), 0
+            for end in sorted({k for k in slots if k > 0} | {len(self.layers)}):
+                native.decoder_layers(stack, prev, end - prev, h, delta, prev > 0, rope, meta,
+                                      intermediate=self.cfg.intermediate_size, num_heads=first.num_heads,
+                                      num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, eps=first.eps,
+                                      scale=first.scale)
+                if end in slots:
+                    captured[:, slots[end]] = h + delta
+                prev = end
+        else:
+            for i, layer in enumerate(self.layers):
+                h, delta = layer.forward_native(native, h, delta, rope, *kv_cache.layer(i), meta)
+                if i + 1 in slots:
+                    captured[:, slots[i + 1]] = h + delta     # the add the next norm makes, in the same fp32
         out = native.rms_norm(h, self.norm, self.cfg.rms_norm_eps) if delta is None else \
             native.add_rms_norm(delta, h, self.norm, self.cfg.rms_norm_eps)[0]
         return out if not capture_layers else (out, captured)
+
+    def _native_stack(self, native, kv_cache):
+        """The layers as `kernels.cpu.layer_params` for `decoder_layers` when every projection is a
+        native quantized weight without bias (else None), kept while the weights' quantized copies
+        (each still current) and the cache stay the same."""
+        cached = self.__dict__.get("_stack")
+        if cached is not None and cached[0] == kv_cache.kv.data_ptr() and all(
+                getattr(w, "_specserve_quant", None) is q and q.version == w._version for w, q in cached[2]):
+            return cached[1]
+        weights = [getattr(layer, name).weight for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        qs = [quantized(w) for w in weights]
+        if any(q is None or not q.native for q in qs) or any(layer.qkv.bias is not None for layer in self.layers):
+            return None
+        params = native.layer_params([
+            (layer.input_norm, layer.post_attn_norm,
+             [("int4-a8" if q.int8_act else q.kind, q.data, q.scales, q.shape[0]) for q in qs[4 * i:4 * i + 4]],
+             *kv_cache.layer(i)) for i, layer in enumerate(self.layers)])
+        self.__dict__["_stack"] = (kv_cache.kv.data_ptr(), params, list(zip(weights, qs)))   # keeps the tensors alive
+        return params
 
     def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, capture_layers: tuple[int, ...], step):
         """`forward` with each decoder layer run by `step(i, layer, h, rope) -> h` (the eager layer

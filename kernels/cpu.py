@@ -59,6 +59,8 @@ _SIGNATURES = {
     "rope_cache": [_p, _int, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _int],
     "paged_attention": [_p, _p, _p, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _f, _int],
     "quant_matmul": [_int, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _int],   # returns int
+    "decoder_layers": [_p, _i64, _p, _p, _int, _i64, _i64, _i64, _i64, _i64, _i64, _f, _f, _p, _p, _p, _i64, _p, _p, _p,
+                       _i64, _i64, _p, _p, _p, _int],   # returns int
     "rope_cache_attention": [_p, _int, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64,
                              _i64, _i64, _f, _int],
 }
@@ -110,7 +112,7 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, (_int if name == "quant_matmul" else None)
+        fn.argtypes, fn.restype = args, (_int if name in ("quant_matmul", "decoder_layers") else None)
     return lib
 
 
@@ -314,6 +316,43 @@ def quant_matmul(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.
     return out
 
 
+class LayerParams(ctypes.Structure):
+    """One decoder layer for `decoder_layers` (`cpu_kernels.c` layer_params): its two norm weights,
+    its four quantized projections (qkv, o, gate_up, down: packed codes, scales, `KINDS` id, output
+    width) and its KV cache."""
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("codes", _p * 4), ("scales", _p * 4), ("kind", _i64 * 4),
+                ("n", _i64 * 4), ("k_cache", _p), ("v_cache", _p)]
+
+
+def layer_params(layers: list[tuple]) -> ctypes.Array:
+    """An array of `LayerParams` from (input_norm, post_norm, [(kind, codes, scales, n) x 4], k_cache,
+    v_cache) per layer. It holds raw pointers: the tensors must outlive it."""
+    arr = (LayerParams * len(layers))()
+    for p, (input_norm, post_norm, projections, k_cache, v_cache) in zip(arr, layers):
+        p.input_norm, p.post_norm = input_norm.data_ptr(), post_norm.data_ptr()
+        for j, (kind, codes, scales, n) in enumerate(projections):
+            p.codes[j], p.scales[j], p.kind[j], p.n[j] = codes.data_ptr(), scales.data_ptr(), KINDS[kind], n
+        p.k_cache, p.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    return arr
+
+
+def decoder_layers(params: ctypes.Array, start: int, count: int, h: torch.Tensor, delta: torch.Tensor,
+                   has_delta: bool, rope, meta, *, intermediate: int, num_heads: int, num_kv_heads: int,
+                   head_dim: int, eps: float, scale: float) -> None:
+    """Layers `start` .. `start + count - 1` of `params` (`layer_params`) in one call, in place on the
+    residual stream h + delta (h, delta [T, hidden] fp32 contiguous; `has_delta`: whether delta holds
+    one on entry; delta holds the last layer's output after): the calls of
+    `engine.model.DecoderLayer.forward_native` one after the other, the same numbers."""
+    cos, sin_signed = rope.cos.contiguous(), rope.sin_signed.contiguous()
+    slots = meta.slot_mapping.contiguous()
+    rc = library().decoder_layers(
+        ctypes.addressof(params) + start * ctypes.sizeof(LayerParams), count, h.data_ptr(), delta.data_ptr(),
+        int(has_delta), h.shape[0], h.shape[1], intermediate, num_heads, num_kv_heads, head_dim, eps, scale,
+        cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), *_metadata_args(meta), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("decoder_layers: no scratch memory")
+
+
 def _metadata_args(meta) -> tuple:
     """The attention kernels' metadata arguments (`engine.attention.AttnMetadata`, packed): sequences,
     cu_query_lens, context_lens, block tables with their width and block size, mask offsets, widths
@@ -362,5 +401,5 @@ def rope_and_cache_reference(qkv, cos, sin_signed, slots, k_cache, v_cache, num_
     return q
 
 
-__all__ = ["attend", "available", "add_rms_norm", "has_vnni", "library", "pack_int4", "pack_int4_a8", "pack_int8", "paged_attention", "quant_matmul",
+__all__ = ["LayerParams", "attend", "available", "add_rms_norm", "decoder_layers", "has_vnni", "layer_params", "library", "pack_int4", "pack_int4_a8", "pack_int8", "paged_attention", "quant_matmul",
            "rms_norm", "rope_and_cache", "silu_mul", "unpack_int4", "unpack_int4_a8", "unpack_int8", "usable"]

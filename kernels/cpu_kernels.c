@@ -78,6 +78,39 @@ typedef float v4 __attribute__((vector_size(16)));
 
 static inline v16 load16(const float *p) { return *(const v16u *)p; }
 
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+static inline v16 select16(i32x16 mask, v16 a, v16 b) { return (v16)(((i32x16)a & mask) | ((i32x16)b & ~mask)); }
+
+/* exp_f on 16 lanes, each lane by exp_f's float operations (so bit for bit exp_f's values) */
+static inline v16 exp16(v16 x) {
+    x = select16(x < -87.3f, (v16){0} - 87.3f, select16(x > 88.3f, (v16){0} + 88.3f, x));
+    v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    v16 r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16 p = (v16){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    v16 y = p * (r * r) + r + 1.0f;
+    i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    return y * (v16)e;
+}
+
+/* eg[t] = exp_f(eg[t] - mx) for t < n, 16 lanes at a time (the tail through a padded vector) */
+static inline void exp_shifted(float *eg, int64_t n, float mx) {
+    int64_t t = 0;
+    for (; t + LANES <= n; t += LANES) *(v16u *)(eg + t) = exp16(load16(eg + t) - mx);
+    if (t < n) {
+        float tmp[LANES] = {0};
+        memcpy(tmp, eg + t, sizeof(float) * (n - t));
+        v16 v = exp16(load16(tmp) - mx);
+        memcpy(eg + t, &v, sizeof(float) * (n - t));
+    }
+}
+
 /* the 16 lanes of a folded in a fixed tree */
 static inline float hsum16(v16 a) {
     v8 s8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -302,7 +335,7 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
                 float mx = D == 64 ? scores_4(q + o, kh, keys, n, Hkv * D, scale, eg)
                          : D == 128 ? scores_8(q + o, kh, keys, n, Hkv * D, scale, eg)
                          : scores_any(q + o, kh, keys, n, Hkv * D, D, scale, eg);
-                for (int64_t t = 0; t < n; t++) eg[t] = exp_f(eg[t] - mx);
+                exp_shifted(eg, n, mx);
                 if (D == 64) wsum_4(eg, vh, keys, n, Hkv * D, a);
                 else if (D == 128) wsum_8(eg, vh, keys, n, Hkv * D, a);
                 else wsum_any(eg, vh, keys, n, Hkv * D, D, a);
@@ -352,8 +385,6 @@ void rope_cache_attention(const void *qkv, int qkv_bf16, const float *cos, const
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
 #if defined(__AVX512F__)
 #include <immintrin.h>
 static inline i32x16 widen_u8(const uint8_t *p) { return (i32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
@@ -657,3 +688,53 @@ int quant_matmul(int kind, const float *x, int64_t ldx, const void *codes, const
     return 0;
 }
 #pragma GCC pop_options
+
+/* ---- decoder layers in one call ----------------------------------------------------------------
+ * A run of Llama decoder layers whose four projections are all native quantized weights (no bias),
+ * each layer the calls that kernels/cpu.py makes one by one (engine.model.DecoderLayer.forward_native):
+ *     x = rms_norm(h [+= delta])           qkv = x W_qkv^T     attn = rope_cache_attention(qkv)
+ *     x = rms_norm(h += attn W_o^T)        delta = silu_mul(x W_gu^T) W_down^T
+ * with the residual stream h + delta carried between layers (delta written to `delta` at the end;
+ * has_delta: whether `delta` holds one on entry). The same functions, so the same numbers, minus
+ * the per-call overhead of ~8 calls a layer from Python.
+ */
+typedef struct {
+    const float *input_norm, *post_norm;
+    const void *codes[4], *scales[4];     /* qkv, o, gate_up, down */
+    int64_t kind[4], n[4];
+    float *k_cache, *v_cache;
+} layer_params;
+
+int decoder_layers(const layer_params *layers, int64_t num_layers, float *h, float *delta, int has_delta, int64_t T,
+                   int64_t hidden, int64_t inter, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
+                   const float *cos, const float *sin_signed, const int64_t *slots, int64_t num_seqs,
+                   const int32_t *cu_q, const int32_t *context_lens, const int32_t *block_tables, int64_t table_width,
+                   int64_t block_size, const int32_t *mask_offsets, const int32_t *mask_widths,
+                   const uint8_t *mask_data, int nthreads) {
+    const int64_t nqkv = (H + 2 * Hkv) * D;
+    float *x = malloc(sizeof(float) * T * (hidden + nqkv + H * D + 3 * inter + hidden));
+    if (!x) return -1;
+    float *qkv = x + T * hidden, *attn = qkv + T * nqkv, *gu = attn + T * H * D, *act = gu + T * 2 * inter;
+    float *o = act + T * inter;
+    int rc = 0;
+    for (int64_t l = 0; l < num_layers && rc == 0; l++) {
+        const layer_params *p = layers + l;
+        if (has_delta) rms_norm(delta, 0, h, h, p->input_norm, x, 0, T, hidden, eps, nthreads);
+        else rms_norm(h, 0, NULL, NULL, p->input_norm, x, 0, T, hidden, eps, nthreads);
+        rc |= quant_matmul((int)p->kind[0], x, hidden, p->codes[0], p->scales[0], qkv, nqkv, T, nqkv, hidden, nthreads);
+        rope_cache_attention(qkv, 0, cos, sin_signed, slots, p->k_cache, p->v_cache, attn, 0, num_seqs, cu_q,
+                             context_lens, block_tables, table_width, block_size, mask_offsets, mask_widths,
+                             mask_data, H, Hkv, D, scale, nthreads);
+        rc |= quant_matmul((int)p->kind[1], attn, H * D, p->codes[1], p->scales[1], o, hidden, T, hidden, H * D,
+                           nthreads);
+        rms_norm(o, 0, h, h, p->post_norm, x, 0, T, hidden, eps, nthreads);
+        rc |= quant_matmul((int)p->kind[2], x, hidden, p->codes[2], p->scales[2], gu, 2 * inter, T, 2 * inter, hidden,
+                           nthreads);
+        silu_mul(gu, 0, act, 0, T, inter, nthreads);
+        rc |= quant_matmul((int)p->kind[3], act, inter, p->codes[3], p->scales[3], delta, hidden, T, hidden, inter,
+                           nthreads);
+        has_delta = 1;
+    }
+    free(x);
+    return rc;
+}

@@ -164,6 +164,74 @@ def test_a_decoder_layer_through_the_kernels_gives_the_torch_layers_output(monke
 KINDS = ["int4", "int8", "int4-a8"]
 
 
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_quantized_layers_in_one_call_compute_what_they_compute_one_by_one(activations, monkeypatch):
+    """A 3-layer Llama with every projection quantized to int4 (native): the forward runs its layers
+    in one native call, or in one call per run between captured layers; each way gives, bit for bit,
+    what the layers give called one by one (`DecoderLayer.forward_native`), captured states and the
+    KV cache included."""
+    import transformers
+
+    from specserve.engine.config import ModelConfig
+    from specserve.engine.kv_cache import KVCache
+    from specserve.engine.model import LlamaModel, rope_at
+    from specserve.engine.quant import quantize_model
+
+    hf_cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    sd = transformers.LlamaForCausalLM(hf_cfg).state_dict()
+    model = LlamaModel.from_state_dict(ModelConfig.from_hf(hf_cfg), sd, max_positions=64, dtype=torch.float32,
+                                       device=torch.device("cpu"))
+    assert quantize_model(model, "int4", int8_act=activations == "int8")["weights"] == 3 * 4 + 1
+    tree = build_tree_buffers([NO_PARENT, 0, 0, 1])
+    steps = [(torch.tensor([1, 5, 9, 2, 7, 3, 3, 8]), [[0, 1], [2, 3]], [0, 0], [5, 3], None),
+             (torch.tensor([4, 6, 8, 10]), [[0, 1, 2]], [5], [4], [tree.mask])]
+
+    def by_layer(cache):
+        outs = []
+        for ids, tables, starts, lens, masks in steps:
+            pos, meta = build_attn_metadata(tables, 4, starts, lens, masks, "cpu")
+            if masks:
+                pos = starts[0] + tree.depths
+            h, delta = model.embed(ids), None
+            rope = rope_at(model.rope_cos, model.rope_sin, pos, h.dtype)
+            states = [h]
+            for i, layer in enumerate(model.layers):
+                h, delta = layer.forward_native(cpu, h, delta, rope, *cache.layer(i), meta)
+                states.append(h + delta)
+            outs.append((cpu.add_rms_norm(delta, h, model.norm, model.cfg.rms_norm_eps)[0], torch.stack(states, 1)))
+        return outs
+
+    def stacked(cache, capture):
+        outs = []
+        for ids, tables, starts, lens, masks in steps:
+            pos, meta = build_attn_metadata(tables, 4, starts, lens, masks, "cpu")
+            if masks:
+                pos = starts[0] + tree.depths
+            outs.append(model(ids, pos, cache, meta, capture_layers=capture))
+        return outs
+
+    runs = []
+    real = cpu.decoder_layers
+    monkeypatch.setattr(cpu, "decoder_layers", lambda params, start, count, *a, **k: (
+        runs.append((start, count)), real(params, start, count, *a, **k))[1])
+    with torch.inference_mode():
+        ref_cache = KVCache(3, 4, 4, 2, 16, torch.float32, torch.device("cpu"))
+        want = by_layer(ref_cache)
+        for capture, calls in (((), [(0, 3)]), ((0, 1, 2, 3), [(0, 1), (1, 1), (2, 1)]), ((2,), [(0, 2), (2, 1)])):
+            cache = KVCache(3, 4, 4, 2, 16, torch.float32, torch.device("cpu"))
+            runs.clear()
+            got = stacked(cache, capture)
+            assert runs == calls * len(steps)
+            for g, (out, states) in zip(got, want):
+                if capture:
+                    g, captured = g
+                    assert torch.equal(captured, states[:, list(capture)])
+                assert torch.equal(g, out)
+            assert torch.equal(cache.kv, ref_cache.kv)
+
+
 def _quantized(kind, n, k, seed=0):
     """(packed codes, scales, a function x -> the product in float64 by the kernel's maths) for a
     random [n, k] weight as `kind`."""
