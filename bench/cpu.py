@@ -1,7 +1,8 @@
 """specserve against the CPU anchors on the same GGUF, in one invocation:
 
     specserve bench cpu [--datasets mt_bench humaneval gsm8k] [--num-prompts 4] [--max-tokens 128]
-        [--threads 2] [--drafters ngram mag medusa eagle] [--quantization auto] [--compile]
+        [--threads 2] [--drafters ngram mag medusa eagle] [--quantization auto]
+        [--quantized-activations float|int8] [--compile]
         [--llama-python PATH] [--streams 16] [--no-hf]
 
 Batch 1, greedy, `--max-tokens` new tokens per prompt (EOS ignored), the same chat prompts and the
@@ -40,7 +41,7 @@ from specserve.bench.spec_decode import run_engine_batch
 from specserve.engine.config import EngineConfig
 from specserve.engine.core import LLMEngine
 from specserve.engine.loader import load_model, locate_default_gguf
-from specserve.engine.quant import QUANTIZATIONS
+from specserve.engine.quant import ACTIVATIONS, QUANTIZATIONS
 from specserve.engine.sampling_params import SamplingParams
 from specserve.kernels import cpu as native_kernels
 
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafters", nargs="*", default=["ngram", "mag", "medusa", "eagle"])
     ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                     help="specserve's weights (default: %(default)s, as served)")
+    ap.add_argument("--quantized-activations", default="float", choices=ACTIVATIONS,
+                    help="what specserve's int4 weights multiply (default: %(default)s)")
     ap.add_argument("--compile", action="store_true", help="specserve with its compiled CPU forward")
     ap.add_argument("--llama-python", default=None, help="the Python of an environment with llama-cpp-python")
     ap.add_argument("--lookup-tokens", type=int, default=10, help="llama.cpp prompt lookup's draft length")
@@ -120,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_model_len=2048,
                                     max_num_seqs=max(1, args.streams), max_num_batched_tokens=2048,
                                     drafters=("none", *args.drafters), quantization=args.quantization,
-                                    compile=args.compile), loaded=loaded)
+                                    quantized_activations=args.quantized_activations, compile=args.compile),
+                       loaded=loaded)
     prompts = {ds: [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, args.num_prompts)] for ds in args.datasets}
     hf = build_hf_model(loaded) if args.hf else None
     python = llama_python(args.llama_python)
@@ -174,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info("cpu"),
         "model": loaded.name, "gguf": gguf.name, "threads": threads, "quantization": engine.quantization,
         "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."), "compiled": args.compile,
+        "quantized_activations": args.quantized_activations,
         "native_kernels": native_kernels.available(),
         "torch": torch.__version__, "llama_cpp": llama.version if llama else None,
         "datasets": list(prompts), "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
@@ -216,7 +221,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {m} | " + " | ".join(f"{per[d]:.1f}" for d in ds) + f" | {mean:.1f} | {ratio} | "
                      f"{result['same_as_plain'].get(m, '–')} |")
     layer = {True: ", native CPU kernels", False: ", torch ops (no native CPU kernels)"}.get(result.get("native_kernels"), "")
-    notes = [f"specserve: {quant} weights, KV cache {result['kv_cache_dtype']}{layer}"
+    acts = " with int8 activations" if result.get("quantized_activations") == "int8" else ""
+    notes = [f"specserve: {quant} weights{acts}, KV cache {result['kv_cache_dtype']}{layer}"
              f"{', compiled forward' if result.get('compiled') else ''}; memory at load (MiB): "
              + ", ".join(f"{k} {v}" for k, v in result["memory_mib"].items()) + "."]
     notes.append(f"llama.cpp: llama-cpp-python {result['llama_cpp']}." if result.get("llama_cpp") else
