@@ -437,12 +437,16 @@ static inline v16 load_half16(const uint16_t *p) {
 }
 #endif
 
+#if defined(__AVX512F__)
+#define QMM_WIDE 1          /* 32 vector registers: big blocks */
 #define QMM_MAX_ROWS 12     /* rows per block (fp32 activations) */
 #define QMM_MAX_ROWS_A8 8   /* rows per block (int8 activations: an integer and a float accumulator each) */
-#define QMM_MAX_TILES 8     /* tiles of 16 outputs per step */
-#ifndef QMM_PREFETCH
-#define QMM_PREFETCH 4096   /* bytes ahead in a tile's codes */
+#else
+#define QMM_WIDE 0          /* 16 registers of half a 16-lane vector: small blocks */
+#define QMM_MAX_ROWS 4
+#define QMM_MAX_ROWS_A8 4
 #endif
+#define QMM_MAX_TILES 8     /* tiles of 16 outputs per step */
 #define QMM_CHUNK 8         /* tiles whose weights every row block reads while they are in cache */
 
 static inline __attribute__((always_inline)) void q4_block(const float *x, int64_t ldx, const int M, const int NT,
@@ -548,7 +552,6 @@ static inline __attribute__((always_inline)) void q4a8_block(const int8_t *qx, c
 #pragma GCC unroll 8
             for (int t = 0; t < NT; t++) {
                 u8x64 w;
-                __builtin_prefetch(codes + t * tile_codes + (g * 4 + j) * 64 + QMM_PREFETCH);
                 memcpy(&w, codes + t * tile_codes + (g * 4 + j) * 64, 64);
                 const u8x64 lo = w & 15, hi = w >> 4;
 #pragma GCC unroll 8
@@ -617,17 +620,26 @@ typedef struct { const int8_t *qx; const float *dx, *sx; } a8_rows;
 static void qmm_step(int kind, const float *x, int64_t ldx, const a8_rows *a8, int M, int NT, const void *codes,
                      const void *scales, int64_t K, float *y, int64_t ldy) {
     switch (NT * 16 + M) {
-    case 8 * 16 + 1: QMM_CALL(1, 8); break;
-    case 4 * 16 + 1: QMM_CALL(1, 4); break;
-    case 4 * 16 + 2: QMM_CALL(2, 4); break;
     case 2 * 16 + 1: QMM_CALL(1, 2); break;
     case 2 * 16 + 2: QMM_CALL(2, 2); break;
-    case 2 * 16 + 3: QMM_CALL(3, 2); break;
-    case 2 * 16 + 4: QMM_CALL(4, 2); break;
     case 1 * 16 + 1: QMM_CALL(1, 1); break;
     case 1 * 16 + 2: QMM_CALL(2, 1); break;
     case 1 * 16 + 3: QMM_CALL(3, 1); break;
     case 1 * 16 + 4: QMM_CALL(4, 1); break;
+#if QMM_WIDE
+    case 8 * 16 + 1: QMM_CALL(1, 8); break;
+    case 4 * 16 + 1: QMM_CALL(1, 4); break;
+    case 4 * 16 + 2: QMM_CALL(2, 4); break;
+    case 2 * 16 + 3: QMM_CALL(3, 2); break;
+    case 2 * 16 + 4: QMM_CALL(4, 2); break;
+    case 2 * 16 + 5: QMM_CALL(5, 2); break;
+    case 2 * 16 + 6: QMM_CALL(6, 2); break;
+    case 2 * 16 + 7: QMM_CALL(7, 2); break;
+    case 2 * 16 + 8: QMM_CALL(8, 2); break;
+    case 2 * 16 + 9: QMM_CALL(9, 2); break;
+    case 2 * 16 + 10: QMM_CALL(10, 2); break;
+    case 2 * 16 + 11: QMM_CALL(11, 2); break;
+    case 2 * 16 + 12: QMM_CALL(12, 2); break;
     case 1 * 16 + 5: QMM_CALL(5, 1); break;
     case 1 * 16 + 6: QMM_CALL(6, 1); break;
     case 1 * 16 + 7: QMM_CALL(7, 1); break;
@@ -636,10 +648,21 @@ static void qmm_step(int kind, const float *x, int64_t ldx, const a8_rows *a8, i
     case 1 * 16 + 10: QMM_CALL(10, 1); break;
     case 1 * 16 + 11: QMM_CALL(11, 1); break;
     case 1 * 16 + 12: QMM_CALL(12, 1); break;
+#endif
     }
 }
 
-static inline int qmm_tiles(int M) { return M == 1 ? 8 : (M == 2 ? 4 : (M <= 4 ? 2 : 1)); }
+/* tiles per step for a block of M rows: enough independent chains, few enough accumulators for the
+ * registers (32 vectors with AVX-512; with AVX2 a 16-lane vector is two of its 16 registers) */
+static inline int qmm_tiles(int kind, int M) {
+#if QMM_WIDE
+    if (kind == 5) return M == 1 ? 8 : (M == 2 ? 4 : (M <= 4 ? 2 : 1));
+    return M == 1 ? 8 : (M == 2 ? 4 : 2);
+#else
+    (void)kind;
+    return M <= 2 ? 2 : 1;
+#endif
+}
 
 /* kind 4 (int4 weights, fp32 activations), 8 (int8 weights) or 5 (int4 weights, int8 activations);
  * x [M, K] fp32 (row stride ldx), y [M, N] fp32 (row stride ldy); N a multiple of 16, K of 32
@@ -675,7 +698,7 @@ int quant_matmul(int kind, const float *x, int64_t ldx, const void *codes, const
                 const int rows = (int)(r1 - r0);
                 const a8_rows a8b = {a8.qx + r0 * K, a8.dx + r0 * (K / 32), a8.sx + r0 * (K / 32)};
                 for (int64_t t = c; t < c1;) {
-                    int step = qmm_tiles(rows);
+                    int step = qmm_tiles(kind, rows);
                     while (t + step > c1) step /= 2;
                     qmm_step(kind, x + r0 * ldx, ldx, &a8b, rows, step, (const char *)codes + t * tile_codes,
                              (const char *)scales + t * tile_scales, K, y + r0 * ldy + t * 16, ldy);
