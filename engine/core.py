@@ -125,6 +125,10 @@ class LLMEngine:
         the shapes steps use, before the step cost is calibrated or a request served."""
         from specserve.engine.compiled import CompiledForward, compile_available
 
+        if self.model.runs_natively(self.cache):
+            logger.info("--compile: the layer stack already runs as one call of the native CPU kernels; "
+                        "nothing to compile")
+            return
         if not compile_available():
             logger.warning("no C++ compiler found: the forward runs eagerly (install g++ for torch.compile)")
             return

@@ -482,6 +482,12 @@ class LlamaModel(nn.Module):
             native.add_rms_norm(delta, h, self.norm, self.cfg.rms_norm_eps)[0]
         return out if not capture_layers else (out, captured)
 
+    def runs_natively(self, kv_cache) -> bool:
+        """Whether `forward` hands the whole layer stack to the native CPU kernels (every projection
+        a native quantized weight, `kernels/cpu.py` `decoder_layers`)."""
+        native = cpu_kernels(self.norm)
+        return native is not None and self._native_stack(native, kv_cache) is not None
+
     def _native_stack(self, native, kv_cache):
         """The layers as `kernels.cpu.layer_params` for `decoder_layers` when every projection is a
         native quantized weight without bias (else None), kept while the weights' quantized copies

@@ -16,6 +16,7 @@ from specserve.engine.attention import build_attn_metadata
 from specserve.engine.compiled import CompiledForward, compile_available
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.sampling_params import SamplingParams
+from specserve.kernels import cpu as cpu_kernels
 from tests.helpers import make_llm_engine, run_requests
 
 pytestmark = pytest.mark.skipif(not compile_available(), reason="torch.compile needs a C++ compiler")
@@ -54,11 +55,25 @@ def test_the_compiled_forward_computes_what_the_eager_one_does(tiny_llama_dir):
         compiled(ids, positions, caches[1], meta, (cfg.num_layers + 1,))
 
 
-def test_an_engine_that_compiles_serves_the_same_tokens_and_its_drafters_stay_lossless(tiny_llama_dir):
-    """Greedy, int4 weights (what compiling is for; the fp32 forward is compared above),
-    requests arriving at different steps (prefills, decodes and trees share steps): the compiled
-    engine's plain decoding gives the eager engine's tokens, and each drafter gives the compiled
-    engine's plain tokens."""
+def test_with_the_native_kernels_an_int4_engine_has_nothing_to_compile(tiny_llama_dir):
+    """Where every projection is a native quantized weight the layer stack is one native call:
+    `compile` leaves the forward as it is, and the engine serves."""
+    if not cpu_kernels.available():
+        pytest.skip("the native CPU kernels do not build here")
+    engine = make_llm_engine(tiny_llama_dir, ("none",), quantization="int4", compile=True)
+    assert engine.runner.forward is engine.model and engine.model.runs_natively(engine.cache)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    assert len(run_requests(engine, [[5, 6, 7]], params)["r0"]) == 5
+
+
+def test_an_engine_that_compiles_serves_the_same_tokens_and_its_drafters_stay_lossless(tiny_llama_dir,
+                                                                                       monkeypatch):
+    """Greedy, int4 weights through torch's kernels (what compiling is for: the native kernels,
+    switched off here, run the stack in one call; the fp32 forward is compared above), requests
+    arriving at different steps (prefills, decodes and trees share steps): the compiled engine's
+    plain decoding gives the eager engine's tokens, and each drafter gives the compiled engine's
+    plain tokens."""
+    monkeypatch.setattr(cpu_kernels, "ENABLED", False)
     quantization = "int4"
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 17, 9)]

@@ -130,22 +130,29 @@ def test_a_tree_row_computes_what_the_same_token_decoded_alone_computes(head_dim
         assert torch.equal(alone[0], in_tree[node])
 
 
+def _tiny_llama(num_layers: int):
+    """A random fp32 Llama: 64 hidden, 96 intermediate, 4 heads over 2 kv heads of 16."""
+    import transformers
+
+    from specserve.engine.config import ModelConfig
+    from specserve.engine.model import LlamaModel
+
+    hf_cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    sd = transformers.LlamaForCausalLM(hf_cfg).state_dict()
+    return LlamaModel.from_state_dict(ModelConfig.from_hf(hf_cfg), sd, max_positions=64, dtype=torch.float32,
+                                      device=torch.device("cpu"))
+
+
 def test_a_decoder_layer_through_the_kernels_gives_the_torch_layers_output(monkeypatch):
     """A 2-layer Llama, one prefill and one tree-verification step, native kernels against the
     layer in torch ops (fp32, fp32 KV cache)."""
-    import transformers
-
     from specserve.engine import model as model_mod
-    from specserve.engine.config import ModelConfig
     from specserve.engine.kv_cache import KVCache
-    from specserve.engine.model import LlamaModel
 
-    hf_cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    sd = transformers.LlamaForCausalLM(hf_cfg).state_dict()
-    model = LlamaModel.from_state_dict(ModelConfig.from_hf(hf_cfg), sd, max_positions=64, dtype=torch.float32,
-                                       device=torch.device("cpu"))
+    model = _tiny_llama(2)
     tree = build_tree_buffers([NO_PARENT, 0, 0, 1])
     outs = []
     for enabled in (True, False):
@@ -170,19 +177,11 @@ def test_quantized_layers_in_one_call_compute_what_they_compute_one_by_one(activ
     in one native call, or in one call per run between captured layers; each way gives, bit for bit,
     what the layers give called one by one (`DecoderLayer.forward_native`), captured states and the
     KV cache included."""
-    import transformers
-
-    from specserve.engine.config import ModelConfig
     from specserve.engine.kv_cache import KVCache
-    from specserve.engine.model import LlamaModel, rope_at
+    from specserve.engine.model import rope_at
     from specserve.engine.quant import quantize_model
 
-    hf_cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    sd = transformers.LlamaForCausalLM(hf_cfg).state_dict()
-    model = LlamaModel.from_state_dict(ModelConfig.from_hf(hf_cfg), sd, max_positions=64, dtype=torch.float32,
-                                       device=torch.device("cpu"))
+    model = _tiny_llama(3)
     assert quantize_model(model, "int4", int8_act=activations == "int8")["weights"] == 3 * 4 + 1
     tree = build_tree_buffers([NO_PARENT, 0, 0, 1])
     steps = [(torch.tensor([1, 5, 9, 2, 7, 3, 3, 8]), [[0, 1], [2, 3]], [0, 0], [5, 3], None),
