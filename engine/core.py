@@ -20,7 +20,7 @@ from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine.loader import LoadedModel, load_model
 from specserve.engine.grammar import GRAMMAR_PART, Grammars, forced_tree, is_forced_tree
 from specserve.engine.logits_processing import needs_processing
-from specserve.engine.model import LlamaModel, pack_weights_in
+from specserve.engine.model import LlamaModel, pack_weights_in, quantize_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
 from specserve.engine.quant import auto_quantization, int8_activations, native_bf16, quantize_model
@@ -82,6 +82,10 @@ class LLMEngine:
         # the target's features of every KV position, for the sequences whose drafter reads them
         self.features = FeatureStore(mc.hidden_size, self.dtype, self.device)
         self.drafters = self._load_drafters(config.drafters)
+        if self.quantization != "none" and config.quantize_drafters and self.drafters:
+            done = quantize_weights_in(*self.drafters.values(), kind="int8" if self.quantization == "int8" else "int4",
+                                       int8_act=int8_activations(config.quantized_activations))
+            logger.info("quantized %d weight matrices of the drafters", done)
         if config.prepack_weights and self.device.type == "cpu":
             packed = self.model.pack_weights() + pack_weights_in(*self.drafters.values())
             logger.info("prepacked %d weight matrices for oneDNN", packed)

@@ -17,7 +17,7 @@ from torch import nn
 
 from specserve.engine.attention import AttnMetadata, paged_attention
 from specserve.engine.config import ModelConfig
-from specserve.engine.quant import exact_top_logits, quantized, quantized_linear
+from specserve.engine.quant import exact_top_logits, quantize_weight, quantized, quantized_linear
 from specserve.kernels import cpu as native_cpu
 
 
@@ -169,6 +169,39 @@ def pack_weights_in(*objects) -> int:
                     packed += sub.pack_weights()
                 seen.add(id(sub))
     return packed
+
+
+def quantize_weights_in(*objects, kind: str, int8_act: bool = False) -> int:
+    """Quantize the weights a drafter owns (`engine/quant.py`), as `pack_weights_in` prepacks them:
+    every decoder layer inside `objects` (its four projections to `kind`), a draft model's LM head
+    (int8), and whatever has a `quantize_weights(kind, int8_act)` method (a drafter's
+    draft-vocabulary head, int8). A drafter's proposals then come from the quantized weights;
+    verification against the target is unchanged, so speculation stays lossless. A weight that has
+    a quantized copy already (shared with the target, quantized with it) keeps it. Returns the
+    weights quantized."""
+    def own(weight: torch.Tensor, k: str) -> int:
+        return 0 if quantized(weight) is not None else int(quantize_weight(weight, k, int8_act=int8_act))
+
+    seen: set[int] = set()
+    done = 0
+    for obj in objects:
+        values = [obj] if isinstance(obj, nn.Module) else list(vars(obj).values())
+        for value in values:
+            if not isinstance(value, nn.Module):
+                quantize = getattr(value, "quantize_weights", None)
+                if callable(quantize) and id(value) not in seen:
+                    seen.add(id(value))
+                    done += quantize("int8", int8_act)
+                continue
+            for sub in value.modules():
+                if id(sub) in seen:
+                    continue
+                seen.add(id(sub))
+                if isinstance(sub, LlamaModel):
+                    done += own(sub.lm_head_weight, "int8")
+                elif isinstance(sub, DecoderLayer):
+                    done += sum(own(getattr(sub, name).weight, kind) for name in ("qkv", "o", "gate_up", "down"))
+    return done
 
 
 def _quantized_and_act(weight: torch.Tensor, dtype: torch.dtype):

@@ -106,28 +106,38 @@ def test_a_weight_changed_in_place_is_no_longer_quantized():
     "int4", "int8", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="needs the native CPU kernels"))])
 def test_drafters_are_lossless_against_the_quantized_target(tiny_llama_dir, kind, activations):
     """Greedy decoding of a quantized target, requests arriving at different steps: plain and
-    speculative decoding (a truncated target as draft model, sharing the quantized weights; n-gram)
-    give the same tokens, with the activations as they are or quantized to int8."""
+    speculative decoding (a truncated target as draft model, sharing the quantized weights; n-gram;
+    EAGLE, whose own layer is quantized too) give the same tokens, with the activations as they are
+    or quantized to int8."""
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 17, 9)]
     prompts.append([7, 100, 42, 9, 250, 31, 7, 100, 42, 9, 250, 31, 7, 100])
-    engine = make_llm_engine(tiny_llama_dir, ("none", "ngram", "draft_model"),
-                             {"draft_model": {"draft_layers": 1}}, quantization=kind,
+    engine = make_llm_engine(tiny_llama_dir, ("none", "ngram", "draft_model", "eagle"),
+                             {"draft_model": {"draft_layers": 1}, "eagle": {"random_init": True}}, quantization=kind,
                              quantized_activations=activations)
     layer = engine.model.layers[0]
+    assert quantized(engine.drafters["eagle"].head.layer.qkv.weight).kind == kind     # the drafter's own layer
     assert all(quantized(w).kind == kind for w in (layer.qkv.weight, layer.down.weight))
     assert quantized(layer.qkv.weight).int8_act == (activations == "int8")
     assert quantized(engine.model.lm_head_weight).kind == "int8"     # the LM head keeps 8 bits
     memory = engine.get_stats().memory_bytes
-    assert 0 < memory["quantized"] < memory["weights"] / (3 if kind == "int8" else 6)
+    assert 0 < memory["quantized"] < memory["weights"] / (2.5 if kind == "int8" else 4)   # the drafters' copies too
     assert memory["prepacked"] == 0      # a quantized weight keeps no fp32 oneDNN copy
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = run_requests(engine, prompts, params, prefix="p", drafter="none")
-    for name in ("ngram", "draft_model"):
+    for name in ("ngram", "draft_model", "eagle"):
         got = run_requests(engine, prompts, params, prefix=name, drafter=name)
         assert [got[f"{name}{i}"] for i in range(len(prompts))] == [plain[f"p{i}"] for i in range(len(prompts))], name
-        assert engine.drafter_stats[name].num_accepted_tokens > 0, name
+        assert engine.drafter_stats[name].num_draft_tokens > 0, name
+    assert engine.drafter_stats["ngram"].num_accepted_tokens > 0 and engine.drafter_stats["draft_model"].num_accepted_tokens > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_the_drafters_own_weights_stay_as_they_are_when_asked(tiny_llama_dir):
+    engine = make_llm_engine(tiny_llama_dir, ("eagle",), {"eagle": {"random_init": True}}, quantization="int4",
+                             quantize_drafters=False)
+    assert quantized(engine.model.layers[0].qkv.weight) is not None
+    assert quantized(engine.drafters["eagle"].head.layer.qkv.weight) is None
 
 
 def test_gguf_tensor_types_say_what_each_weight_is_served_as():
