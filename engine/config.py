@@ -57,10 +57,10 @@ class EngineConfig:
     # that kernels compile there and not in a served step or the draft policy's cost models;
     # None: on CUDA only (a CPU compiles nothing on first use)
     warm_up: bool | None = None
-    # CPU: weight-only quantized projections (engine/quant.py): none | int8 (per row) | int4 (per
-    # group of 32) | gguf (each weight as the GGUF file stores it: Q4_0/Q4_1 int4, Q8_0 int8);
-    # auto: gguf for a quantized GGUF on a CPU with native bf16, else none. The LM head too unless
-    # quantize_lm_head is False
+    # weight-only quantized projections (engine/quant.py; the CPU's kernels, Triton's on CUDA): none |
+    # int8 (per row) | int4 (per group of 32) | gguf (each weight as the GGUF file stores it: Q4_0/Q4_1
+    # int4, Q8_0 int8); auto: gguf for a quantized GGUF on a CPU where the native kernels build or
+    # with native bf16, else none (on CUDA: none). The LM head too unless quantize_lm_head is False
     quantization: str = "auto"
     quantize_lm_head: bool = True
     # CPU: what int4 weights multiply (engine/quant.py `int8_activations`): float (fp32, or bf16 in

@@ -6,6 +6,7 @@ return the deltas of every request that changed. No threads, no asyncio: `AsyncE
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 
@@ -456,12 +457,14 @@ class LLMEngine:
         if mode == "none":
             return self.dtype
         if self.device.type != "cpu":
-            raise ValueError(f"--quantization {mode} runs on the CPU only (device {self.device})")
-        if native_cpu.available():     # the native kernels take fp32 activations (engine/quant.py)
+            if importlib.util.find_spec("triton") is None:
+                raise ValueError(f"--quantization {mode} on {self.device.type} needs triton (kernels/quant_gemm.py)")
+            act = self.dtype             # the Triton kernels multiply in the model's dtype
+        elif native_cpu.available():     # the native kernels take fp32 activations (engine/quant.py)
             act = self.dtype
         else:
             act = torch.bfloat16 if self.dtype == torch.float32 and native_bf16() else self.dtype
-        if act == torch.float32 and not native_cpu.available():
+        if act == torch.float32 and self.device.type == "cpu" and not native_cpu.available():
             logger.warning("this CPU has no native bf16: the quantized kernels take fp32 activations, which torch "
                            "runs about 2x slower than unquantized fp32 weights (measured on an AVX-512 CPU)")
         int8_act = int8_activations(config.quantized_activations)
@@ -470,8 +473,9 @@ class LLMEngine:
         if done["dequantized"]:
             logger.warning("this GGUF's %s tensors have no packed kernel here: they are dequantized and served "
                            "in %s", ", ".join(done["dequantized"]), str(self.dtype).removeprefix("torch."))
+        kernels = "triton" if self.device.type != "cpu" else "native" if native_cpu.available() else "torch"
         logger.info("quantized %d weight matrices to %s (%s kernels, %s activations): %.0f MB -> %.0f MB",
-                    done["weights"], mode, "native" if native_cpu.available() else "torch",
+                    done["weights"], mode, kernels,
                     "int8 (int4 weights)" if int8_act else str(act).removeprefix("torch."), done["bytes_before"] / 1e6,
                     done["bytes_after"] / 1e6)
         return act

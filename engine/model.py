@@ -109,11 +109,12 @@ def pack_linear_weight(weight: torch.Tensor, min_rows: int = 1) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through oneDNN for 2-D inputs on the CPU in the dtypes it supports here (see
     `_onednn_linear`, `onednn_linear_dtypes`), on the weight's prepacked copy when it has one
-    (`pack_linear_weight`), or with its quantized copy when it has one (`engine/quant.py`).
+    (`pack_linear_weight`), or with its quantized copy when it has one (`engine/quant.py`; CPU
+    kernels, or Triton's on CUDA).
     Neither has a backward: where a gradient is wanted, F.linear on the weight itself."""
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
-    q = quantized(weight) if x.dim() == 2 and x.device.type == "cpu" and not grad else None
+    q = quantized(weight) if x.dim() == 2 and not grad else None
     if q is not None:
         return quantized_linear(x, q, bias)
     if (x.dtype in _ONEDNN_DTYPES and x.device.type == "cpu" and x.dim() == 2 and weight.dtype == x.dtype

@@ -22,6 +22,9 @@ Two kernels compute them, chosen when a weight is quantized:
   activations go in as they are (fp32) or, with `act_dtype=bfloat16` where the CPU has native bf16
   (AVX-512 BF16 / AMX), as bf16; int4 in torch's packing with w = (q - 8) * s + (lo + 8 s).
 
+* **Triton** (`kernels.quant_gemm`, on CUDA): int4 (fp16 scales and offsets, groups of 32) and
+  int8 dequantized tile by tile in registers and multiplied with `tl.dot` in the model's dtype.
+
 The output comes back in the input's dtype. The quantized copy is attached to the weight tensor (`quantize_weight`), so every
 module that shares the weight (a truncated draft model, a head reading the target's LM head)
 computes with the same numbers as the target: losslessness holds against the quantized target
@@ -30,6 +33,8 @@ actually served. `engine.model.linear` dispatches to it.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +61,8 @@ class QuantizedWeight:
     layout (`kernels.cpu.pack_int4` / `pack_int8`: data and scales) or torch's (int8: data int8
     [N, K], scales [N]; int4: data packed by torch [N, K / 2] uint8, scales [K / group, N, 2]
     scale and zero); `shape` the weight's [N, K]; `int8_act`: int4 in the native layout that
-    multiplies int8-quantized activations (`kernels.cpu.pack_int4_a8`); `version`: the weight's `_version` when quantized
+    multiplies int8-quantized activations (`kernels.cpu.pack_int4_a8`); `triton`: in the layout of
+    the Triton kernels (`kernels.quant_gemm`, CUDA); `version`: the weight's `_version` when quantized
     (a weight changed in place since is no longer represented)."""
 
     kind: str
@@ -68,6 +74,7 @@ class QuantizedWeight:
     native: bool = False
     shape: tuple[int, int] = (0, 0)
     int8_act: bool = False
+    triton: bool = False
 
 
 def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +100,11 @@ def dequantize(q: QuantizedWeight, codes: tuple | None = None) -> torch.Tensor:
     """The fp32 weight that `q` computes with (for tests and references; with `int8_act` the
     activations are quantized too); `codes`: the codes a torch-layout int4 weight was made from
     (`int4_codes`; torch's packing is opaque)."""
+    if q.triton:
+        from specserve.kernels import quant_gemm
+        if q.kind == "int8":
+            return q.data.float() * q.scales.float()[:, None]
+        return quant_gemm.unpack_int4(q.data, q.scales)
     if q.native:
         if q.kind == "int8":
             return native_cpu.unpack_int8(q.data, q.scales)
@@ -109,11 +121,24 @@ def dequantize(q: QuantizedWeight, codes: tuple | None = None) -> torch.Tensor:
     return w.reshape(n, k)
 
 
+def triton_kernels(weight: torch.Tensor) -> bool:
+    """Whether `weight` is served by the Triton kernels (`kernels/quant_gemm.py`): on CUDA, or
+    anywhere with SPECSERVE_QUANT_KERNEL=triton (the CPU under Triton's interpreter, for tests)."""
+    if weight.device.type != "cuda" and os.environ.get("SPECSERVE_QUANT_KERNEL") != "triton":
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
 def can_quantize(weight: torch.Tensor, kind: str, group_size: int = INT4_GROUP) -> bool:
-    """Whether a CPU kernel takes `weight` as `kind` (int4: rows a multiple of 16, inputs of the
-    group size)."""
-    return (kind in ("int8", "int4") and weight.device.type == "cpu" and weight.dim() == 2
-            and (kind == "int8" or (weight.shape[0] % 16 == 0 and weight.shape[1] % group_size == 0)))
+    """Whether a kernel takes `weight` as `kind`: on the CPU int4 needs rows a multiple of 16 and
+    inputs of the group size; the Triton kernels (CUDA) take int4 in groups of 32, inputs a
+    multiple of 64."""
+    if kind not in ("int8", "int4") or weight.dim() != 2:
+        return False
+    if triton_kernels(weight):
+        return kind == "int8" or (group_size == 32 and weight.shape[1] % 64 == 0)
+    return weight.device.type == "cpu" and (kind == "int8" or (weight.shape[0] % 16 == 0
+                                                                and weight.shape[1] % group_size == 0))
 
 
 def _native_fits(weight: torch.Tensor, kind: str, group_size: int) -> bool:
@@ -131,6 +156,8 @@ def quantize_weight(weight: torch.Tensor, kind: str, act_dtype: torch.dtype = to
     `act_dtype` activations. False (nothing done) for "none" or a weight no kernel takes."""
     if not can_quantize(weight, kind, group_size):
         return False
+    if triton_kernels(weight):
+        return _quantize_for_triton(weight, kind)
     fits = _native_fits(weight, kind, group_size)
     if native and not fits:
         raise ValueError(f"the native CPU kernels do not take this {kind} weight {tuple(weight.shape)} here")
@@ -160,6 +187,24 @@ def quantize_weight(weight: torch.Tensor, kind: str, act_dtype: torch.dtype = to
     return True
 
 
+def _quantize_for_triton(weight: torch.Tensor, kind: str) -> bool:
+    """`quantize_weight` for the Triton kernels (`kernels/quant_gemm.py`): activations in the
+    weight's dtype."""
+    from specserve.kernels import quant_gemm
+
+    old = getattr(weight, "_specserve_quant", None)
+    if old is not None and old.kind == kind and old.triton and old.version == weight._version:
+        return True
+    with torch.no_grad():
+        if kind == "int8":
+            data, scales = quant_gemm.pack_int8(*int8_codes(weight))
+        else:
+            data, scales = quant_gemm.pack_int4(*int4_codes(weight, INT4_GROUP))
+    weight._specserve_quant = QuantizedWeight(kind, data, scales, INT4_GROUP, weight.dtype, weight._version,
+                                              shape=tuple(weight.shape), triton=True)
+    return True
+
+
 def quantized(weight: torch.Tensor) -> QuantizedWeight | None:
     """The weight's quantized copy, if it has a current one."""
     q = getattr(weight, "_specserve_quant", None)
@@ -171,7 +216,11 @@ def quantized(weight: torch.Tensor) -> QuantizedWeight | None:
 def quantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) with W's quantized copy; the result in x's dtype."""
     a = x.to(q.act_dtype).contiguous()
-    if q.native:
+    if q.triton:
+        from specserve.kernels import quant_gemm
+        fn = quant_gemm.int4_matmul if q.kind == "int4" else quant_gemm.int8_matmul
+        out = fn(a, q.data, q.scales)
+    elif q.native:
         out = native_cpu.quant_matmul(a, "int4-a8" if q.int8_act else q.kind, q.data, q.scales, q.shape[0])
     elif q.kind == "int8":
         out = torch.ops.aten._weight_int8pack_mm(a, q.data, q.scales)

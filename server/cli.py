@@ -113,12 +113,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tens of seconds the first time, cached by torch after; needs a C++ compiler; "
                         "not with --enforce-eager (default: %(default)s)")
     g.add_argument("--quantization", default=d["quantization"], choices=QUANTIZATIONS,
-                   help="on the CPU, weight-only quantized projections: int8 (one scale per row), int4 (scale "
+                   help="weight-only quantized projections (on the CPU its kernels, on CUDA Triton's): int8 (one scale per row), int4 (scale "
                         "and zero per group of 32, a GGUF Q4_0/Q4_1 block), gguf (each weight as the GGUF stores "
                         "it: Q4_0/Q4_1 as int4, Q8_0 as int8, other types dequantized) or none; a step reads a "
                         "quarter or an eighth of the fp32 weights. auto: gguf for a quantized GGUF on a CPU where "
                         "the native kernels build (a C compiler) or with native bf16, else none. Speculative "
-                        "decoding stays lossless against the quantized model (default: %(default)s)")
+                        "decoding stays lossless against the quantized model; auto is none on CUDA (default: %(default)s)")
     g.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=d["quantize_lm_head"],
                    help="with --quantization, quantize the LM head too: int8 under int8 and int4 (GGUF files keep "
                         "it at 8 bits or more), the file's type under gguf (default: on)")
