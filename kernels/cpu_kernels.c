@@ -76,40 +76,9 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));   /* for unalig
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
-static inline v16 load16(const float *p) { return *(const v16u *)p; }
-
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-static inline v16 select16(i32x16 mask, v16 a, v16 b) { return (v16)(((i32x16)a & mask) | ((i32x16)b & ~mask)); }
-
-/* exp_f on 16 lanes, each lane by exp_f's float operations (so bit for bit exp_f's values) */
-static inline v16 exp16(v16 x) {
-    x = select16(x < -87.3f, (v16){0} - 87.3f, select16(x > 88.3f, (v16){0} + 88.3f, x));
-    v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    v16 r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16 p = (v16){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    v16 y = p * (r * r) + r + 1.0f;
-    i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
-    return y * (v16)e;
-}
-
-/* eg[t] = exp_f(eg[t] - mx) for t < n, 16 lanes at a time (the tail through a padded vector) */
-static inline void exp_shifted(float *eg, int64_t n, float mx) {
-    int64_t t = 0;
-    for (; t + LANES <= n; t += LANES) *(v16u *)(eg + t) = exp16(load16(eg + t) - mx);
-    if (t < n) {
-        float tmp[LANES] = {0};
-        memcpy(tmp, eg + t, sizeof(float) * (n - t));
-        v16 v = exp16(load16(tmp) - mx);
-        memcpy(eg + t, &v, sizeof(float) * (n - t));
-    }
-}
+static inline v16 load16(const float *p) { return *(const v16u *)p; }
 
 /* the 16 lanes of a folded in a fixed tree */
 static inline float hsum16(v16 a) {
@@ -335,7 +304,7 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
                 float mx = D == 64 ? scores_4(q + o, kh, keys, n, Hkv * D, scale, eg)
                          : D == 128 ? scores_8(q + o, kh, keys, n, Hkv * D, scale, eg)
                          : scores_any(q + o, kh, keys, n, Hkv * D, D, scale, eg);
-                exp_shifted(eg, n, mx);
+                for (int64_t t = 0; t < n; t++) eg[t] = exp_f(eg[t] - mx);
                 if (D == 64) wsum_4(eg, vh, keys, n, Hkv * D, a);
                 else if (D == 128) wsum_8(eg, vh, keys, n, Hkv * D, a);
                 else wsum_any(eg, vh, keys, n, Hkv * D, D, a);
