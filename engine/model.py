@@ -532,11 +532,12 @@ class LlamaModel(nn.Module):
             return cached[1]
         weights = [getattr(layer, name).weight for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
         qs = [quantized(w) for w in weights]
-        if any(q is None or not q.native for q in qs) or any(layer.qkv.bias is not None for layer in self.layers):
+        if (any(q is None or q.kernel != "native" for q in qs)
+                or any(layer.qkv.bias is not None for layer in self.layers)):
             return None
         params = native.layer_params([
             (layer.input_norm, layer.post_attn_norm,
-             [("int4-a8" if q.int8_act else q.kind, q.data, q.scales, q.shape[0]) for q in qs[4 * i:4 * i + 4]],
+             [(q.native_kind, q.data, q.scales, q.shape[0]) for q in qs[4 * i:4 * i + 4]],
              *kv_cache.layer(i)) for i, layer in enumerate(self.layers)])
         self.__dict__["_stack"] = (kv_cache.kv.data_ptr(), params, list(zip(weights, qs)))   # keeps the tensors alive
         return params

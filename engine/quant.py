@@ -53,17 +53,18 @@ _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "ga
                "down": ("ffn_down",)}
 INT4_GROUP = 32            # inputs per int4 group (a GGUF Q4_0 / Q4_1 block)
 INT4_INNER_K_TILES = 2     # the int4 packing's tile (torch's CPU kernel takes 2, 4 or 8)
+KERNELS = ("native", "triton", "torch")   # what computes a quantized weight (`QuantizedWeight.kernel`)
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight's quantized copy: `kind` int8 or int4, `native` whether in the native kernel's
-    layout (`kernels.cpu.pack_int4` / `pack_int8`: data and scales) or torch's (int8: data int8
-    [N, K], scales [N]; int4: data packed by torch [N, K / 2] uint8, scales [K / group, N, 2]
-    scale and zero); `shape` the weight's [N, K]; `int8_act`: int4 in the native layout that
-    multiplies int8-quantized activations (`kernels.cpu.pack_int4_a8`); `triton`: in the layout of
-    the Triton kernels (`kernels.quant_gemm`, CUDA); `version`: the weight's `_version` when quantized
-    (a weight changed in place since is no longer represented)."""
+    """A weight's quantized copy: `kind` int8 or int4, in the layout of the `kernel` that computes
+    with it (`KERNELS`): "native" (`kernels.cpu.pack_int4` / `pack_int4_a8` / `pack_int8`),
+    "triton" (`kernels.quant_gemm.pack_int4` / `pack_int8`; int8 data [N, K], scales [N]) or "torch"
+    (int8: data int8 [N, K], scales [N]; int4: data packed by torch [N, K / 2] uint8, scales
+    [K / group, N, 2] scale and zero); `shape` the weight's [N, K]; `int8_act`: native int4 that
+    multiplies int8-quantized activations; `version`: the weight's `_version` when quantized (a
+    weight changed in place since is no longer represented)."""
 
     kind: str
     data: torch.Tensor
@@ -71,10 +72,14 @@ class QuantizedWeight:
     group_size: int
     act_dtype: torch.dtype
     version: int
-    native: bool = False
+    kernel: str = "torch"
     shape: tuple[int, int] = (0, 0)
     int8_act: bool = False
-    triton: bool = False
+
+    @property
+    def native_kind(self) -> str:
+        """The native kernel's name for this layout (`kernels.cpu.KINDS`)."""
+        return "int4-a8" if self.int8_act else self.kind
 
 
 def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,17 +105,15 @@ def dequantize(q: QuantizedWeight, codes: tuple | None = None) -> torch.Tensor:
     """The fp32 weight that `q` computes with (for tests and references; with `int8_act` the
     activations are quantized too); `codes`: the codes a torch-layout int4 weight was made from
     (`int4_codes`; torch's packing is opaque)."""
-    if q.triton:
-        from specserve.kernels import quant_gemm
-        if q.kind == "int8":
-            return q.data.float() * q.scales.float()[:, None]
-        return quant_gemm.unpack_int4(q.data, q.scales)
-    if q.native:
+    if q.kernel == "native":
         if q.kind == "int8":
             return native_cpu.unpack_int8(q.data, q.scales)
         return (native_cpu.unpack_int4_a8 if q.int8_act else native_cpu.unpack_int4)(q.data, q.scales)
-    if q.kind == "int8":
+    if q.kind == "int8":                  # triton's and torch's: codes [N, K], a scale per row
         return q.data.float() * q.scales.float()[:, None]
+    if q.kernel == "triton":
+        from specserve.kernels import quant_gemm
+        return quant_gemm.unpack_int4(q.data, q.scales)
     if codes is None:
         raise ValueError("int4 dequantization needs the codes the weight was packed from")
     codes_q, s, lo = codes
@@ -149,60 +152,52 @@ def _native_fits(weight: torch.Tensor, kind: str, group_size: int) -> bool:
 
 def quantize_weight(weight: torch.Tensor, kind: str, act_dtype: torch.dtype = torch.float32,
                     group_size: int = INT4_GROUP, native: bool | None = None, int8_act: bool = False) -> bool:
-    """Attach a `kind` quantized copy to `weight` ([out, in], on the CPU) that `engine.model.linear`
-    computes with from now on: in the native kernel's layout where it takes the weight (`native`:
-    None where it fits, False never), with fp32 activations, or for int4 with `int8_act` int8 ones
-    quantized per group of 32 (llama.cpp's Q4_1 x Q8_1 dot product); else in torch's with
-    `act_dtype` activations. False (nothing done) for "none" or a weight no kernel takes."""
+    """Attach a `kind` quantized copy to `weight` ([out, in]) that `engine.model.linear` computes
+    with from now on: on CUDA in the Triton kernels' layout (activations in the weight's dtype); on
+    the CPU in the native kernel's layout where it takes the weight (`native`: None where it fits,
+    False never), with fp32 activations, or for int4 with `int8_act` int8 ones quantized per group
+    of 32 (llama.cpp's Q4_1 x Q8_1 dot product); else in torch's with `act_dtype` activations.
+    False (nothing done) for "none" or a weight no kernel takes."""
     if not can_quantize(weight, kind, group_size):
         return False
     if triton_kernels(weight):
-        return _quantize_for_triton(weight, kind)
-    fits = _native_fits(weight, kind, group_size)
-    if native and not fits:
-        raise ValueError(f"the native CPU kernels do not take this {kind} weight {tuple(weight.shape)} here")
-    native = fits if native is None else native
-    int8_act = int8_act and native and kind == "int4"
+        kernel, act_dtype = "triton", weight.dtype
+    else:
+        fits = _native_fits(weight, kind, group_size)
+        if native and not fits:
+            raise ValueError(f"the native CPU kernels do not take this {kind} weight {tuple(weight.shape)} here")
+        kernel = "native" if (fits if native is None else native) else "torch"
+    int8_act = int8_act and kernel == "native" and kind == "int4"
     old = getattr(weight, "_specserve_quant", None)
-    if (old is not None and old.kind == kind and old.native == native and old.int8_act == int8_act
+    if (old is not None and old.kind == kind and old.kernel == kernel and old.int8_act == int8_act
             and old.version == weight._version):
         return True   # shared with a model quantized already
     with torch.no_grad():
-        if kind == "int8":
-            q, s = int8_codes(weight)
-            if native:
-                act_dtype, (data, scales) = torch.float32, native_cpu.pack_int8(q, s)
-            else:
-                data, scales = q.contiguous(), s.to(act_dtype)
-        else:
-            q, s, lo = int4_codes(weight, group_size)
-            if native:
-                pack = native_cpu.pack_int4_a8 if int8_act else native_cpu.pack_int4
-                act_dtype, (data, scales) = torch.float32, pack(q, s, lo)
-            else:
-                data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), INT4_INNER_K_TILES)
-                scales = torch.stack([s.t(), (lo + 8.0 * s).t()], dim=2).contiguous().to(act_dtype)  # [K / g, N, 2]
-    weight._specserve_quant = QuantizedWeight(kind, data, scales, group_size, act_dtype, weight._version, native,
+        data, scales, act_dtype = _pack(weight, kind, kernel, group_size, act_dtype, int8_act)
+    weight._specserve_quant = QuantizedWeight(kind, data, scales, group_size, act_dtype, weight._version, kernel,
                                               tuple(weight.shape), int8_act)
     return True
 
 
-def _quantize_for_triton(weight: torch.Tensor, kind: str) -> bool:
-    """`quantize_weight` for the Triton kernels (`kernels/quant_gemm.py`): activations in the
-    weight's dtype."""
-    from specserve.kernels import quant_gemm
-
-    old = getattr(weight, "_specserve_quant", None)
-    if old is not None and old.kind == kind and old.triton and old.version == weight._version:
-        return True
-    with torch.no_grad():
+def _pack(weight: torch.Tensor, kind: str, kernel: str, group_size: int, act_dtype: torch.dtype,
+          int8_act: bool) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """(data, scales, activations' dtype) of `weight` as `kind` in `kernel`'s layout."""
+    if kernel == "triton":
+        from specserve.kernels import quant_gemm
         if kind == "int8":
-            data, scales = quant_gemm.pack_int8(*int8_codes(weight))
-        else:
-            data, scales = quant_gemm.pack_int4(*int4_codes(weight, INT4_GROUP))
-    weight._specserve_quant = QuantizedWeight(kind, data, scales, INT4_GROUP, weight.dtype, weight._version,
-                                              shape=tuple(weight.shape), triton=True)
-    return True
+            return *quant_gemm.pack_int8(*int8_codes(weight)), act_dtype
+        return *quant_gemm.pack_int4(*int4_codes(weight, group_size)), act_dtype
+    if kind == "int8":
+        q, s = int8_codes(weight)
+        if kernel == "native":
+            return *native_cpu.pack_int8(q, s), torch.float32
+        return q.contiguous(), s.to(act_dtype), act_dtype
+    q, s, lo = int4_codes(weight, group_size)
+    if kernel == "native":
+        return *(native_cpu.pack_int4_a8 if int8_act else native_cpu.pack_int4)(q, s, lo), torch.float32
+    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), INT4_INNER_K_TILES)
+    scales = torch.stack([s.t(), (lo + 8.0 * s).t()], dim=2).contiguous().to(act_dtype)   # [K / g, N, 2]
+    return data, scales, act_dtype
 
 
 def quantized(weight: torch.Tensor) -> QuantizedWeight | None:
@@ -216,12 +211,12 @@ def quantized(weight: torch.Tensor) -> QuantizedWeight | None:
 def quantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) with W's quantized copy; the result in x's dtype."""
     a = x.to(q.act_dtype).contiguous()
-    if q.triton:
+    if q.kernel == "triton":
         from specserve.kernels import quant_gemm
         fn = quant_gemm.int4_matmul if q.kind == "int4" else quant_gemm.int8_matmul
         out = fn(a, q.data, q.scales)
-    elif q.native:
-        out = native_cpu.quant_matmul(a, "int4-a8" if q.int8_act else q.kind, q.data, q.scales, q.shape[0])
+    elif q.kernel == "native":
+        out = native_cpu.quant_matmul(a, q.native_kind, q.data, q.scales, q.shape[0])
     elif q.kind == "int8":
         out = torch.ops.aten._weight_int8pack_mm(a, q.data, q.scales)
     else:
@@ -304,9 +299,10 @@ def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True, act_dty
     """Quantize the projections of every decoder layer of `model` (an `engine.model.LlamaModel`)
     and, with `lm_head`, its LM head (the embedding itself stays as it is: a lookup reads one row):
     every weight to `kind` (int8 | int4), or under "gguf" each as the GGUF file `gguf_types`
-    stores it (`gguf_weight_kinds`); `native` and `int8_act` as `quantize_weight`'s. Under int4 the LM head is int8: GGUF files keep it at 8 bits
-    or more (the default model's is Q8_0), and an int4 head changes answers (the default model,
-    asked for the capital of France, said "L'Étoile (The City of Lights)" instead of "Paris").
+    stores it (`gguf_weight_kinds`); `native` and `int8_act` as `quantize_weight`'s. Under int4
+    the LM head is int8: GGUF files keep it at 8 bits or more (the default model's is Q8_0), and an
+    int4 head changes answers (the default model, asked for the capital of France, said "L'Étoile
+    (The City of Lights)" instead of "Paris").
     Returns {"weights": how many, "bytes_before": their fp bytes, "bytes_after": the quantized,
     "dequantized": the GGUF types served dequantized (gguf only)}."""
     if kind not in QUANTIZATIONS or kind == "auto":
@@ -335,6 +331,7 @@ def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True, act_dty
     return {"weights": done, "bytes_before": before, "bytes_after": after, "dequantized": dequantized}
 
 
-__all__ = ["ACTIVATIONS", "GGUF_KINDS", "INT4_GROUP", "QUANTIZATIONS", "QuantizedWeight", "auto_quantization", "can_quantize",
-           "dequantize", "exact_top_logits", "gguf_weight_kinds", "int4_codes", "int8_activations", "int8_codes", "native_bf16", "quantize_model",
-           "quantize_weight", "quantized", "quantized_linear"]
+__all__ = ["ACTIVATIONS", "GGUF_KINDS", "INT4_GROUP", "KERNELS", "QUANTIZATIONS", "QuantizedWeight",
+           "auto_quantization", "can_quantize", "dequantize", "exact_top_logits", "gguf_weight_kinds", "int4_codes",
+           "int8_activations", "int8_codes", "native_bf16", "quantize_model", "quantize_weight", "quantized",
+           "quantized_linear", "triton_kernels"]

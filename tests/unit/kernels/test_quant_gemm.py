@@ -56,7 +56,7 @@ def check_engine(model_dir: str, device: str) -> None:
 
     engine = make_llm_engine(model_dir, ("none", "ngram", "draft_model"), {"draft_model": {"draft_layers": 1}},
                              quantization="int4", device=device)
-    assert all(quantized(w).triton for w in (engine.model.layers[0].qkv.weight, engine.model.lm_head_weight))
+    assert all(quantized(w).kernel == "triton" for w in (engine.model.layers[0].qkv.weight, engine.model.lm_head_weight))
     prompts = [[7, 100, 42, 9, 250, 31, 7, 100, 42, 9, 250, 31, 7, 100], [5, 17, 9, 3]]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     plain = run_requests(engine, prompts, params, prefix="p", drafter="none")
