@@ -128,12 +128,6 @@ def library():
     return _lib or None
 
 
-def has_vnni() -> bool:
-    """Whether this CPU multiplies int8 vectors in one instruction (AVX-512 VNNI), which the int4 x
-    int8-activation kernel uses (elsewhere it emulates it, correct but slower)."""
-    return " avx512_vnni" in _cpu_flags()
-
-
 def available() -> bool:
     """Whether the model's CPU step uses these kernels: ENABLED and the library builds here."""
     return ENABLED and library() is not None
@@ -248,12 +242,18 @@ def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, 
     return codes.reshape(n // 16, 16, k).permute(0, 2, 1).contiguous(), scales.float().contiguous()
 
 
-def _int4_weight(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """codes q [N, K] and packed fp16 scales and zeros [N / 16, K / 32, 2, 16] -> q * s + z in fp32,
-    rounded once (as the kernels' fused multiply-add)."""
+def int4_weight(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """codes q [N, K] in 0..15, scales and zeros [N, K / 32] -> q * s + z in fp32, rounded once (as
+    the kernels' fused multiply-add; `kernels.quant_gemm` unpacks with it too)."""
     n, k = q.shape
-    s, z = sz.double().permute(0, 3, 1, 2).reshape(n, k // 32, 2).unbind(-1)
-    return torch.addcmul(z[..., None], q.double().reshape(n, k // 32, 32), s[..., None]).float().reshape(n, k)
+    w = torch.addcmul(zeros.double()[..., None], q.double().reshape(n, k // 32, 32), scales.double()[..., None])
+    return w.float().reshape(n, k)
+
+
+def _int4_weight(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """`int4_weight` with `pack_int4`'s scales and zeros [N / 16, K / 32, 2, 16]."""
+    n, k = q.shape
+    return int4_weight(q, *sz.permute(0, 3, 1, 2).reshape(n, k // 32, 2).unbind(-1))
 
 
 def unpack_int4(packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
@@ -401,5 +401,6 @@ def rope_and_cache_reference(qkv, cos, sin_signed, slots, k_cache, v_cache, num_
     return q
 
 
-__all__ = ["LayerParams", "attend", "available", "add_rms_norm", "decoder_layers", "has_vnni", "layer_params", "library", "pack_int4", "pack_int4_a8", "pack_int8", "paged_attention", "quant_matmul",
-           "rms_norm", "rope_and_cache", "silu_mul", "unpack_int4", "unpack_int4_a8", "unpack_int8", "usable"]
+__all__ = ["LayerParams", "add_rms_norm", "attend", "available", "decoder_layers", "int4_weight", "layer_params",
+           "library", "pack_int4", "pack_int4_a8", "pack_int8", "paged_attention", "quant_matmul", "rms_norm",
+           "rope_and_cache", "silu_mul", "unpack_int4", "unpack_int4_a8", "unpack_int8", "usable"]
