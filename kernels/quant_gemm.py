@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.cpu import int4_weight
+
 GROUP = 32      # inputs per int4 group
 BLOCK_K = 64    # inputs per packed int4 block (two groups)
 
@@ -41,8 +43,7 @@ def unpack_int4(packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     n, half = packed.shape
     blocks = packed.reshape(n, half // GROUP, 1, GROUP)
     q = torch.cat([blocks & 15, blocks >> 4], dim=2).reshape(n, half * 2)
-    s, lo = sz.double().unbind(-1)
-    return torch.addcmul(lo[..., None], q.double().reshape(n, -1, GROUP), s[..., None]).float().reshape(n, half * 2)
+    return int4_weight(q, *sz.unbind(-1))
 
 
 def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,35 +113,28 @@ def _int8_kernel(x_ptr, c_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_c, stride
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _blocks(m: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): tl.dot needs 16 or more; a decode or verification step has few rows."""
-    return (16 if m <= 16 else 32 if m <= 32 else 64), 64
-
-
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (fp32, bf16 or fp16) @ W^T -> [M, N] in x's dtype, W in `pack_int4`'s layout."""
-    x = x.contiguous()
-    m, k = x.shape
-    n = packed.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn = _blocks(m)
-    _int4_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, packed, sz, y, m, n, k, x.stride(0), packed.stride(0), y.stride(0),
-        IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn)
-    return y
-
-
-def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype, W = codes * scales[:, None] (`pack_int8`)."""
+def _matmul(kernel, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, **meta) -> torch.Tensor:
+    """Launch `kernel` for y [M, N] = x [M, K] @ W^T in x's dtype: tiles of (16, 32 or 64) x 64
+    outputs (tl.dot needs 16 or more; a decode or verification step has few rows)."""
     x = x.contiguous()
     m, k = x.shape
     n = codes.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn = _blocks(m)
-    _int8_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+    bm, bn = (16 if m <= 16 else 32 if m <= 32 else 64), 64
+    kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         x, codes, scales, y, m, n, k, x.stride(0), codes.stride(0), y.stride(0),
-        IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64)
+        IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, **meta)
     return y
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (fp32, bf16 or fp16) @ W^T -> [M, N] in x's dtype, W in `pack_int4`'s layout."""
+    return _matmul(_int4_kernel, x, packed, sz)
+
+
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype, W = codes * scales[:, None] (`pack_int8`)."""
+    return _matmul(_int8_kernel, x, codes, scales, BLOCK_K=64)
 
 
 __all__ = ["BLOCK_K", "GROUP", "int4_matmul", "int4_reference", "int8_matmul", "int8_reference", "pack_int4",
