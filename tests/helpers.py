@@ -14,6 +14,9 @@ when it loads tests/conftest.py (the default "prepend" import mode; the folder i
   makes every engine step take s seconds longer.
 * Composite drafters: `two_part_drafter()` registers (once) and names a drafter whose trees carry
   provenance (`TokenTree.sources`) over two parts, `ngram` and `echo`.
+* Triton's interpreter: `run_interpreted_child(script, ...)` runs a test module as a script in a child
+  process with TRITON_INTERPRET=1; the script reports `run_checks({name: check})` (name -> None or a
+  traceback).
 * Devices: `DEVICES` parametrizes a test over ``"cpu"`` and ``"cuda"``; the CUDA case is marked
   ``gpu`` and skips without a CUDA device (`-m gpu` runs only those).
 """
@@ -252,6 +255,21 @@ def two_part_drafter() -> str:
 
     TwoPartDrafter.name = name
     return name
+
+
+def run_checks(checks: dict) -> dict[str, str | None]:
+    """Each check called in turn: name -> None, or the traceback of what it raised (what a test module
+    run as a script under Triton's interpreter reports back to `run_interpreted_child`)."""
+    import traceback
+
+    results = {}
+    for name, check in checks.items():
+        try:
+            check()
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
 
 
 def run_interpreted_child(script: str, *args: str, env: dict[str, str], cwd=None) -> dict:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import traceback
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,16 +59,10 @@ def check_layer(device: str) -> None:
 
 
 def run_interpreted() -> dict[str, str | None]:
-    results = {}
     checks = {"fp32": lambda: check_kernels("cpu", torch.float32), "fp16": lambda: check_kernels("cpu", torch.float16),
               "layer": lambda: check_layer("cpu")}
-    for name, check in checks.items():
-        try:
-            check()
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-    return results
+    from helpers import run_checks   # (here: this file also runs as a script, tests/ on the path then too)
+    return run_checks(checks)
 
 
 @pytest.fixture(scope="module")
@@ -96,4 +91,5 @@ def test_fused_layer_equals_unfused_on_cuda():
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # tests/, for helpers
     print(json.dumps(run_interpreted()))

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -52,7 +51,7 @@ def check_engine(model_dir: str, device: str) -> None:
     and n-gram / truncated-target speculation give the same tokens."""
     from specserve.engine.quant import quantized
     from specserve.engine.sampling_params import SamplingParams
-    from tests.helpers import make_llm_engine, run_requests
+    from helpers import make_llm_engine, run_requests
 
     engine = make_llm_engine(model_dir, ("none", "ngram", "draft_model"), {"draft_model": {"draft_layers": 1}},
                              quantization="int4", device=device)
@@ -67,16 +66,10 @@ def check_engine(model_dir: str, device: str) -> None:
 
 
 def run_interpreted(model_dir: str) -> dict[str, str | None]:
-    results = {}
     checks = {"fp32": lambda: check_kernels("cpu", torch.float32), "fp16": lambda: check_kernels("cpu", torch.float16),
               "engine": lambda: check_engine(model_dir, "cpu")}
-    for name, check in checks.items():
-        try:
-            check()
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-    return results
+    from helpers import run_checks   # (here: this file also runs as a script, tests/ on the path then too)
+    return run_checks(checks)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +98,6 @@ def test_a_quantized_engine_on_cuda_serves_its_drafters_losslessly(tiny_llama_di
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests"))   # for helpers
     os.environ.setdefault("SPECSERVE_QUANT_KERNEL", "triton")
     print(json.dumps(run_interpreted(sys.argv[1])))

@@ -14,8 +14,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
+from pathlib import Path
 import random
-import traceback
 
 import pytest
 import torch
@@ -149,16 +150,10 @@ def compare_dispatch() -> None:
 def run_interpreted() -> dict[str, str | None]:
     """In this process (TRITON_INTERPRET=1 already set): every case -> None or its failure."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    results = {}
     checks = {name: (lambda c=c: compare(c)) for name, c in cases().items()}
     checks["dispatch"] = compare_dispatch
-    for name, check in checks.items():
-        try:
-            check()
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-    return results
+    from helpers import run_checks   # (here: this file also runs as a script, tests/ on the path then too)
+    return run_checks(checks)
 
 
 @pytest.fixture(scope="module")
@@ -201,4 +196,5 @@ def test_metadata_on_cuda_equals_cpu(masks_on):
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # tests/, for helpers
     print(json.dumps(run_interpreted()))
