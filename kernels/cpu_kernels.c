@@ -262,62 +262,126 @@ static inline void wsum_any(const float *p, const float *v, const int32_t *keys,
  *     m > 0:            j < ctx - m  or  mask_data[mask_offsets[b] + i * m + (j - (ctx - m))]
  * Position j lives in slot block_tables[b, j / bs] * bs + j % bs. q [T, H, D] -> out [T, H * D];
  * query head h reads kv head h / (H / Hkv).
+ *
+ * A row's visible keys, listed in context order, are cut into chunks of ATTN_CHUNK. Each chunk is a
+ * work item (with the G query heads of one kv head, whose keys it reads once into L1), so one
+ * decode row spreads over the threads; each chunk c leaves its max m_c, its sum l_c = sum e^(s - m_c)
+ * and acc_c = sum e^(s - m_c) v, and the row's output is
+ *     sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c,   M = max_c m_c,
+ * with the chunks added in order. The chunks depend only on the row's key list, so a row's output
+ * stays the same bit for bit whatever else is in the call.
  */
+#define ATTN_CHUNK 64
+
+typedef struct {
+    int32_t row, kvh, chunk;
+} attn_item;
+
+/* slots of the keys at list indices c0 .. c1 - 1 of row i of sequence b (see above) */
+static int64_t chunk_keys(int64_t c0, int64_t c1, int64_t open, const int32_t *table, int64_t bs,
+                          const uint8_t *mask_row, int64_t m, int64_t ctx, int32_t *keys) {
+    int64_t n = 0, j = c0;
+    for (; j < c1 && j < open; j++) keys[n++] = table[j / bs] * (int32_t)bs + (int32_t)(j % bs);
+    if (n < c1 - c0 && m > 0) {
+        int64_t seen = open;                  /* list index of the next visible tree key */
+        for (int64_t u = 0; u < m && n < c1 - c0; u++) {
+            if (!mask_row[u]) continue;
+            if (seen++ < c0) continue;
+            int64_t pos = ctx - m + u;
+            keys[n++] = table[pos / bs] * (int32_t)bs + (int32_t)(pos % bs);
+        }
+    }
+    return n;
+}
+
 void paged_attention(const float *q, const float *k_cache, const float *v_cache, void *out, int out_bf16,
                      int64_t num_seqs, const int32_t *cu_q, const int32_t *context_lens, const int32_t *block_tables,
                      int64_t table_width, int64_t block_size, const int32_t *mask_offsets, const int32_t *mask_widths,
                      const uint8_t *mask_data, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
-    int64_t T = cu_q[num_seqs], G = H / Hkv, max_ctx = 1, work = 0;
-    int32_t *seq_of = (int32_t *)malloc(sizeof(int32_t) * (T > 0 ? T : 1));
+    int64_t T = cu_q[num_seqs], G = H / Hkv, work = 0, items = 0;
+    /* per row: its sequence, the end of its causal part (`open`), its key count and first chunk */
+    int64_t *row_info = (int64_t *)malloc(sizeof(int64_t) * 4 * (T > 0 ? T : 1));
     for (int64_t b = 0; b < num_seqs; b++) {
-        for (int64_t r = cu_q[b]; r < cu_q[b + 1]; r++) seq_of[r] = (int32_t)b;
-        if (context_lens[b] > max_ctx) max_ctx = context_lens[b];
-        work += (int64_t)(cu_q[b + 1] - cu_q[b]) * context_lens[b];
-    }
-    int nt = threads_for(nthreads, work * H * D, 1 << 17);
-#pragma omp parallel num_threads(nt)
-    {
-        int32_t *keys = (int32_t *)malloc(sizeof(int32_t) * max_ctx);
-        float *e = (float *)malloc(sizeof(float) * G * max_ctx);
-        float *acc = (float *)malloc(sizeof(float) * G * D);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < T * Hkv; item++) {
-            int64_t r = item / Hkv, kvh = item % Hkv, b = seq_of[r];
-            int64_t i = r - cu_q[b], qlen = cu_q[b + 1] - cu_q[b], ctx = context_lens[b], m = mask_widths[b];
-            const int32_t *table = block_tables + b * table_width;
-            /* the visible keys' slots, in context order */
-            int64_t n = 0, open = m == 0 ? ctx - qlen + i + 1 : ctx - m;
-            for (int64_t j0 = 0; j0 < open; j0 += block_size) {
-                int32_t base = table[j0 / block_size] * (int32_t)block_size;
-                int64_t lim = open - j0 < block_size ? open - j0 : block_size;
-                for (int64_t u = 0; u < lim; u++) keys[n++] = base + (int32_t)u;
-            }
+        int64_t qlen = cu_q[b + 1] - cu_q[b], ctx = context_lens[b], m = mask_widths[b];
+        for (int64_t r = cu_q[b]; r < cu_q[b + 1]; r++) {
+            int64_t i = r - cu_q[b], open = m == 0 ? ctx - qlen + i + 1 : ctx - m, n = open;
             if (m > 0) {
                 const uint8_t *row = mask_data + mask_offsets[b] + i * m;
-                for (int64_t j = ctx - m; j < ctx; j++)
-                    if (row[j - (ctx - m)]) keys[n++] = table[j / block_size] * (int32_t)block_size + (int32_t)(j % block_size);
+                for (int64_t u = 0; u < m; u++) n += row[u] != 0;
             }
+            row_info[4 * r] = b;
+            row_info[4 * r + 1] = open;
+            row_info[4 * r + 2] = n;
+            row_info[4 * r + 3] = items / Hkv;
+            items += Hkv * ((n + ATTN_CHUNK - 1) / ATTN_CHUNK);
+            work += n;
+        }
+    }
+    attn_item *item = (attn_item *)malloc(sizeof(attn_item) * (items > 0 ? items : 1));
+    /* per chunk and query head: m, l, acc[D] */
+    float *part = (float *)malloc(sizeof(float) * (items > 0 ? items : 1) * G * (D + 2));
+    for (int64_t r = 0, k = 0; r < T; r++)
+        for (int64_t c = 0; c * ATTN_CHUNK < row_info[4 * r + 2]; c++)
+            for (int64_t kvh = 0; kvh < Hkv; kvh++) item[k++] = (attn_item){(int32_t)r, (int32_t)kvh, (int32_t)c};
+    int nt = threads_for(nthreads, work * H * D, 1 << 14);
+#pragma omp parallel num_threads(nt)
+    {
+        int32_t keys[ATTN_CHUNK];
+        float e[ATTN_CHUNK];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t r = item[it].row, kvh = item[it].kvh, c = item[it].chunk;
+            const int64_t b = row_info[4 * r], open = row_info[4 * r + 1], total = row_info[4 * r + 2];
+            const int64_t i = r - cu_q[b], ctx = context_lens[b], m = mask_widths[b];
+            const int64_t c0 = c * ATTN_CHUNK, c1 = c0 + ATTN_CHUNK < total ? c0 + ATTN_CHUNK : total;
+            const int64_t n = chunk_keys(c0, c1, open, block_tables + b * table_width, block_size,
+                                         m > 0 ? mask_data + mask_offsets[b] + i * m : NULL, m, ctx, keys);
             const float *kh = k_cache + kvh * D, *vh = v_cache + kvh * D;
             for (int64_t g = 0; g < G; g++) {
-                int64_t o = (r * H + kvh * G + g) * D;
-                float *eg = e + g * max_ctx, *a = acc + g * D;
-                float mx = D == 64 ? scores_4(q + o, kh, keys, n, Hkv * D, scale, eg)
-                         : D == 128 ? scores_8(q + o, kh, keys, n, Hkv * D, scale, eg)
-                         : scores_any(q + o, kh, keys, n, Hkv * D, D, scale, eg);
-                for (int64_t t = 0; t < n; t++) eg[t] = exp_f(eg[t] - mx);
-                if (D == 64) wsum_4(eg, vh, keys, n, Hkv * D, a);
-                else if (D == 128) wsum_8(eg, vh, keys, n, Hkv * D, a);
-                else wsum_any(eg, vh, keys, n, Hkv * D, D, a);
-                float sum = sum16(eg, n);
-                float inv = n ? 1.0f / sum : 0.0f;
-                for (int64_t d = 0; d < D; d++) store(out, out_bf16, o + d, a[d] * inv);
+                const float *qg = q + (r * H + kvh * G + g) * D;
+                float *pg = part + (it * G + g) * (D + 2);
+                float mx = D == 64 ? scores_4(qg, kh, keys, n, Hkv * D, scale, e)
+                         : D == 128 ? scores_8(qg, kh, keys, n, Hkv * D, scale, e)
+                         : scores_any(qg, kh, keys, n, Hkv * D, D, scale, e);
+                for (int64_t t = 0; t < n; t++) e[t] = exp_f(e[t] - mx);
+                if (D == 64) wsum_4(e, vh, keys, n, Hkv * D, pg + 2);
+                else if (D == 128) wsum_8(e, vh, keys, n, Hkv * D, pg + 2);
+                else wsum_any(e, vh, keys, n, Hkv * D, D, pg + 2);
+                pg[0] = mx;
+                pg[1] = sum16(e, n);
             }
         }
-        free(keys);
-        free(e);
-        free(acc);
+        /* each row and query head: its chunks combined in order */
+        float acc[512];
+#pragma omp for schedule(static)
+        for (int64_t rh = 0; rh < T * H; rh++) {
+            const int64_t r = rh / H, h = rh % H, kvh = h / G, g = h % G;
+            const int64_t chunks = (row_info[4 * r + 2] + ATTN_CHUNK - 1) / ATTN_CHUNK;
+            const float *p0 = part + ((row_info[4 * r + 3] * Hkv + kvh) * G + g) * (D + 2);
+            const int64_t step = Hkv * G * (D + 2);        /* from one chunk's entry to the next's */
+            float *o = NULL;
+            if (chunks == 1) o = (float *)p0 + 2;
+            float mx = -INFINITY, sum = 0.0f;
+            if (chunks > 1) {
+                o = D <= 512 ? acc : (float *)malloc(sizeof(float) * D);
+                for (int64_t c = 0; c < chunks; c++) mx = p0[c * step] > mx ? p0[c * step] : mx;
+                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *pc = p0 + c * step, w = exp_f(pc[0] - mx);
+                    sum += w * pc[1];
+                    for (int64_t d = 0; d < D; d++) o[d] += w * pc[2 + d];
+                }
+            } else {
+                sum = chunks ? p0[1] : 0.0f;
+            }
+            float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            for (int64_t d = 0; d < D; d++) store(out, out_bf16, rh * D + d, chunks ? o[d] * inv : 0.0f);
+            if (chunks > 1 && D > 512) free(o);
+        }
     }
-    free(seq_of);
+    free(part);
+    free(item);
+    free(row_info);
 }
 
 /* ---- a layer's attention in one call: RoPE and the cache write, then paged attention ------------ */
