@@ -542,16 +542,39 @@ class LLMEngine:
         prompt_tokens = sum(min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
                             for seq, n in zip(batch.seqs, batch.num_tokens)
                             if seq.num_computed_tokens < seq.num_prompt_tokens)
-        masks = {b: (seq.grammar.tree_masks(trees[b].tokens, trees[b].parents) if b in trees else seq.grammar.mask())
-                 for b, seq in enumerate(batch.seqs) if seq.grammar is not None}
+        masks, cut = self._grammar_masks(batch, trees)
         t0 = time.perf_counter()
         result = self.runner.execute(batch, trees, feature_idx, masks)
         verify_time = time.perf_counter() - t0
+        for res in result.results:    # stats and drafters see the tree as drafted, its pruned nodes rejected
+            if res.seq.seq_id in cut:
+                res.tree, kept = cut[res.seq.seq_id]
+                res.verify.accepted_nodes = [kept[i] for i in res.verify.accepted_nodes]
         self.scheduler.postprocess(batch, result)   # lengths and block tables
         self.stats.num_prompt_tokens_total += prompt_tokens
         if result.features:
             self._deliver_features(batch, result.features, result.layer_features)
         self._process(result, verify_time / max(1, len(trees)), report)
+
+    def _grammar_masks(self, batch: ScheduledBatch, trees: dict[int, TokenTree]) -> tuple[dict, dict]:
+        """The grammar masks of the constrained sequences (`engine.grammar.GrammarState.prune`): a
+        tree's drafts that the grammar forbids are cut from `trees` where that changes no output.
+        Returns (masks by batch index, {seq_id: (the tree as drafted, its kept nodes)} for cut trees)."""
+        masks, cut = {}, {}
+        for b, seq in enumerate(batch.seqs):
+            if seq.grammar is None:
+                continue
+            if b not in trees:
+                masks[b] = seq.grammar.mask()
+                continue
+            tree = trees[b]
+            exact = tree.draft_probs is None or seq.params.greedy or seq.params.seed is not None
+            trees[b], masks[b], kept = seq.grammar.prune(tree, exact)
+            if kept is not None:
+                cut[seq.seq_id] = (tree, kept)
+                self.drafter_stats[GRAMMAR_PART if is_forced_tree(tree) else seq.drafter].num_pruned_tokens += \
+                    tree.num_nodes - len(kept)
+        return masks, cut
 
     def _isolate(self, batch: ScheduledBatch, exc: Exception, report: StepReport) -> None:
         """The batch raised `exc`: run each of its sequences alone, without a draft, and fail the

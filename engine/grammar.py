@@ -138,30 +138,51 @@ class GrammarState:
         """[words] int32: the tokens allowed next."""
         return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32).copy()
 
-    def tree_masks(self, tokens: list[int], parents: list[int]) -> np.ndarray:
-        """[num_nodes, words] int32: per node of a tree rooted at the last committed token, the
-        tokens allowed after its path (a forbidden node and its subtree: its parent's mask)."""
+    def tree_masks(self, tokens: list[int], parents: list[int]) -> tuple[np.ndarray, list[int]]:
+        """Per node of a tree rooted at the last committed token, the tokens allowed after its path:
+        ([len(allowed), words] int32, allowed), `allowed` the nodes (increasing, the root first) whose
+        path the grammar accepts; a node its parent's state forbids, and its subtree, are left out."""
         n, m = len(tokens), self.matcher
         children: list[list[int]] = [[] for _ in range(n)]
         for i in range(1, n):
             children[parents[i]].append(i)
-        root = self.mask()
-        out = np.empty((n, root.shape[0]), dtype=np.int32)
-        out[0] = root
-        allowed = [True] + [False] * (n - 1)
+        masks = {0: self.mask()}
 
         def visit(node: int) -> None:             # depth-first: consume, take the mask, recurse, roll back
             for c in children[node]:
                 if m.try_consume_tokens([tokens[c]]) == 1:
-                    out[c], allowed[c] = self.mask(), True
+                    masks[c] = self.mask()
                     visit(c)
                     m.rollback(1)
 
         visit(0)
-        for i in range(1, n):                     # never accepted: whatever mask, their parent's
-            if not allowed[i]:
-                out[i] = out[parents[i]]
-        return out
+        allowed = sorted(masks)
+        return np.stack([masks[i] for i in allowed]), allowed
+
+    def prune(self, tree, exact: bool):
+        """(tree, masks, kept): `tree` without the drafts the grammar forbids, the mask of each node
+        kept, and the kept nodes' indices in `tree` (None when nothing was cut).
+
+        A forbidden draft has target probability 0 under the mask, so verification would reject it;
+        cutting it first saves its row and changes no output where its rejection changes nothing
+        else: greedy and seeded verification (a draft is accepted iff it is the target's own token),
+        and a deterministic draft in sampling (its rejection leaves p = norm(max(0, p - onehot)) = p).
+        A rejected stochastic draft moves the residual, so `exact` (any of those three cases) must
+        hold for the cut; otherwise the tree stays whole, forbidden nodes masked with their parent's
+        mask."""
+        masks, allowed = self.tree_masks(tree.tokens, tree.parents)
+        if len(allowed) == tree.num_nodes:
+            return tree, masks, None
+        if exact:
+            return tree.subtree(allowed), masks, allowed
+        full = np.empty((tree.num_nodes, masks.shape[1]), dtype=np.int32)
+        row = {node: i for i, node in enumerate(allowed)}
+        for i in range(tree.num_nodes):           # never accepted: whatever mask, their parent's
+            j = i
+            while j not in row:
+                j = tree.parents[j]
+            full[i] = masks[row[j]]
+        return tree, full, None
 
     def advance(self, tokens: list[int]) -> None:
         """Consume the committed tokens (each allowed by the masks they were drawn under)."""

@@ -79,6 +79,7 @@ class DrafterStats:
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0        # accepted + bonus
     num_fallbacks: int = 0             # steps where the drafter failed and plain decoding was used
+    num_pruned_tokens: int = 0         # draft tokens a grammar forbade, cut before verification (in the drafted)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     accepted_by_depth: list[int] = field(default_factory=list)        # index d-1: accepted at depth d

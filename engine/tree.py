@@ -182,6 +182,16 @@ class TokenTree:
                          None if self.draft_probs is None else self.draft_probs[:n], self.next_roots,
                          None if self.sources is None else self.sources[:n], self.source_names)
 
+    def subtree(self, keep: Sequence[int]) -> "TokenTree":
+        """The nodes `keep` (increasing, each node's parent kept with it, the roots among them), with
+        their parents renumbered; draft distributions and sources come along. Example: tokens
+        `[5, a, b, c]`, parents `[-1, 0, 1, 0]`, keep `[0, 3]` -> tokens `[5, c]`, parents `[-1, 0]`."""
+        index = {node: i for i, node in enumerate(keep)}
+        parents = [NO_PARENT if self.parents[n] == NO_PARENT else index[self.parents[n]] for n in keep]
+        return TokenTree([self.tokens[n] for n in keep], parents,
+                         None if self.draft_probs is None else self.draft_probs[list(keep)], self.next_roots,
+                         None if self.sources is None else [self.sources[n] for n in keep], self.source_names)
+
     def tagged(self, name: str) -> "TokenTree":
         """The same tree with every node credited to the part `name` (replacing any sources)."""
         return TokenTree(list(self.tokens), list(self.parents), self.draft_probs, self.next_roots,

@@ -56,6 +56,8 @@ accepted_tokens_per_position_total         counter    accepted draft tokens at t
 accepted_length{drafter}                   histogram  accepted draft tokens per step (le = 0, 1, .., 16)
 drafter_fallbacks_total{drafter}           counter    sequence steps where the drafter failed (raised,
                                                       malformed tree) -> plain decoding; not steps
+pruned_tokens_total{drafter}               counter    draft tokens the request's grammar forbade, cut
+                                                      before verification (counted in draft_tokens)
 draft_time_seconds_total{drafter}          counter    time spent proposing
 verify_time_seconds_total{drafter}         counter    time spent verifying
 draft_budget_tokens{drafter}               histogram  draft-tree nodes the scheduler allowed a decoding
@@ -276,6 +278,9 @@ def _drafter_families(drafters: dict, max_position: int = 1, budget_buckets: lis
     fallbacks = CounterMetricFamily(p + "drafter_fallbacks", "Sequence steps where the drafter failed (raised or "
                                     "returned a malformed tree) and plain decoding was used instead.",
                                     labels=["drafter"])
+    pruned = CounterMetricFamily(p + "pruned_tokens", "Draft tokens a request's grammar forbade, cut from the tree "
+                                 "before verification (counted in the drafted tokens, never accepted).",
+                                 labels=["drafter"])
     draft_time = CounterMetricFamily(p + "draft_time_seconds", "Time spent proposing drafts.", labels=["drafter"])
     verify_time = CounterMetricFamily(p + "verify_time_seconds", "Time spent verifying drafts (a batched "
                                       "verification counts once per sequence it carried).", labels=["drafter"])
@@ -298,13 +303,14 @@ def _drafter_families(drafters: dict, max_position: int = 1, budget_buckets: lis
         buckets.append(("+Inf", sum(counts)))
         length.add_metric([name], buckets, sum_value=st.num_accepted_tokens)
         fallbacks.add_metric([name], st.num_fallbacks)
+        pruned.add_metric([name], st.num_pruned_tokens)
         draft_time.add_metric([name], st.draft_time_s)
         verify_time.add_metric([name], st.verify_time_s)
         budget_counts = list(getattr(st, "budget_counts", []))
         buckets = [(f"{float(le)}", sum(budget_counts[:le + 1])) for le in budget_buckets]
         buckets.append(("+Inf", sum(budget_counts)))
         budget.add_metric([name], buckets, sum_value=sum(b * c for b, c in enumerate(budget_counts)))
-    return [steps, draft, accepted, emitted, by_position, length, fallbacks, draft_time, verify_time, budget]
+    return [steps, draft, accepted, emitted, by_position, length, fallbacks, pruned, draft_time, verify_time, budget]
 
 
 def _part_families(drafters: dict | None) -> list[Metric]:

@@ -92,10 +92,21 @@ def test_every_drafter_gives_plain_decodings_constrained_tokens(engine, prompts,
     assert engine.get_stats().drafters[drafter].num_fallbacks == 0
 
 
+def test_forbidden_drafts_are_cut_before_verification(engine, prompts, plain):
+    # the tiny random draft model drafts tokens the regex forbids; they are cut, the output unchanged
+    before = engine.get_stats().drafters["draft_model"]
+    assert decode(engine, prompts, CASES["regex"], "draft_model") == plain["regex"]
+    after = engine.get_stats().drafters["draft_model"]
+    pruned = after.num_pruned_tokens - before.num_pruned_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    assert pruned > 0 and after.num_draft_tokens - before.num_draft_tokens >= pruned + accepted
+
+
 def test_masking_nodes_with_the_committed_state_is_caught(engine, prompts, plain, monkeypatch):
     real = GrammarState.tree_masks
     monkeypatch.setattr(GrammarState, "tree_masks",
-                        lambda self, tokens, parents: real(self, tokens, parents)[:1].repeat(len(tokens), axis=0))
+                        lambda self, tokens, parents: (real(self, tokens, parents)[0][:1].repeat(len(tokens), axis=0),
+                                                       list(range(len(tokens)))))
     changed = [case for case, guided in CASES.items() if decode(engine, prompts, guided, "draft_model") != plain[case]]
     assert changed
 
@@ -203,7 +214,8 @@ def test_sampling_law_control_committed_state_masks_are_caught(peaky_target, mas
     prompt, law = masked_law
     real = GrammarState.tree_masks
     monkeypatch.setattr(GrammarState, "tree_masks",
-                        lambda self, tokens, parents: real(self, tokens, parents)[:1].repeat(len(tokens), axis=0))
+                        lambda self, tokens, parents: (real(self, tokens, parents)[0][:1].repeat(len(tokens), axis=0),
+                                                       list(range(len(tokens)))))
     emp, _ = empirical_first_two_law(peaky_target, *NGRAM, prompt, LAW_PARAMS, TRIALS, length=3)
     assert total_variation(emp, law) > TV_BOUND
 

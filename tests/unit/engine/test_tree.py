@@ -40,6 +40,19 @@ def test_level_major_prefix_is_a_valid_subtree_slice():
         assert torch.equal(build_tree_buffers(sub.parents).mask, full[:k, :k])
 
 
+def test_subtree_keeps_nodes_with_their_parents_renumbered():
+    probs = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)
+    tree = TokenTree([5, 10, 11, 12, 13], [NO_PARENT, 0, 1, 0, 3], probs, sources=[0, 0, 0, 1, 1],
+                     source_names=("x", "y"))
+    sub = tree.subtree([0, 3, 4])
+    assert sub.tokens == [5, 12, 13] and sub.parents == [NO_PARENT, 0, 1]
+    assert torch.equal(sub.draft_probs, probs[[0, 3, 4]]) and sub.sources == [0, 1, 1]
+    assert sub.part_tally([1]) == {"x": (0, 0), "y": (2, 1)}
+    # its mask is the kept rows and columns of the full tree's
+    assert torch.equal(build_tree_buffers(sub.parents).mask,
+                       build_tree_buffers(tree.parents).mask[[0, 3, 4]][:, [0, 3, 4]])
+
+
 def test_chain_is_lower_triangular():
     tree = TokenTree.chain(7, [1, 2, 3])
     buf = build_tree_buffers(tree.parents)
