@@ -1,10 +1,12 @@
 """Greedy losslessness of every built-in drafter (the trained ones with their shipped checkpoints)
-on the embedded SmolLM2-135M as served (`--quantization auto`: the GGUF's int4 with bf16
-activations where the CPU has native bf16, fp32 elsewhere): a batch of
+on the embedded SmolLM2-135M as served (`--quantization auto`: the GGUF's int4 weights): a batch of
 chat prompts of different lengths, arriving at different steps, decodes exactly the tokens plain
-decoding gives, with one engine serving all drafters side by side (per-request choice)."""
+decoding gives, with one engine serving all drafters side by side (per-request choice); and the
+same under a JSON schema (structured output), where the output also parses and validates."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from helpers import run_requests
@@ -26,14 +28,21 @@ DRAFTERS = ("ngram", "mag", "draft_model", "student", "medusa", "eagle", "parall
             "cascade")   # trained ones: shipped checkpoints; cascade: student reviewing mag
 
 
-def run_staggered(engine: LLMEngine, prompts: list[list[int]], drafter: str, max_tokens: int = 24) -> list[list[int]]:
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40},
+                                         "confidence": {"type": "integer", "minimum": 0, "maximum": 10}},
+          "required": ["answer", "confidence"], "additionalProperties": False}
+
+
+def run_staggered(engine: LLMEngine, prompts: list[list[int]], drafter: str, max_tokens: int = 24,
+                  guided=None) -> list[list[int]]:
     """Greedy requests drafted by `drafter`, one added every third step; outputs in prompt order."""
-    got = run_requests(engine, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), every=3,
-                       prefix=f"{drafter}-", drafter=drafter)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, guided=guided)
+    got = run_requests(engine, prompts, params, every=3, prefix=f"{drafter}-", drafter=drafter)
     return [got[f"{drafter}-{i}"] for i in range(len(prompts))]
 
 
-def test_every_drafter_reproduces_plain_greedy_decoding(default_model):
+@pytest.fixture(scope="module")
+def engine(default_model):
     corpus = data_dir() / "mt_bench.jsonl"     # a small corpus keeps mag's bigram table quick to build
     engine = LLMEngine(EngineConfig(
         model="default", dtype="float32", device="cpu", max_num_seqs=4, max_model_len=512,
@@ -42,8 +51,16 @@ def test_every_drafter_reproduces_plain_greedy_decoding(default_model):
                          "mag": {"corpus": str(corpus) if corpus.is_file() else None},
                          "cascade": {"level_options": {"mag": {"corpus": str(corpus)}} if corpus.is_file() else None}}),
         loaded=default_model)
-    tok = engine.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False) for p in PROMPTS]
+    return engine
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    return [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                 return_dict=False) for p in PROMPTS]
+
+
+def test_every_drafter_reproduces_plain_greedy_decoding(engine, prompts):
     plain = run_staggered(engine, prompts, "none")
     assert all(len(t) > 5 for t in plain)
     for name in DRAFTERS:
@@ -51,4 +68,18 @@ def test_every_drafter_reproduces_plain_greedy_decoding(default_model):
         stats = engine.drafter_stats[name]
         assert stats.num_steps > 0 and stats.num_fallbacks == 0, name
     assert engine.drafter_stats["ngram"].num_accepted_tokens > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_every_drafter_reproduces_plain_decoding_under_a_json_schema(engine, prompts):
+    guided = ("json", json.dumps(SCHEMA))
+    plain = run_staggered(engine, prompts, "none", max_tokens=48, guided=guided)
+    for tokens in plain:
+        assert tokens[-1] in engine.eos_token_ids, engine.tokenizer.decode(tokens)
+        value = json.loads(engine.tokenizer.decode(tokens[:-1]))
+        assert set(value) == {"answer", "confidence"} and 0 <= value["confidence"] <= 10
+    for name in DRAFTERS:
+        assert run_staggered(engine, prompts, name, max_tokens=48, guided=guided) == plain, name
+        assert engine.drafter_stats[name].num_fallbacks == 0, name
+    assert engine.drafter_stats["grammar"].num_accepted_tokens > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
