@@ -43,13 +43,15 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def create_app(engine, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_request_body_bytes: int | str | None = "auto") -> FastAPI:
+               max_request_body_bytes: int | str | None = "auto", tool_call_parser: str = "auto") -> FastAPI:
     """An OpenAI-compatible app serving `engine` (an `AsyncEngine`, not yet started).
 
     `served_model_name` defaults to the engine's model name (``"default"`` is always accepted too);
     `api_key` (or ``$SPECSERVE_API_KEY``) turns on the Bearer check for ``/v1/*``; a request body over
     `max_request_body_bytes` (None: no limit; "auto": derived from the context length, see
-    `prompt_guard.default_body_limit`) is answered 413 before it is parsed.
+    `prompt_guard.default_body_limit`) is answered 413 before it is parsed. `tool_call_parser` reads
+    the model's own tool calls for `tool_choice: "auto"` (server/tool_parsers.py; "auto" picks it from
+    the chat template).
     """
 
     @asynccontextmanager
@@ -67,7 +69,8 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
     model_name = served_model_name or engine.model_name
     app.state.specserve = ServerState(engine=engine, model_name=model_name,
                                       metrics=ServerMetrics(engine, model_name),
-                                      api_key=api_key or os.environ.get(API_KEY_ENV) or None)
+                                      api_key=api_key or os.environ.get(API_KEY_ENV) or None,
+                                      tool_call_parser=tool_call_parser)
     app.include_router(router)
 
     @app.get("/metrics", include_in_schema=False)

@@ -25,6 +25,8 @@ import os
 import sys
 import time
 
+from specserve.server.tool_parsers import TOOL_CALL_PARSERS   # light: json and re only
+
 # Engine defaults, repeated here so that --help does not import torch (a unit test keeps them equal
 # to EngineConfig's).
 ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seqs=16, max_model_len=None,
@@ -44,6 +46,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 ENV_VARS = {
     # serve
     "host": "SPECSERVE_HOST", "port": "SPECSERVE_PORT", "served_model_name": "SPECSERVE_SERVED_MODEL_NAME",
+    "tool_call_parser": "SPECSERVE_TOOL_CALL_PARSER",
     "log_level": "SPECSERVE_LOG_LEVEL", "shutdown_timeout": "SPECSERVE_SHUTDOWN_TIMEOUT",
     "max_request_body_bytes": "SPECSERVE_MAX_REQUEST_BODY_BYTES",
     "header_timeout": "SPECSERVE_HEADER_TIMEOUT", "body_timeout": "SPECSERVE_BODY_TIMEOUT",
@@ -260,6 +263,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY, else none); "
                         "prefer the environment variable, command lines are visible to other users")
+    p.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                   help="how tool_choice auto reads the model's own tool calls out of its text: hermes "
+                        "(<tool_call>{...}</tool_call>); auto picks it from the chat template, when the template "
+                        "renders tools; none refuses tool_choice auto (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=25.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, stop taking requests at once (/health turns 503) and give those in "
                         "flight this long to finish; then they end with a 503 error and the server exits 0 "
@@ -293,6 +300,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     engine = _load_engine(args)
     app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
+                     tool_call_parser=args.tool_call_parser,
                      max_request_body_bytes=("auto" if args.max_request_body_bytes is None
                                              else args.max_request_body_bytes or None))
     server = build_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,

@@ -31,6 +31,7 @@ from specserve.engine.outputs import RequestOutput, TokenLogprob
 from specserve.engine.sampling_params import SamplingParams
 from specserve.server.metrics import RequestTracker, ServerMetrics
 from specserve.server.prompt_guard import LaneFull, PromptBound, TokenizerLanes, text_bytes
+from specserve.server.tool_parsers import tool_call_parser
 from specserve.server.protocol import (ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChoice,
                                        ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                        ChatMessage, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, DeltaToolCall,
@@ -228,10 +229,15 @@ class ServerState:
     draining: bool = False               # shutting down: readiness fails, new requests get 503
     lanes: TokenizerLanes = field(default_factory=TokenizerLanes)
     bound: PromptBound | None = None     # the least tokens a prompt text can become (server/prompt_guard.py)
+    tool_call_parser: str = "auto"       # server/tool_parsers.py: for tool_choice auto
+    tool_parser: object = None
+    tool_parser_problem: str | None = None
 
     def __post_init__(self) -> None:
         if self.renderer is None:
             self.renderer = TokenRenderer(self.engine.tokenizer)
+        if self.tool_parser is None:
+            self.tool_parser, self.tool_parser_problem = tool_call_parser(self.engine.tokenizer, self.tool_call_parser)
         if self.bound is None:
             try:
                 self.bound = PromptBound(self.engine.tokenizer, lambda i: self.renderer.render(i)[1])
@@ -498,6 +504,10 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Respons
     drafter_args = _drafter_args(body.speculative)
     size = text_bytes(m.text for m in body.messages)
     state.check_prompt_size(size, "messages")
+    if body.tool_mode == "auto" and state.tool_parser is None:
+        raise OpenAIError(400, f"tool_choice auto (the default with tools) needs the model's own tool-call format, "
+                               f"and {state.tool_parser_problem}; send tool_choice 'required' or a named function "
+                               f"(forced through a grammar), or 'none'", param="tool_choice", code="invalid_value")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tool_mode else None
     prompt_ids = await state.off_loop(_chat_prompt_ids, state, body.messages, tools, size=size)
     params = _sampling_params(state, body, len(prompt_ids), body.requested_max_tokens, body.num_logprobs,
@@ -547,35 +557,44 @@ async def _collect(call: EngineCall, n: int) -> _Collected | None:
     return _Collected(["".join(t) for t in texts], logprobs, finish, stop_reasons, final)
 
 
-def _tool_calls(body: ChatCompletionRequest, text: str) -> list[ToolCall] | None:
-    """The forced tool calls in a constrained answer, or None when it is not complete JSON (cut by
-    max_tokens): named, the answer is the function's arguments; required, a list of
-    {"name", "parameters"} objects."""
+def _tool_call(name: str, arguments: str) -> ToolCall:
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=ToolCallFunction(name=name, arguments=arguments))
+
+
+def _answer(state: ServerState, body: ChatCompletionRequest, text: str) -> tuple[str | None, list[ToolCall] | None]:
+    """(content, tool calls) of a whole answer. Forced calls (a constrained answer): named, the text
+    is the function's arguments; required, a list of {"name", "parameters"} objects; text that is not
+    complete JSON (cut by max_tokens) stays content. Auto: the server's parser reads the model's own
+    format (server/tool_parsers.py)."""
+    if body.tool_mode == "auto":   # parallel_tool_calls false: the model's first call only
+        content, calls = state.tool_parser.parse(text)
+        return content, [_tool_call(name, args) for name, args in calls[:1 if body.parallel_tool_calls is False
+                                                                         else None]] or None
+    if not body.tool_mode:
+        return text, None
     try:
         value = json.loads(text)
     except ValueError:
-        return None
-    if body.tool_mode == "named":
-        calls = [(body.tool_choice.function.name, value)]
-    else:
-        calls = [(c["name"], c["parameters"]) for c in value]
-    return [ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=ToolCallFunction(name=name, arguments=json.dumps(args)))
-            for name, args in calls]
+        return text, None
+    calls = [(body.tool_choice.function.name, value)] if body.tool_mode == "named" else \
+        [(c["name"], c["parameters"]) for c in value]
+    return None, [_tool_call(name, json.dumps(args)) for name, args in calls]
 
 
 def _tool_finish(body: ChatCompletionRequest, calls: list[ToolCall] | None, reason: str | None) -> str | None:
-    """OpenAI's finish reason of a forced tool call: tool_calls (required), stop (a named function)."""
-    return ("tool_calls" if body.tool_mode == "required" else "stop") if calls else reason
+    """OpenAI's finish reason of an answer with tool calls: tool_calls, but stop for a named function."""
+    return ("stop" if body.tool_mode == "named" else "tool_calls") if calls else reason
 
 
 async def _chat_full(state: ServerState, body: ChatCompletionRequest, call: EngineCall, n: int) -> Response:
     got = await _collect(call, n)
     if got is None:
         return Response(status_code=499)   # nobody is listening
-    calls = [_tool_calls(body, got.texts[i]) if body.tool_mode else None for i in range(n)]
+    answers = [_answer(state, body, got.texts[i]) for i in range(n)]
+    calls = [calls for _, calls in answers]
     choices = [
         ChatCompletionChoice(
-            index=i, message=ChatResponseMessage(content=None if calls[i] else got.texts[i], tool_calls=calls[i]),
+            index=i, message=ChatResponseMessage(content=answers[i][0], tool_calls=calls[i]),
             logprobs=state.renderer.chat_logprobs(got.logprobs[i]) if body.logprobs else None,
             finish_reason=_tool_finish(body, calls[i], got.finish_reasons[i]), stop_reason=got.stop_reasons[i])
         for i in range(n)]
@@ -592,19 +611,41 @@ def _chat_stream(state: ServerState, body: ChatCompletionRequest, call: EngineCa
         return _sse(ChatCompletionChunk(id=call.request_id, created=created, model=state.model_name,
                                         choices=choices, usage=usage, speculative=speculative).model_dump_json())
 
-    texts: dict[int, list[str]] = {}
+    texts: dict[int, str] = {}
+    sent: dict[int, int] = {}       # auto: characters of each choice's text streamed as content
+    pending: dict[int, list] = {}   # auto: logprobs of tokens whose text is not streamed yet
+
+    def logprobs(d):
+        if not (body.logprobs and body.tool_mode == "auto"):
+            return None
+        lps = pending.pop(d.index, [])
+        return state.renderer.chat_logprobs(lps) if lps else None
 
     def choice(d) -> ChatChunkChoice:
-        if body.tool_mode:     # a forced tool call is sent whole, in the choice's last delta
-            texts.setdefault(d.index, []).append(d.text)
+        if body.tool_mode:
+            # forced: the call is sent whole, in the choice's last delta; auto: content streams up to
+            # the model's call marker, and the calls come whole in the last delta
+            text = texts[d.index] = texts.get(d.index, "") + d.text
+            done = sent.get(d.index, 0)
+            if d.logprobs:
+                pending.setdefault(d.index, []).extend(d.logprobs)
             if not d.finish_reason:
-                return None
-            text = "".join(texts.pop(d.index))
-            calls = _tool_calls(body, text)
-            delta = ChatDelta(content=None if calls else text, tool_calls=[
+                if body.tool_mode != "auto":
+                    return None
+                upto = max(done, state.tool_parser.streamable(text))
+                if upto == done:
+                    return None
+                sent[d.index] = upto
+                return ChatChunkChoice(index=d.index, delta=ChatDelta(content=text[done:upto]), logprobs=logprobs(d))
+            del texts[d.index]
+            content, calls = _answer(state, body, text)
+            if body.tool_mode == "auto" and done:
+                rest = text[done:]
+                content = (state.tool_parser.parse(rest)[0] if calls else rest) or None
+            delta = ChatDelta(content=content, tool_calls=[
                 DeltaToolCall(index=k, id=c.id, function=c.function) for k, c in enumerate(calls)] if calls else None)
             return ChatChunkChoice(index=d.index, delta=delta, finish_reason=_tool_finish(body, calls, d.finish_reason),
-                                   stop_reason=d.stop_reason)
+                                   stop_reason=d.stop_reason, logprobs=logprobs(d))
         return ChatChunkChoice(
             index=d.index, delta=ChatDelta(content=d.text if d.text or not d.finish_reason else None),
             logprobs=state.renderer.chat_logprobs(d.logprobs) if body.logprobs and d.logprobs else None,

@@ -437,17 +437,16 @@ class ChatCompletionRequest(SamplingFields):
             raise param_error("tool_choice", f"tool_choice names {choice.function.name!r}, which is not in tools")
         if choice == "required" and not names:
             raise param_error("tool_choice", "tool_choice required needs tools")
-        if names and choice in (None, "auto"):
-            raise param_error("tool_choice", "tool_choice auto (the default with tools) is not supported: this "
-                                             "server forces tool calls through a grammar; send tool_choice "
-                                             "'required' or a named function, or 'none'")
         return self
 
     @property
     def tool_mode(self) -> str | None:
-        """"required", "named" (one named function) or None (no tool call)."""
-        if not self.tools or self.tool_choice in (None, "none", "auto"):
+        """"auto" (the model chooses, in its own format: server/tool_parsers.py), "required", "named"
+        (one named function; both forced through a grammar) or None (no tool call)."""
+        if not self.tools or self.tool_choice == "none":
             return None
+        if self.tool_choice in (None, "auto"):
+            return "auto"
         return "required" if self.tool_choice == "required" else "named"
 
     def tool_schema(self) -> dict[str, Any] | None:
@@ -455,7 +454,7 @@ class ChatCompletionRequest(SamplingFields):
         (required) a list of {"name", "parameters"} objects, one per call (one when parallel calls
         are off)."""
         mode = self.tool_mode
-        if mode is None:
+        if mode in (None, "auto"):
             return None
         params = {t.function.name: t.function.parameters or {"type": "object"} for t in self.tools}
         if mode == "named":      # (an unknown name is the tool validator's 400)

@@ -150,13 +150,20 @@ def test_logit_bias_maps_token_ids_to_bounded_biases():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),   # auto: not supported
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, "tool_choice"),
 ])
-def test_unsupported_openai_features_are_clear_400s(fields, param):
+def test_inconsistent_tool_fields_are_clear_400s(fields, param):
     with pytest.raises(ValidationError) as exc:
         chat(**fields)
     assert openai_error(exc).param == param
+
+
+def test_tools_without_a_choice_mean_auto():
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert chat(tools=tools).tool_mode == "auto" and chat(tools=tools, tool_choice="none").tool_mode is None
+    assert chat(tools=tools).tool_schema() is None      # auto: nothing constrains the answer
 
 
 @pytest.mark.parametrize("fields, guided", [
