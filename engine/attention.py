@@ -336,8 +336,8 @@ def paged_attention_reference(
         rows, slots, pad_mask = meta.decode_batch(q.device)
         bd = rows.shape[0]
         qd = q.index_select(0, rows).view(bd, num_kv, group, head_dim)            # [Bd, Hkv, G, D]
-        kd = gather_keys(k_cache, meta, slots).transpose(1, 2)                   # [Bd, Hkv, L, D]
-        vd = gather_keys(v_cache, meta, slots).transpose(1, 2)
+        kd = gather_keys(k_cache, meta, slots).to(q.dtype).transpose(1, 2)       # [Bd, Hkv, L, D]
+        vd = gather_keys(v_cache, meta, slots).to(q.dtype).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=pad_mask, scale=scale)
         out.index_copy_(0, rows, od.reshape(bd, num_heads, head_dim))
     return out.view(num_tokens, num_heads * head_dim)
@@ -351,8 +351,8 @@ def _attend_in_place(q, k_cache, v_cache, meta: AttnMetadata, scale: float) -> t
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
     start, ctx = meta.contiguous_starts[0], meta.context_lens[0]
-    k = k_cache[start:start + ctx].unsqueeze(0).transpose(1, 2)                  # [1, Hkv, ctx, D]
-    v = v_cache[start:start + ctx].unsqueeze(0).transpose(1, 2)
+    k = k_cache[start:start + ctx].to(q.dtype).unsqueeze(0).transpose(1, 2)      # [1, Hkv, ctx, D]
+    v = v_cache[start:start + ctx].to(q.dtype).unsqueeze(0).transpose(1, 2)
     vis = meta.other_batch(group, q.device, q.dtype)[0][2] if meta.other_idx else None   # [1, 1, G*T, ctx]
     qo = q.view(num_tokens, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv, group * num_tokens,
                                                                                   head_dim)
@@ -369,8 +369,8 @@ def _attend_padded(q, k_cache, v_cache, meta: AttnMetadata, scale: float, batch:
     n, q_max = vis.shape[0], vis.shape[2] // group
     qo = q.view(n, q_max, num_heads, head_dim) if rows is None else q[rows]        # [B', q_max, H, D]
     qo = qo.view(n, q_max, num_kv, group, head_dim).permute(0, 2, 3, 1, 4).reshape(n, num_kv, group * q_max, head_dim)
-    ko = gather_keys(k_cache, meta, slots).transpose(1, 2)                       # [B', Hkv, ctx_max, D]
-    vo = gather_keys(v_cache, meta, slots).transpose(1, 2)
+    ko = gather_keys(k_cache, meta, slots).to(q.dtype).transpose(1, 2)           # [B', Hkv, ctx_max, D]
+    vo = gather_keys(v_cache, meta, slots).to(q.dtype).transpose(1, 2)
     o = F.scaled_dot_product_attention(qo, ko, vo, attn_mask=vis, scale=scale)   # [B', Hkv, G*q_max, D]
     o = o.view(n, num_kv, group, q_max, head_dim).permute(0, 3, 1, 2, 4)         # [B', q_max, Hkv, G, D]
     return o.reshape(n * q_max, num_heads, head_dim)
@@ -398,8 +398,8 @@ def _paged_attention_loop(q, k_cache, v_cache, meta: AttnMetadata, scale: float)
         start, q_len, ctx = meta.cu_query_lens[b], meta.query_lens[b], meta.context_lens[b]
         qs = q[start:start + q_len].view(q_len, num_kv, group, head_dim).permute(1, 2, 0, 3)
         qs = qs.reshape(num_kv, group * q_len, head_dim)                         # [Hkv, G*q, D]
-        ks = gather_keys(k_cache, meta, meta._key_slots([b], ctx))[0].transpose(0, 1)   # [Hkv, ctx, D]
-        vs = gather_keys(v_cache, meta, meta._key_slots([b], ctx))[0].transpose(0, 1)
+        ks = gather_keys(k_cache, meta, meta._key_slots([b], ctx))[0].to(q.dtype).transpose(0, 1)   # [Hkv, ctx, D]
+        vs = gather_keys(v_cache, meta, meta._key_slots([b], ctx))[0].to(q.dtype).transpose(0, 1)
         mask = _full_mask(meta.masks[b], q_len, ctx, q.device)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.repeat(group, 1), scale=scale)
         out[start:start + q_len] = o.view(num_kv, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(

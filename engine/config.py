@@ -12,7 +12,7 @@ from specserve.engine.quant import ACTIVATIONS, QUANTIZATIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.draft_policy.POLICIES
-KV_CACHE_DTYPES = ("auto", "float32", "float64")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "float64")
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ class LLMEngine:
         the shapes steps use, before the step cost is calibrated or a request served."""
         from specserve.engine.compiled import CompiledForward, compile_available
 
-        if self.model.runs_natively(self.cache):
+        if self.model.runs_natively():
             logger.info("--compile: the layer stack already runs as one call of the native CPU kernels; "
                         "nothing to compile")
             return
@@ -431,11 +431,16 @@ class LLMEngine:
 
     def _kv_cache_dtype(self, config: EngineConfig, act: torch.dtype) -> torch.dtype:
         """The KV cache's dtype (`EngineConfig.kv_cache_dtype`); attention runs in it
-        (`engine.model.write_and_attend`). auto: the model's, except float64 for bf16 activations on
-        a CPU without the native kernels (`kernels/cpu.py`). Where activations are rounded to bf16,
-        a last-bit difference between a tree row's attention and the same token's decode row can
-        change a token; the native kernel computes both alike in fp32, SDPA needs float64 for it."""
+        (`engine.model.write_and_attend`; an fp16 cache's in fp32). auto: float16 where the layer
+        stack runs in the native CPU kernels (half the memory; the same logits as fp32 on the default
+        model, and faster decoding: docs/architecture.md); else the model's, except float64 for bf16
+        activations on a CPU without the native kernels (`kernels/cpu.py`). Where activations are
+        rounded to bf16, a last-bit difference between a tree row's attention and the same token's
+        decode row can change a token; the native kernel computes both alike in fp32, SDPA needs
+        float64 for it."""
         if config.kv_cache_dtype == "auto":
+            if self.device.type == "cpu" and self.model.runs_natively():
+                return torch.float16
             bf16_cpu = act == torch.bfloat16 and self.device.type == "cpu"
             return torch.float64 if bf16_cpu and not native_cpu.available() else self.dtype
         dtype = getattr(torch, config.kv_cache_dtype)

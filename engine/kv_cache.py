@@ -84,10 +84,11 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device):
         self.block_size = block_size
         shape = (2, num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float64):
+        numpy_dtype = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}.get(dtype)
+        if torch.device(device).type == "cpu" and numpy_dtype is not None:
             # calloc'd (numpy): the OS hands out zero pages as they are first written, so the pool
             # holds memory for the blocks in use, not for its whole size (torch.zeros writes it all)
-            self.kv = torch.from_numpy(np.zeros(shape, dtype=np.float32 if dtype == torch.float32 else np.float64))
+            self.kv = torch.from_numpy(np.zeros(shape, dtype=numpy_dtype))
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
 

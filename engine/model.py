@@ -333,15 +333,16 @@ def cpu_kernels(x: torch.Tensor):
 def write_and_attend(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float) -> torch.Tensor:
     """Write a layer's new keys and values to the cache slots `meta` names, then attend over the
     paged cache: q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads * D]. Attention runs in the
-    cache's dtype (`EngineConfig.kv_cache_dtype`), the output comes back in q's; over an fp32 cache
-    on the CPU through the native kernel (`kernels/cpu.py`, row by row)."""
+    cache's dtype (`EngineConfig.kv_cache_dtype`; an fp16 cache's in fp32), the output comes back in
+    q's; over an fp32 or fp16 cache on the CPU through the native kernel (`kernels/cpu.py`, row by row)."""
     dtype = k_cache.dtype   # `.to` of a tensor already in it is the tensor itself: no copy
     k_cache[meta.slot_mapping] = k.to(dtype)
     v_cache[meta.slot_mapping] = v.to(dtype)
     native = cpu_kernels(q)
     if native is not None and native.usable(q, k_cache, meta):
         return native.paged_attention(q, k_cache, v_cache, meta, scale)
-    return paged_attention(q.to(dtype), k_cache, v_cache, meta, scale).to(q.dtype)
+    compute = torch.float32 if dtype == torch.float16 else dtype    # an fp16 cache is storage: fp32 maths
+    return paged_attention(q.to(compute), k_cache, v_cache, meta, scale).to(q.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -503,7 +504,7 @@ class LlamaModel(nn.Module):
                 native.decoder_layers(stack, prev, end - prev, h, delta, prev > 0, rope, meta,
                                       intermediate=self.cfg.intermediate_size, num_heads=first.num_heads,
                                       num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, eps=first.eps,
-                                      scale=first.scale)
+                                      scale=first.scale, kv_f16=kv_cache.kv.dtype == torch.float16)
                 if end in slots:
                     captured[:, slots[end]] = h + delta
                 prev = end
@@ -516,11 +517,20 @@ class LlamaModel(nn.Module):
             native.add_rms_norm(delta, h, self.norm, self.cfg.rms_norm_eps)[0]
         return out if not capture_layers else (out, captured)
 
-    def runs_natively(self, kv_cache) -> bool:
+    def runs_natively(self) -> bool:
         """Whether `forward` hands the whole layer stack to the native CPU kernels (every projection
-        a native quantized weight, `kernels/cpu.py` `decoder_layers`)."""
-        native = cpu_kernels(self.norm)
-        return native is not None and self._native_stack(native, kv_cache) is not None
+        a native quantized weight without bias, `kernels/cpu.py` `decoder_layers`)."""
+        return cpu_kernels(self.norm) is not None and self._native_weights() is not None
+
+    def _native_weights(self):
+        """(the projections' weights, their quantized copies) when every one is a native quantized
+        weight without bias, else None."""
+        weights = [getattr(layer, name).weight for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        qs = [quantized(w) for w in weights]
+        if (any(q is None or q.kernel != "native" for q in qs)
+                or any(layer.qkv.bias is not None for layer in self.layers)):
+            return None
+        return weights, qs
 
     def _native_stack(self, native, kv_cache):
         """The layers as `kernels.cpu.layer_params` for `decoder_layers` when every projection is a
@@ -530,11 +540,10 @@ class LlamaModel(nn.Module):
         if cached is not None and cached[0] == kv_cache.kv.data_ptr() and all(
                 getattr(w, "_specserve_quant", None) is q and q.version == w._version for w, q in cached[2]):
             return cached[1]
-        weights = [getattr(layer, name).weight for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
-        qs = [quantized(w) for w in weights]
-        if (any(q is None or q.kernel != "native" for q in qs)
-                or any(layer.qkv.bias is not None for layer in self.layers)):
+        found = self._native_weights()
+        if found is None:
             return None
+        weights, qs = found
         params = native.layer_params([
             (layer.input_norm, layer.post_attn_norm,
              [(q.native_kind, q.data, q.scales, q.shape[0]) for q in qs[4 * i:4 * i + 4]],

@@ -56,13 +56,14 @@ _f = ctypes.c_float
 _SIGNATURES = {
     "rms_norm": [_p, _int, _p, _p, _p, _p, _int, _i64, _i64, _f, _int],
     "silu_mul": [_p, _int, _p, _int, _i64, _i64, _int],
-    "rope_cache": [_p, _int, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _int],
-    "paged_attention": [_p, _p, _p, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _f, _int],
+    "rope_cache": [_p, _int, _p, _p, _p, _p, _p, _p, _int, _i64, _i64, _i64, _i64, _int],
+    "paged_attention": [_p, _p, _p, _int, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _f,
+                        _int],
     "quant_matmul": [_int, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _int],   # returns int
     "decoder_layers": [_p, _i64, _p, _p, _int, _i64, _i64, _i64, _i64, _i64, _i64, _f, _f, _p, _p, _p, _i64, _p, _p, _p,
-                       _i64, _i64, _p, _p, _p, _int],   # returns int
-    "rope_cache_attention": [_p, _int, _p, _p, _p, _p, _p, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64,
-                             _i64, _i64, _f, _int],
+                       _i64, _i64, _p, _p, _p, _int, _int],   # returns int
+    "rope_cache_attention": [_p, _int, _p, _p, _p, _p, _p, _int, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p,
+                             _i64, _i64, _i64, _f, _int],
 }
 
 
@@ -174,26 +175,27 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tenso
                    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                    head_dim: int) -> torch.Tensor:
     """qkv [T, (H + 2 Hkv) * D] (fp32 or bf16) -> q [T, H, D] fp32 rotated; k rotated and v written to
-    k_cache / v_cache [slots, Hkv, D] (fp32, contiguous) at `slots` [T] int64. cos / sin_signed:
+    k_cache / v_cache [slots, Hkv, D] (fp32 or fp16, contiguous) at `slots` [T] int64. cos / sin_signed:
     [T, 1, D] fp32 (`engine.model.RopeRows`)."""
     qkv, slots = qkv.contiguous(), slots.contiguous()
     cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
     T = qkv.shape[0]
     q = torch.empty(T, num_heads, head_dim, dtype=torch.float32)
     library().rope_cache(qkv.data_ptr(), _flag(qkv), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(),
-                         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), T, num_heads, num_kv_heads, head_dim,
-                         torch.get_num_threads())
+                         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _half(k_cache), T, num_heads,
+                         num_kv_heads, head_dim, torch.get_num_threads())
     return q
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """q [T, H, D] fp32, caches [slots, Hkv, D] fp32 contiguous, `meta` an `engine.attention.AttnMetadata`
-    with block tables -> [T, H * D] in `out_dtype` (fp32 by default)."""
+    """q [T, H, D] fp32, caches [slots, Hkv, D] fp32 or fp16 contiguous (the maths in fp32), `meta` an
+    `engine.attention.AttnMetadata` with block tables -> [T, H * D] in `out_dtype` (fp32 by default)."""
     q = q.contiguous()
     T, H, D = q.shape
     out = torch.empty(T, H * D, dtype=out_dtype or torch.float32)
-    library().paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), _flag(out),
+    library().paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _half(k_cache), out.data_ptr(),
+                              _flag(out),
                               *_metadata_args(meta), H, k_cache.shape[1], D, scale, torch.get_num_threads())
     return out
 
@@ -208,7 +210,7 @@ def attend(qkv: torch.Tensor, rope, meta, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=out_dtype or torch.float32)
     library().rope_cache_attention(
         qkv.data_ptr(), _flag(qkv), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), out.data_ptr(), _flag(out), *_metadata_args(meta), num_heads, num_kv_heads, head_dim,
+        v_cache.data_ptr(), _half(k_cache), out.data_ptr(), _flag(out), *_metadata_args(meta), num_heads, num_kv_heads, head_dim,
         scale, torch.get_num_threads())
     return out
 
@@ -338,17 +340,18 @@ def layer_params(layers: list[tuple]) -> ctypes.Array:
 
 def decoder_layers(params: ctypes.Array, start: int, count: int, h: torch.Tensor, delta: torch.Tensor,
                    has_delta: bool, rope, meta, *, intermediate: int, num_heads: int, num_kv_heads: int,
-                   head_dim: int, eps: float, scale: float) -> None:
+                   head_dim: int, eps: float, scale: float, kv_f16: bool = False) -> None:
     """Layers `start` .. `start + count - 1` of `params` (`layer_params`) in one call, in place on the
     residual stream h + delta (h, delta [T, hidden] fp32 contiguous; `has_delta`: whether delta holds
-    one on entry; delta holds the last layer's output after): the calls of
+    one on entry; delta holds the last layer's output after; `kv_f16`: the caches hold fp16): the calls of
     `engine.model.DecoderLayer.forward_native` one after the other, the same numbers."""
     cos, sin_signed = rope.cos.contiguous(), rope.sin_signed.contiguous()
     slots = meta.slot_mapping.contiguous()
     rc = library().decoder_layers(
         ctypes.addressof(params) + start * ctypes.sizeof(LayerParams), count, h.data_ptr(), delta.data_ptr(),
         int(has_delta), h.shape[0], h.shape[1], intermediate, num_heads, num_kv_heads, head_dim, eps, scale,
-        cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), *_metadata_args(meta), torch.get_num_threads())
+        cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), *_metadata_args(meta), int(kv_f16),
+        torch.get_num_threads())
     if rc != 0:
         raise MemoryError("decoder_layers: no scratch memory")
 
@@ -367,9 +370,13 @@ def _metadata_args(meta) -> tuple:
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, meta) -> bool:
-    """Whether `paged_attention` takes this call: CPU fp32 queries and cache, paged metadata."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+    """Whether `paged_attention` takes this call: CPU fp32 queries, an fp32 or fp16 cache, paged metadata."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.float16)
             and k_cache.is_contiguous() and meta.block_size > 0)
+
+
+def _half(cache: torch.Tensor) -> int:
+    return int(cache.dtype == torch.float16)
 
 
 # ---- the torch references ----------------------------------------------------------------------
@@ -396,8 +403,8 @@ def rope_and_cache_reference(qkv, cos, sin_signed, slots, k_cache, v_cache, num_
     x = qkv.float()[:, :heads * head_dim].view(T, heads, head_dim)
     qk = x * cos + torch.roll(x, head_dim // 2, -1) * sin_signed
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
-    k_cache[slots] = k
-    v_cache[slots] = qkv.float()[:, heads * head_dim:].view(T, num_kv_heads, head_dim)
+    k_cache[slots] = k.to(k_cache.dtype)
+    v_cache[slots] = qkv.float()[:, heads * head_dim:].view(T, num_kv_heads, head_dim).to(v_cache.dtype)
     return q
 
 

@@ -80,6 +80,34 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 static inline v16 load16(const float *p) { return *(const v16u *)p; }
 
+/* exp_f of 16 lanes at once: the same float operations, lane by lane, so the same values */
+static inline v16 exp16(v16 x) {
+    const v16 lo = (v16){0} - 87.3f, hi = (v16){0} + 88.3f;
+    i32x16 m = x < lo;
+    x = (v16)(((i32x16)x & ~m) | ((i32x16)lo & m));
+    m = x > hi;
+    x = (v16)(((i32x16)x & ~m) | ((i32x16)hi & m));
+    v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    v16 r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16 p = (v16){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    v16 y = p * (r * r) + r + 1.0f;
+    i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    return y * (v16)e;
+}
+
+/* x[t] = exp_f(x[t] - mx) for t < n */
+static inline void exp_shifted(float *x, int64_t n, float mx) {
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) *(v16u *)(x + t) = exp16(load16(x + t) - mx);
+    for (; t < n; t++) x[t] = exp_f(x[t] - mx);
+}
+
 /* the 16 lanes of a folded in a fixed tree */
 static inline float hsum16(v16 a) {
     v8 s8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -173,84 +201,215 @@ void silu_mul(const void *gu, int gu_bf16, void *out, int out_bf16, int64_t rows
     }
 }
 
+/* ---- IEEE half precision: the fp16 KV cache and the quantized weights' fp16 scales -------------
+ * Conversions are exact one way (half -> float) and round to nearest even the other, in hardware
+ * (AVX-512, F16C) or in the scalar code below, which computes the same values. */
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* half -> float (normal, subnormal, zero, inf, NaN) */
+static inline float half_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp != 0) u = sign | ((exp + 112) << 23) | (man << 13);
+    else {
+        float f = (float)man * 5.9604644775390625e-08f;   /* man * 2^-24 */
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* float -> half, round to nearest even (overflow -> inf, NaN -> quiet NaN) */
+static inline uint16_t f32_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);          /* >= 65520: rounds to inf */
+    if (ax < 0x38800000u) {                                            /* below 2^-14: subnormal or 0 */
+        float a;
+        memcpy(&a, &ax, 4);
+        float r = (a * 16777216.0f + 8388608.0f) - 8388608.0f;         /* a * 2^24 to the nearest even */
+        return (uint16_t)(sign | (uint32_t)r);
+    }
+    uint32_t h = (ax - 0x38000000u) >> 13, rem = ax & 0x1fffu;         /* rebias; 13 bits to round off */
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+
+#if defined(__AVX512F__)
+static inline v16 load_half16(const uint16_t *p) { return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline void store_half16(uint16_t *p, v16 x) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#elif defined(__F16C__)
+static inline v16 load_half16(const uint16_t *p) {
+    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    v16 r;
+    memcpy(&r, &lo, 32);
+    memcpy((char *)&r + 32, &hi, 32);
+    return r;
+}
+static inline void store_half16(uint16_t *p, v16 x) {
+    __m256 lo, hi;
+    memcpy(&lo, &x, 32);
+    memcpy(&hi, (char *)&x + 32, 32);
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128((__m128i *)(p + 8), _mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#else
+static inline v16 load_half16(const uint16_t *p) {
+    v16 r;
+    for (int i = 0; i < 16; i++) r[i] = half_to_f32(p[i]);
+    return r;
+}
+static inline void store_half16(uint16_t *p, v16 x) {
+    for (int i = 0; i < 16; i++) p[i] = f32_to_half(x[i]);
+}
+#endif
+
+/* n floats into a KV cache row at `offset` (elements): fp16 (kv_f16) or fp32 */
+static inline void store_kv(void *cache, int kv_f16, int64_t offset, const float *src, int64_t n) {
+    if (!kv_f16) {
+        memcpy((float *)cache + offset, src, sizeof(float) * n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + offset;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) store_half16(dst + i, load16(src + i));
+    for (; i < n; i++) dst[i] = f32_to_half(src[i]);
+}
+
 /* ---- RoPE of q and k; k and v into the cache ---------------------------------------------------
  * qkv [rows, (H + 2 Hkv) D] -> q_out [rows, H, D]; k (rotated) and v to k_cache / v_cache
  * [slots, Hkv, D] at slots[row]. cos / sin_signed [rows, D]: y = x * cos + roll(x, D/2) * sin_signed.
  */
 void rope_cache(const void *qkv, int qkv_bf16, const float *cos, const float *sin_signed, const int64_t *slots,
-                float *q_out, float *k_cache, float *v_cache, int64_t rows, int64_t H, int64_t Hkv, int64_t D,
-                int nthreads) {
+                float *q_out, void *k_cache, void *v_cache, int kv_f16, int64_t rows, int64_t H, int64_t Hkv,
+                int64_t D, int nthreads) {
     int64_t width = (H + 2 * Hkv) * D, half = D / 2;
 #pragma omp parallel num_threads(threads_for(nthreads, rows * width, 16384))
     {
-        float *x = (float *)malloc(sizeof(float) * width);
+        float *x = (float *)malloc(sizeof(float) * (width + D)), *k = x + width;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             to_f32(qkv, qkv_bf16, r * width, width, x);
             const float *c = cos + r * D, *s = sin_signed + r * D;
             for (int64_t h = 0; h < H + Hkv; h++) {
-                float *dst = h < H ? q_out + (r * H + h) * D : k_cache + (slots[r] * Hkv + (h - H)) * D;
+                float *dst = h < H ? q_out + (r * H + h) * D : k;
                 const float *xh = x + h * D;
                 for (int64_t d = 0; d < half; d++) dst[d] = xh[d] * c[d] + xh[d + half] * s[d];
                 for (int64_t d = half; d < D; d++) dst[d] = xh[d] * c[d] + xh[d - half] * s[d];
+                if (h >= H) store_kv(k_cache, kv_f16, (slots[r] * Hkv + (h - H)) * D, k, D);
             }
-            memcpy(v_cache + slots[r] * Hkv * D, x + (H + Hkv) * D, sizeof(float) * Hkv * D);
+            store_kv(v_cache, kv_f16, slots[r] * Hkv * D, x + (H + Hkv) * D, Hkv * D);
         }
         free(x);
     }
 }
 
-/* Scores of one query head against keys `keys` (slots; row stride `stride` floats), scaled, into
- * e; returns their max. Specialised for head_dim 64 and 128 (the query in registers). */
-#define SCORES(CH)                                                                                     \
-    static inline float scores_##CH(const float *q, const float *k, const int32_t *keys, int64_t n,   \
-                                    int64_t stride, float scale, float *e) {                          \
+/* Scores of one query head against keys `keys` (slots; row stride `stride` elements), scaled, into
+ * e; returns their max. Specialised for head_dim 64 and 128 (the query in registers), for an fp32
+ * (`f`) and an fp16 (`h`) cache. */
+static inline v16 load16f(const float *p) { return load16(p); }
+
+/* a[0..15] each folded in hsum16's tree at once: lane j of the result is hsum16(a[j]), bit for bit
+ * (level by level the same pairs: lanes l and l+8, then l and l+4, l and l+2, l and l+1) */
+static inline v16 hsum16x16(const v16 *a) {
+    v16 r1[8], r2[4], r3[2];
+    for (int i = 0; i < 8; i++)
+        r1[i] = __builtin_shufflevector(a[i], a[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+              + __builtin_shufflevector(a[i], a[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        r2[i] = __builtin_shufflevector(r1[i], r1[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+              + __builtin_shufflevector(r1[i], r1[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        r3[i] = __builtin_shufflevector(r2[i], r2[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+              + __builtin_shufflevector(r2[i], r2[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    return __builtin_shufflevector(r3[0], r3[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+         + __builtin_shufflevector(r3[0], r3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+/* keys in blocks of 16, their folds done together (`hsum16x16`); the last < 16 one by one, with the
+ * same values */
+#define SCORES(CH, SFX, T)                                                                             \
+    static inline float scores_##CH##SFX(const float *q, const T *k, const int32_t *keys, int64_t n,  \
+                                         int64_t stride, float scale, float *e) {                     \
         v16 qa[CH];                                                                                    \
         for (int c = 0; c < CH; c++) qa[c] = load16(q + 16 * c);                                       \
-        float mx = -INFINITY;                                                                          \
-        for (int64_t t = 0; t < n; t++) {                                                              \
-            const float *row = k + (int64_t)keys[t] * stride;                                          \
-            v16 acc = qa[0] * load16(row);                                                             \
-            _Pragma("GCC unroll 8") for (int c = 1; c < CH; c++) acc += qa[c] * load16(row + 16 * c); \
-            e[t] = hsum16(acc) * scale;                                                                \
-            mx = e[t] > mx ? e[t] : mx;                                                                \
+        int64_t t = 0;                                                                                 \
+        for (; t + 16 <= n; t += 16) {                                                                 \
+            v16 acc[16];                                                                               \
+            _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) {                                    \
+                const T *row = k + (int64_t)keys[t + j] * stride;                                      \
+                acc[j] = qa[0] * load16##SFX(row);                                                     \
+                _Pragma("GCC unroll 8") for (int c = 1; c < CH; c++) acc[j] += qa[c] * load16##SFX(row + 16 * c); \
+            }                                                                                          \
+            *(v16u *)(e + t) = hsum16x16(acc) * scale;                                                 \
         }                                                                                              \
+        for (; t < n; t++) {                                                                           \
+            const T *row = k + (int64_t)keys[t] * stride;                                              \
+            v16 acc = qa[0] * load16##SFX(row);                                                        \
+            _Pragma("GCC unroll 8") for (int c = 1; c < CH; c++) acc += qa[c] * load16##SFX(row + 16 * c); \
+            e[t] = hsum16(acc) * scale;                                                                \
+        }                                                                                              \
+        float mx = -INFINITY;                                                                          \
+        for (t = 0; t < n; t++) mx = e[t] > mx ? e[t] : mx;                                            \
         return mx;                                                                                     \
     }
-SCORES(4)
-SCORES(8)
+#define load16h load_half16
+SCORES(4, f, float)
+SCORES(8, f, float)
+SCORES(4, h, uint16_t)
+SCORES(8, h, uint16_t)
 
-static inline float scores_any(const float *q, const float *k, const int32_t *keys, int64_t n, int64_t stride,
-                               int64_t D, float scale, float *e) {
+/* any head_dim: an fp16 row is widened to fp32 first */
+static inline float scores_any(const float *q, const void *k, int kv_f16, const int32_t *keys, int64_t n,
+                               int64_t stride, int64_t D, float scale, float *e, float *row) {
     float mx = -INFINITY;
     for (int64_t t = 0; t < n; t++) {
-        e[t] = dot(q, k + (int64_t)keys[t] * stride, D) * scale;
+        if (kv_f16) {
+            const uint16_t *src = (const uint16_t *)k + (int64_t)keys[t] * stride;
+            for (int64_t d = 0; d < D; d++) row[d] = half_to_f32(src[d]);
+        }
+        e[t] = dot(q, kv_f16 ? row : (const float *)k + (int64_t)keys[t] * stride, D) * scale;
         mx = e[t] > mx ? e[t] : mx;
     }
     return mx;
 }
 
 /* acc[d] = sum over t, in order, of p[t] * v[keys[t]][d] */
-#define WSUM(CH)                                                                                        \
-    static inline void wsum_##CH(const float *p, const float *v, const int32_t *keys, int64_t n,        \
-                                 int64_t stride, float *acc) {                                          \
+#define WSUM(CH, SFX, T)                                                                                \
+    static inline void wsum_##CH##SFX(const float *p, const T *v, const int32_t *keys, int64_t n,       \
+                                      int64_t stride, float *acc) {                                     \
         v16 a[CH];                                                                                      \
         for (int c = 0; c < CH; c++) a[c] = (v16){0};                                                   \
         for (int64_t t = 0; t < n; t++) {                                                               \
-            const float *row = v + (int64_t)keys[t] * stride;                                           \
-            _Pragma("GCC unroll 8") for (int c = 0; c < CH; c++) a[c] += p[t] * load16(row + 16 * c);  \
+            const T *row = v + (int64_t)keys[t] * stride;                                               \
+            _Pragma("GCC unroll 8") for (int c = 0; c < CH; c++) a[c] += p[t] * load16##SFX(row + 16 * c); \
         }                                                                                               \
         for (int c = 0; c < CH; c++) *(v16u *)(acc + 16 * c) = a[c];                                    \
     }
-WSUM(4)
-WSUM(8)
+WSUM(4, f, float)
+WSUM(8, f, float)
+WSUM(4, h, uint16_t)
+WSUM(8, h, uint16_t)
 
-static inline void wsum_any(const float *p, const float *v, const int32_t *keys, int64_t n, int64_t stride,
-                            int64_t D, float *acc) {
+static inline void wsum_any(const float *p, const void *v, int kv_f16, const int32_t *keys, int64_t n,
+                            int64_t stride, int64_t D, float *acc) {
     memset(acc, 0, sizeof(float) * D);
     for (int64_t t = 0; t < n; t++) {
-        const float *row = v + (int64_t)keys[t] * stride;
-        for (int64_t d = 0; d < D; d++) acc[d] += p[t] * row[d];
+        if (kv_f16) {
+            const uint16_t *row = (const uint16_t *)v + (int64_t)keys[t] * stride;
+            for (int64_t d = 0; d < D; d++) acc[d] += p[t] * half_to_f32(row[d]);
+        } else {
+            const float *row = (const float *)v + (int64_t)keys[t] * stride;
+            for (int64_t d = 0; d < D; d++) acc[d] += p[t] * row[d];
+        }
     }
 }
 
@@ -264,8 +423,9 @@ static inline void wsum_any(const float *p, const float *v, const int32_t *keys,
  * query head h reads kv head h / (H / Hkv).
  *
  * A row's visible keys, listed in context order, are cut into chunks of ATTN_CHUNK. Each chunk is a
- * work item (with the G query heads of one kv head, whose keys it reads once into L1), so one
- * decode row spreads over the threads; each chunk c leaves its max m_c, its sum l_c = sum e^(s - m_c)
+ * work item (every query head: the chunk's cache rows are read in order, one kv head's keys into L1
+ * for its G query heads), so one decode row spreads over the threads; each chunk c leaves, per query
+ * head, its max m_c, its sum l_c = sum e^(s - m_c)
  * and acc_c = sum e^(s - m_c) v, and the row's output is
  *     sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c,   M = max_c m_c,
  * with the chunks added in order. The chunks depend only on the row's key list, so a row's output
@@ -274,7 +434,7 @@ static inline void wsum_any(const float *p, const float *v, const int32_t *keys,
 #define ATTN_CHUNK 64
 
 typedef struct {
-    int32_t row, kvh, chunk;
+    int32_t row, chunk;
 } attn_item;
 
 /* slots of the keys at list indices c0 .. c1 - 1 of row i of sequence b (see above) */
@@ -294,7 +454,7 @@ static int64_t chunk_keys(int64_t c0, int64_t c1, int64_t open, const int32_t *t
     return n;
 }
 
-void paged_attention(const float *q, const float *k_cache, const float *v_cache, void *out, int out_bf16,
+void paged_attention(const float *q, const void *k_cache, const void *v_cache, int kv_f16, void *out, int out_bf16,
                      int64_t num_seqs, const int32_t *cu_q, const int32_t *context_lens, const int32_t *block_tables,
                      int64_t table_width, int64_t block_size, const int32_t *mask_offsets, const int32_t *mask_widths,
                      const uint8_t *mask_data, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
@@ -312,41 +472,48 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
             row_info[4 * r] = b;
             row_info[4 * r + 1] = open;
             row_info[4 * r + 2] = n;
-            row_info[4 * r + 3] = items / Hkv;
-            items += Hkv * ((n + ATTN_CHUNK - 1) / ATTN_CHUNK);
+            row_info[4 * r + 3] = items;
+            items += (n + ATTN_CHUNK - 1) / ATTN_CHUNK;
             work += n;
         }
     }
     attn_item *item = (attn_item *)malloc(sizeof(attn_item) * (items > 0 ? items : 1));
     /* per chunk and query head: m, l, acc[D] */
-    float *part = (float *)malloc(sizeof(float) * (items > 0 ? items : 1) * G * (D + 2));
+    float *part = (float *)malloc(sizeof(float) * (items > 0 ? items : 1) * H * (D + 2));
     for (int64_t r = 0, k = 0; r < T; r++)
-        for (int64_t c = 0; c * ATTN_CHUNK < row_info[4 * r + 2]; c++)
-            for (int64_t kvh = 0; kvh < Hkv; kvh++) item[k++] = (attn_item){(int32_t)r, (int32_t)kvh, (int32_t)c};
+        for (int64_t c = 0; c * ATTN_CHUNK < row_info[4 * r + 2]; c++) item[k++] = (attn_item){(int32_t)r, (int32_t)c};
     int nt = threads_for(nthreads, work * H * D, 1 << 14);
 #pragma omp parallel num_threads(nt)
     {
         int32_t keys[ATTN_CHUNK];
         float e[ATTN_CHUNK];
+        float *row = (float *)malloc(sizeof(float) * D);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t r = item[it].row, kvh = item[it].kvh, c = item[it].chunk;
+            const int64_t r = item[it].row, c = item[it].chunk;
             const int64_t b = row_info[4 * r], open = row_info[4 * r + 1], total = row_info[4 * r + 2];
             const int64_t i = r - cu_q[b], ctx = context_lens[b], m = mask_widths[b];
             const int64_t c0 = c * ATTN_CHUNK, c1 = c0 + ATTN_CHUNK < total ? c0 + ATTN_CHUNK : total;
             const int64_t n = chunk_keys(c0, c1, open, block_tables + b * table_width, block_size,
                                          m > 0 ? mask_data + mask_offsets[b] + i * m : NULL, m, ctx, keys);
-            const float *kh = k_cache + kvh * D, *vh = v_cache + kvh * D;
-            for (int64_t g = 0; g < G; g++) {
-                const float *qg = q + (r * H + kvh * G + g) * D;
-                float *pg = part + (it * G + g) * (D + 2);
-                float mx = D == 64 ? scores_4(qg, kh, keys, n, Hkv * D, scale, e)
-                         : D == 128 ? scores_8(qg, kh, keys, n, Hkv * D, scale, e)
-                         : scores_any(qg, kh, keys, n, Hkv * D, D, scale, e);
-                for (int64_t t = 0; t < n; t++) e[t] = exp_f(e[t] - mx);
-                if (D == 64) wsum_4(e, vh, keys, n, Hkv * D, pg + 2);
-                else if (D == 128) wsum_8(e, vh, keys, n, Hkv * D, pg + 2);
-                else wsum_any(e, vh, keys, n, Hkv * D, D, pg + 2);
+            const int64_t es = kv_f16 ? 2 : 4, st = Hkv * D;
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t kvh = h / G;
+                const void *kh = (const char *)k_cache + kvh * D * es, *vh = (const char *)v_cache + kvh * D * es;
+                const float *qg = q + (r * H + h) * D;
+                float *pg = part + (it * H + h) * (D + 2), mx;
+                if (kv_f16)
+                    mx = D == 64 ? scores_4h(qg, kh, keys, n, st, scale, e)
+                       : D == 128 ? scores_8h(qg, kh, keys, n, st, scale, e)
+                       : scores_any(qg, kh, 1, keys, n, st, D, scale, e, row);
+                else
+                    mx = D == 64 ? scores_4f(qg, kh, keys, n, st, scale, e)
+                       : D == 128 ? scores_8f(qg, kh, keys, n, st, scale, e)
+                       : scores_any(qg, kh, 0, keys, n, st, D, scale, e, row);
+                exp_shifted(e, n, mx);
+                if (D == 64) kv_f16 ? wsum_4h(e, vh, keys, n, st, pg + 2) : wsum_4f(e, vh, keys, n, st, pg + 2);
+                else if (D == 128) kv_f16 ? wsum_8h(e, vh, keys, n, st, pg + 2) : wsum_8f(e, vh, keys, n, st, pg + 2);
+                else wsum_any(e, vh, kv_f16, keys, n, st, D, pg + 2);
                 pg[0] = mx;
                 pg[1] = sum16(e, n);
             }
@@ -355,10 +522,10 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
         float acc[512];
 #pragma omp for schedule(static)
         for (int64_t rh = 0; rh < T * H; rh++) {
-            const int64_t r = rh / H, h = rh % H, kvh = h / G, g = h % G;
+            const int64_t r = rh / H, h = rh % H;
             const int64_t chunks = (row_info[4 * r + 2] + ATTN_CHUNK - 1) / ATTN_CHUNK;
-            const float *p0 = part + ((row_info[4 * r + 3] * Hkv + kvh) * G + g) * (D + 2);
-            const int64_t step = Hkv * G * (D + 2);        /* from one chunk's entry to the next's */
+            const float *p0 = part + (row_info[4 * r + 3] * H + h) * (D + 2);
+            const int64_t step = H * (D + 2);              /* from one chunk's entry to the next's */
             float *o = NULL;
             if (chunks == 1) o = (float *)p0 + 2;
             float mx = -INFINITY, sum = 0.0f;
@@ -378,6 +545,7 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
             for (int64_t d = 0; d < D; d++) store(out, out_bf16, rh * D + d, chunks ? o[d] * inv : 0.0f);
             if (chunks > 1 && D > 512) free(o);
         }
+        free(row);
     }
     free(part);
     free(item);
@@ -386,15 +554,15 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
 
 /* ---- a layer's attention in one call: RoPE and the cache write, then paged attention ------------ */
 void rope_cache_attention(const void *qkv, int qkv_bf16, const float *cos, const float *sin_signed,
-                          const int64_t *slots, float *k_cache, float *v_cache, void *out, int out_bf16,
+                          const int64_t *slots, void *k_cache, void *v_cache, int kv_f16, void *out, int out_bf16,
                           int64_t num_seqs, const int32_t *cu_q, const int32_t *context_lens,
                           const int32_t *block_tables, int64_t table_width, int64_t block_size,
                           const int32_t *mask_offsets, const int32_t *mask_widths, const uint8_t *mask_data,
                           int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
     int64_t T = cu_q[num_seqs];
     float *q = (float *)malloc(sizeof(float) * (T > 0 ? T : 1) * H * D);
-    rope_cache(qkv, qkv_bf16, cos, sin_signed, slots, q, k_cache, v_cache, T, H, Hkv, D, nthreads);
-    paged_attention(q, k_cache, v_cache, out, out_bf16, num_seqs, cu_q, context_lens, block_tables, table_width,
+    rope_cache(qkv, qkv_bf16, cos, sin_signed, slots, q, k_cache, v_cache, kv_f16, T, H, Hkv, D, nthreads);
+    paged_attention(q, k_cache, v_cache, kv_f16, out, out_bf16, num_seqs, cu_q, context_lens, block_tables, table_width,
                     block_size, mask_offsets, mask_widths, mask_data, H, Hkv, D, scale, nthreads);
     free(q);
 }
@@ -422,7 +590,6 @@ typedef int8_t i8x16 __attribute__((vector_size(16)));
 #include <immintrin.h>
 static inline i32x16 widen_u8(const uint8_t *p) { return (i32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline i32x16 widen_i8(const int8_t *p) { return (i32x16)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-static inline v16 load_half16(const uint16_t *p) { return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 #elif defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 static inline i32x16 join_i(__m256i lo, __m256i hi) {
@@ -439,35 +606,9 @@ static inline i32x16 widen_i8(const int8_t *p) {
     __m128i b = _mm_loadu_si128((const __m128i *)p);
     return join_i(_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
 }
-static inline v16 load_half16(const uint16_t *p) {
-    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
-    v16 r;
-    memcpy(&r, &lo, 32);
-    memcpy((char *)&r + 32, &hi, 32);
-    return r;
-}
 #else
 static inline i32x16 widen_u8(const uint8_t *p) { return __builtin_convertvector(*(const u8x16 *)p, i32x16); }
 static inline i32x16 widen_i8(const int8_t *p) { return __builtin_convertvector(*(const i8x16 *)p, i32x16); }
-/* IEEE half -> float (normal, subnormal, zero, inf, NaN) */
-static inline float half_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
-    else if (exp != 0) u = sign | ((exp + 112) << 23) | (man << 13);
-    else {
-        float f = (float)man * 5.9604644775390625e-08f;   /* man * 2^-24 */
-        return sign ? -f : f;
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline v16 load_half16(const uint16_t *p) {
-    v16 r;
-    for (int i = 0; i < 16; i++) r[i] = half_to_f32(p[i]);
-    return r;
-}
 #endif
 
 #if defined(__AVX512F__)
@@ -758,7 +899,7 @@ typedef struct {
     const float *input_norm, *post_norm;
     const void *codes[4], *scales[4];     /* qkv, o, gate_up, down */
     int64_t kind[4], n[4];
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
 } layer_params;
 
 int decoder_layers(const layer_params *layers, int64_t num_layers, float *h, float *delta, int has_delta, int64_t T,
@@ -766,7 +907,7 @@ int decoder_layers(const layer_params *layers, int64_t num_layers, float *h, flo
                    const float *cos, const float *sin_signed, const int64_t *slots, int64_t num_seqs,
                    const int32_t *cu_q, const int32_t *context_lens, const int32_t *block_tables, int64_t table_width,
                    int64_t block_size, const int32_t *mask_offsets, const int32_t *mask_widths,
-                   const uint8_t *mask_data, int nthreads) {
+                   const uint8_t *mask_data, int kv_f16, int nthreads) {
     const int64_t nqkv = (H + 2 * Hkv) * D;
     float *x = malloc(sizeof(float) * T * (hidden + nqkv + H * D + 3 * inter + hidden));
     if (!x) return -1;
@@ -778,7 +919,7 @@ int decoder_layers(const layer_params *layers, int64_t num_layers, float *h, flo
         if (has_delta) rms_norm(delta, 0, h, h, p->input_norm, x, 0, T, hidden, eps, nthreads);
         else rms_norm(h, 0, NULL, NULL, p->input_norm, x, 0, T, hidden, eps, nthreads);
         rc |= quant_matmul((int)p->kind[0], x, hidden, p->codes[0], p->scales[0], qkv, nqkv, T, nqkv, hidden, nthreads);
-        rope_cache_attention(qkv, 0, cos, sin_signed, slots, p->k_cache, p->v_cache, attn, 0, num_seqs, cu_q,
+        rope_cache_attention(qkv, 0, cos, sin_signed, slots, p->k_cache, p->v_cache, kv_f16, attn, 0, num_seqs, cu_q,
                              context_lens, block_tables, table_width, block_size, mask_offsets, mask_widths,
                              mask_data, H, Hkv, D, scale, nthreads);
         rc |= quant_matmul((int)p->kind[1], attn, H * D, p->codes[1], p->scales[1], o, hidden, T, hidden, H * D,

@@ -39,7 +39,7 @@ ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seq
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config.DRAFT_BUDGETS (a unit test keeps them equal)
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")   # engine.quant.QUANTIZATIONS (a unit test keeps them equal)
 ACTIVATIONS = ("float", "int8")   # engine.quant.ACTIVATIONS (a unit test keeps them equal)
-KV_CACHE_DTYPES = ("auto", "float32", "float64")    # engine.config.KV_CACHE_DTYPES (a unit test keeps them equal)
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "float64")    # engine.config.KV_CACHE_DTYPES (a unit test keeps them equal)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 # option dest -> environment variable giving its default (flags win). Empty values count as unset.
@@ -134,8 +134,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --quantization, quantize the drafters' own layers like the target's and their "
                         "draft-vocabulary heads to int8: cheaper drafting, the same lossless output (default: on)")
     g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
-                   help="the KV cache's dtype, in which attention runs; auto: the model's, except float64 on a "
-                        "CPU without the native kernels (no C compiler) under --quantization with bf16 "
+                   help="the KV cache's dtype; auto: float16 where the layer stack runs in the native CPU "
+                        "kernels (half the memory, attention still in fp32), else the model's, except float64 on "
+                        "a CPU without the native kernels (no C compiler) under --quantization with bf16 "
                         "activations, so that a verified draft row computes the same numbers as a decoded one "
                         "and greedy speculation reproduces plain decoding token for token (default: %(default)s)")
     s = p.add_argument_group("speculative decoding")

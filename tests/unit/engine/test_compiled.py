@@ -61,7 +61,7 @@ def test_with_the_native_kernels_an_int4_engine_has_nothing_to_compile(tiny_llam
     if not cpu_kernels.available():
         pytest.skip("the native CPU kernels do not build here")
     engine = make_llm_engine(tiny_llama_dir, ("none",), quantization="int4", compile=True)
-    assert engine.runner.forward is engine.model and engine.model.runs_natively(engine.cache)
+    assert engine.runner.forward is engine.model and engine.model.runs_natively()
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     assert len(run_requests(engine, [[5, 6, 7]], params)["r0"]) == 5
 

@@ -65,6 +65,29 @@ def test_rope_and_cache(in_dtype):
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
 
 
+def _half_cases(qkv: torch.Tensor, v_start: int) -> torch.Tensor:
+    """qkv [T, width] with values at the start of each row's v (copied to the cache as they are) that
+    fp16 rounds specially: subnormal, halfway, overflowing, zero."""
+    qkv = qkv.clone()
+    qkv[:, v_start:v_start + 8] = torch.tensor([3e-6, -5.9604645e-08 * 1.5, 65519.0, 65520.0, -1e6, 0.0,
+                                                1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11])   # halfway: to the even one
+    return qkv
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_rope_and_cache_into_an_fp16_cache(in_dtype):
+    T, H, Hkv, D, S = 6, 4, 2, 16, 40
+    qkv = _half_cases(_rand(T, (H + 2 * Hkv) * D) * 3, (H + Hkv) * D).to(in_dtype)
+    angle = _rand(T, 1, D, seed=4) * 3
+    slots = torch.tensor([3, 7, 8, 20, 21, 39])
+    caches = [torch.zeros(S, Hkv, D, dtype=torch.float16) for _ in range(2)]
+    ref = [c.clone() for c in caches]
+    q = cpu.rope_and_cache(qkv, angle.cos(), angle.sin(), slots, *caches, H, Hkv, D)
+    want = cpu.rope_and_cache_reference(qkv, angle.cos(), angle.sin(), slots, *ref, H, Hkv, D)
+    assert torch.equal(q, want)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])   # torch's rounding to fp16
+
+
 def _ragged_batch(head_dim: int):
     """A decode row, a 6-node draft tree, a causal 4-token chain and a 20-token prefill chunk over
     scattered blocks of 16 slots: (q, k_cache, v_cache, metadata)."""
@@ -79,8 +102,10 @@ def _ragged_batch(head_dim: int):
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("out_dtype", DTYPES)
-def test_paged_attention_matches_the_per_sequence_oracle(head_dim, out_dtype):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_paged_attention_matches_the_per_sequence_oracle(head_dim, out_dtype, cache_dtype):
     q, k_cache, v_cache, meta = _ragged_batch(head_dim)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     want = _paged_attention_loop(q, k_cache, v_cache, meta, head_dim ** -0.5).to(out_dtype)
     got = cpu.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, out_dtype)
     tol = 2e-6 if out_dtype == torch.float32 else 8e-3
@@ -104,13 +129,15 @@ def test_attend_is_rope_and_cache_then_paged_attention(in_dtype):
 
 
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_a_tree_row_computes_what_the_same_token_decoded_alone_computes(head_dim):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_a_tree_row_computes_what_the_same_token_decoded_alone_computes(head_dim, cache_dtype):
     """Row invariance, the property greedy speculation relies on under bf16 activations: a node of
     a draft tree, verified among its siblings and another sequence's rows, attends over the same
     keys as the decode row of the same token after its path was committed, and gets the same bits.
     (SDPA, the torch reference, does not: its blocking depends on the call's shape.)"""
     H, Hkv, bs, prefix = 6, 2, 16, 181
-    k_cache, v_cache = _rand(40 * bs, Hkv, head_dim, seed=10), _rand(40 * bs, Hkv, head_dim, seed=11)
+    k_cache = _rand(40 * bs, Hkv, head_dim, seed=10).to(cache_dtype)
+    v_cache = _rand(40 * bs, Hkv, head_dim, seed=11).to(cache_dtype)
     # a 16-node tree after the prefix (blocks 0..12): the path 0 -> 2 -> 5 -> 9 -> 14, siblings hidden from it
     parents = [NO_PARENT, NO_PARENT, 0, 1, 2, 2, 3, 4, 4, 5, 6, 7, 8, 9, 9, 10]
     tree = build_tree_buffers(parents)
@@ -299,6 +326,29 @@ def test_the_quant_matmul_builds_for_other_cpus(monkeypatch, tmp_path, march, ex
             assert torch.equal(got, here[kind]), kind
         else:
             torch.testing.assert_close(got, here[kind], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_the_fp16_cache_builds_for_other_cpus(monkeypatch, tmp_path, march):
+    """F16C (x86-64-v3) and the scalar conversions (plain x86-64) round to fp16 as torch does, and
+    attention over an fp16 cache gives this machine's numbers to fp32 rounding."""
+    T, H, Hkv, D, S = 6, 4, 2, 16, 40
+    qkv = _half_cases(_rand(T, (H + 2 * Hkv) * D) * 3, (H + Hkv) * D)
+    angle = _rand(T, 1, D, seed=4) * 3
+    slots = torch.tensor([3, 7, 8, 20, 21, 39])
+    q, k_cache, v_cache, meta = _ragged_batch(64)
+    k_cache, v_cache = k_cache.half(), v_cache.half()
+    here = cpu.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "FLAGS", [f"-march={march}" if f == "-march=native" else f for f in cpu.FLAGS])
+    monkeypatch.setattr(cpu, "_lib", None)
+    assert cpu.library() is not None
+    caches = [torch.zeros(S, Hkv, D, dtype=torch.float16) for _ in range(2)]
+    ref = [c.clone() for c in caches]
+    cpu.rope_and_cache(qkv, angle.cos(), angle.sin(), slots, *caches, H, Hkv, D)
+    cpu.rope_and_cache_reference(qkv, angle.cos(), angle.sin(), slots, *ref, H, Hkv, D)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+    torch.testing.assert_close(cpu.paged_attention(q, k_cache, v_cache, meta, 0.125), here, rtol=1e-5, atol=1e-5)
 
 
 def test_a_tensor_that_needs_gradients_is_left_to_the_torch_ops():
