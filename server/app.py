@@ -43,7 +43,8 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def create_app(engine, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_request_body_bytes: int | str | None = "auto", tool_call_parser: str = "auto") -> FastAPI:
+               max_request_body_bytes: int | str | None = "auto", tool_call_parser: str = "auto",
+               vllm_metrics: bool = True) -> FastAPI:
     """An OpenAI-compatible app serving `engine` (an `AsyncEngine`, not yet started).
 
     `served_model_name` defaults to the engine's model name (``"default"`` is always accepted too);
@@ -51,7 +52,7 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
     `max_request_body_bytes` (None: no limit; "auto": derived from the context length, see
     `prompt_guard.default_body_limit`) is answered 413 before it is parsed. `tool_call_parser` reads
     the model's own tool calls for `tool_choice: "auto"` (server/tool_parsers.py; "auto" picks it from
-    the chat template).
+    the chat template). `vllm_metrics`: /metrics also exports vLLM's series under vLLM's names.
     """
 
     @asynccontextmanager
@@ -68,7 +69,7 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
                   lifespan=lifespan)
     model_name = served_model_name or engine.model_name
     app.state.specserve = ServerState(engine=engine, model_name=model_name,
-                                      metrics=ServerMetrics(engine, model_name),
+                                      metrics=ServerMetrics(engine, model_name, vllm_metrics),
                                       api_key=api_key or os.environ.get(API_KEY_ENV) or None,
                                       tool_call_parser=tool_call_parser)
     app.include_router(router)

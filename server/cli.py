@@ -268,6 +268,9 @@ def _add_serve(sub) -> None:
                    help="how tool_choice auto reads the model's own tool calls out of its text: hermes "
                         "(<tool_call>{...}</tool_call>); auto picks it from the chat template, when the template "
                         "renders tools; none refuses tool_choice auto (default: %(default)s)")
+    p.add_argument("--no-vllm-metrics", dest="vllm_metrics", action="store_false",
+                   help="export only specserve's own series on /metrics, not also vLLM's (vllm:num_requests_running, "
+                        "vllm:spec_decode_num_accepted_tokens_total, ...: docs/observability.md)")
     p.add_argument("--shutdown-timeout", type=float, default=25.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, stop taking requests at once (/health turns 503) and give those in "
                         "flight this long to finish; then they end with a 503 error and the server exits 0 "
@@ -301,7 +304,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     engine = _load_engine(args)
     app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                     tool_call_parser=args.tool_call_parser,
+                     tool_call_parser=args.tool_call_parser, vllm_metrics=args.vllm_metrics,
                      max_request_body_bytes=("auto" if args.max_request_body_bytes is None
                                              else args.max_request_body_bytes or None))
     server = build_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,

@@ -332,10 +332,91 @@ def _part_families(drafters: dict | None) -> list[Metric]:
     return [draft, accepted] if any_parts else []
 
 
+class _VllmEngineCollector(Collector):
+    """vLLM's names for the engine-level series (`vllm:` prefix, labels model_name and engine = "0"),
+    read from `engine.get_stats()` at scrape time like ours; speculation summed over the drafters
+    (the grammar's forced tokens included): a draft is a verification step with a draft tree,
+    accepted tokens exclude the bonus token, and `position` is 0-based (accepted at tree depth
+    position + 1), as vLLM counts them."""
+
+    def __init__(self, engine: "AsyncEngine", model_name: str):
+        self._engine = engine
+        self._labels = [model_name, "0"]
+        self._positions = _max_position(engine)
+
+    def _families(self, stats) -> list[Metric]:
+        labels, names = self._labels, ["model_name", "engine"]
+
+        def family(cls, name: str, doc: str, value: float) -> Metric:
+            f = cls(name, doc, labels=names)
+            f.add_metric(labels, value)
+            return f
+
+        def value(attr: str) -> float:
+            return float(getattr(stats, attr, 0) or 0) if stats is not None else 0.0
+
+        drafters = list((getattr(stats, "drafters", None) or {}).values())
+        by_pos = [0] * max(self._positions, *(len(d.accepted_by_depth) for d in drafters), 1)
+        for d in drafters:
+            for i, n in enumerate(d.accepted_by_depth):
+                by_pos[i] += n
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=[*names, "position"])
+        for i, n in enumerate(by_pos[:MAX_POSITION]):
+            per_pos.add_metric([*labels, str(i)], n)
+        return [
+            family(GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution batches.",
+                   value("num_running")),
+            family(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                   value("num_waiting")),
+            family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                   value("kv_usage")),
+            family(CounterMetricFamily, "vllm:prompt_tokens", "Number of prefill tokens processed.",
+                   value("num_prompt_tokens_total")),
+            family(CounterMetricFamily, "vllm:generation_tokens", "Number of generation tokens processed.",
+                   value("num_generation_tokens_total")),
+            family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                   value("num_preemptions_total")),
+            family(CounterMetricFamily, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                   sum(d.num_steps for d in drafters)),
+            family(CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                   sum(d.num_draft_tokens for d in drafters)),
+            family(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                   sum(d.num_accepted_tokens for d in drafters)),
+            per_pos,
+        ]
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families(None)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(self._engine.get_stats())
+
+
+class _VllmRequestSeries:
+    """vLLM's names for the request-level series, observed at the edge beside ours."""
+
+    FINISHED_REASONS = ("stop", "length", "abort")
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        names, labels = ["model_name", "engine"], [model_name, "0"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              names, buckets=TTFT_BUCKETS, registry=registry).labels(*labels)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             names, buckets=ITL_BUCKETS, registry=registry).labels(*labels)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             names, buckets=E2E_BUCKETS, registry=registry).labels(*labels)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase "
+                                    "for request.", names, buckets=TTFT_BUCKETS, registry=registry).labels(*labels)
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*names, "finished_reason"], registry=registry)
+        self.success = {reason: success.labels(*labels, reason) for reason in self.FINISHED_REASONS}
+
+
 class ServerMetrics:
     """The Prometheus registry of one app and the request-level series observed at the edge."""
 
-    def __init__(self, engine: "AsyncEngine", model_name: str):
+    def __init__(self, engine: "AsyncEngine", model_name: str, vllm_metrics: bool = True):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("specserve_requests", "Finished requests by outcome "
@@ -369,6 +450,10 @@ class ServerMetrics:
         info = Gauge("specserve_model_info", "The served model (value 1).", ["model", "max_model_len"], registry=r)
         info.labels(model_name, str(engine.max_model_len)).set(1)
         r.register(_EngineStatsCollector(engine))
+        self.vllm: _VllmRequestSeries | None = None      # vLLM's names beside ours (--no-vllm-metrics: off)
+        if vllm_metrics:
+            self.vllm = _VllmRequestSeries(r, model_name)
+            r.register(_VllmEngineCollector(engine, model_name))
 
     def track(self, drafter: str | None = None) -> "RequestTracker":
         """A tracker for one request; `drafter` is the one it asked for (None: the server default)."""
@@ -404,6 +489,7 @@ class RequestTracker:
         return self._drafter
 
     def observe(self, out: RequestOutput) -> None:
+        vllm = self._m.vllm
         spec = out.spec
         self._drafter = spec.drafter if spec is not None and spec.drafter else NO_DRAFTER
         label = self._drafter
@@ -415,9 +501,15 @@ class RequestTracker:
         if num_new and t.last_token_time is not None:
             if not self._seen_first and t.first_token_time is not None:
                 self._seen_first = True
-                self._m.ttft.labels(label).observe(max(0.0, t.first_token_time - t.arrival_time))
+                ttft = max(0.0, t.first_token_time - t.arrival_time)
+                self._m.ttft.labels(label).observe(ttft)
+                if vllm:
+                    vllm.ttft.observe(ttft)
                 if t.first_scheduled_time is not None:
-                    self._m.queue_time.labels(label).observe(max(0.0, t.first_scheduled_time - t.arrival_time))
+                    queued = max(0.0, t.first_scheduled_time - t.arrival_time)
+                    self._m.queue_time.labels(label).observe(queued)
+                    if vllm:
+                        vllm.queue_time.observe(queued)
                 num_new -= 1        # the first token has no gap before it
                 self._last_token_time = t.first_token_time
             if num_new and self._last_token_time is not None:
@@ -425,6 +517,8 @@ class RequestTracker:
                 itl = self._m.itl.labels(label)
                 for _ in range(num_new):
                     itl.observe(per_token)
+                    if vllm:
+                        vllm.itl.observe(per_token)
             self._last_token_time = max(self._last_token_time or 0.0, t.last_token_time)
         self._finish_reasons.update(d.finish_reason for d in out.outputs if d.finish_reason)
         self._last_output = out
@@ -447,4 +541,9 @@ class RequestTracker:
         out = self._last_output
         arrival = out.metrics.arrival_time if out is not None else self._start
         end = out.metrics.finished_time if out is not None and out.finished else None
-        self._m.e2e.labels(self._drafter).observe(max(0.0, (end or time.monotonic()) - arrival))
+        e2e = max(0.0, (end or time.monotonic()) - arrival)
+        self._m.e2e.labels(self._drafter).observe(e2e)
+        vllm = self._m.vllm
+        if vllm and status in vllm.success:
+            vllm.success[status].inc()
+            vllm.e2e.observe(e2e)

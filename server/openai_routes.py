@@ -36,9 +36,9 @@ from specserve.server.protocol import (ChatChoiceLogprobs, ChatChunkChoice, Chat
                                        ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                        ChatMessage, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, DeltaToolCall,
                                        CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                       ErrorInfo, ErrorResponse, ModelCard, ModelList, SamplingFields,
-                                       SpeculativeOptions, SpeculativePartUsage, SpeculativeUsage, ToolCall, ToolCallFunction,
-                                       TopLogprob, UsageInfo)
+                                       ErrorInfo, ErrorResponse, ModelCard, ModelList, ResponseMetrics, SamplingFields,
+                                       SpeculativeDecodingMetrics, SpeculativeOptions, SpeculativePartUsage,
+                                       SpeculativeUsage, ToolCall, ToolCallFunction, TopLogprob, UsageInfo)
 
 logger = logging.getLogger("specserve.server")
 
@@ -320,6 +320,19 @@ def _drafter_args(spec: SpeculativeOptions | None) -> dict:
     return args
 
 
+def _response_metrics(out: RequestOutput | None) -> ResponseMetrics:
+    """The response's `metrics` block: vLLM's per-request speculation figures (zeros for plain decoding)."""
+    spec = getattr(out, "spec", None)
+    if spec is None:
+        return ResponseMetrics(speculative_decoding=SpeculativeDecodingMetrics())
+    steps, drafted, accepted = spec.num_spec_steps, spec.num_draft_tokens, spec.num_accepted_tokens
+    return ResponseMetrics(speculative_decoding=SpeculativeDecodingMetrics(
+        num_spec_steps=steps, num_draft_tokens=drafted, num_accepted_draft_tokens=accepted,
+        draft_acceptance_rate=round(accepted / drafted, 6) if drafted else 0.0,
+        mean_acceptance_length=round(1 + accepted / steps, 6) if steps else 1.0,
+        acceptance_histogram=list(spec.accepted_length_counts)))
+
+
 def _spec_usage(out: RequestOutput | None) -> SpeculativeUsage | None:
     """The response's `speculative` block, when the request was decoded with a drafter."""
     spec = getattr(out, "spec", None)
@@ -599,7 +612,8 @@ async def _chat_full(state: ServerState, body: ChatCompletionRequest, call: Engi
             finish_reason=_tool_finish(body, calls[i], got.finish_reasons[i]), stop_reason=got.stop_reasons[i])
         for i in range(n)]
     response = ChatCompletionResponse(id=call.request_id, model=state.model_name, choices=choices,
-                                      usage=_usage(got.final), speculative=_spec_usage(got.final))
+                                      usage=_usage(got.final), speculative=_spec_usage(got.final),
+                                      metrics=_response_metrics(got.final))
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -607,9 +621,10 @@ def _chat_stream(state: ServerState, body: ChatCompletionRequest, call: EngineCa
     created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None,
-              speculative: SpeculativeUsage | None = None) -> str:
+              speculative: SpeculativeUsage | None = None, metrics: ResponseMetrics | None = None) -> str:
         return _sse(ChatCompletionChunk(id=call.request_id, created=created, model=state.model_name,
-                                        choices=choices, usage=usage, speculative=speculative).model_dump_json())
+                                        choices=choices, usage=usage, speculative=speculative,
+                                        metrics=metrics).model_dump_json())
 
     texts: dict[int, str] = {}
     sent: dict[int, int] = {}       # auto: characters of each choice's text streamed as content
@@ -674,7 +689,7 @@ async def _stream(call: EngineCall, chunk, choice, include_usage: bool, opening=
                         yield chunk([c])
             final = out
         if include_usage:
-            yield chunk([], usage=_usage(final), speculative=_spec_usage(final))
+            yield chunk([], usage=_usage(final), speculative=_spec_usage(final), metrics=_response_metrics(final))
         yield _sse("[DONE]")
     except EngineError as exc:
         call.failed()
@@ -716,7 +731,8 @@ async def _completion_full(state: ServerState, body: CompletionRequest, call: En
             finish_reason=got.finish_reasons[i], stop_reason=got.stop_reasons[i])
         for i in range(n)]
     response = CompletionResponse(id=call.request_id, model=state.model_name, choices=choices,
-                                  usage=_usage(got.final), speculative=_spec_usage(got.final))
+                                  usage=_usage(got.final), speculative=_spec_usage(got.final),
+                                      metrics=_response_metrics(got.final))
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -725,9 +741,10 @@ def _completion_stream(state: ServerState, body: CompletionRequest, call: Engine
     offsets: dict[int, int] = {}
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None,
-              speculative: SpeculativeUsage | None = None) -> str:
+              speculative: SpeculativeUsage | None = None, metrics: ResponseMetrics | None = None) -> str:
         return _sse(CompletionChunk(id=call.request_id, created=created, model=state.model_name,
-                                    choices=choices, usage=usage, speculative=speculative).model_dump_json())
+                                    choices=choices, usage=usage, speculative=speculative,
+                                    metrics=metrics).model_dump_json())
 
     def choice(d) -> CompletionChoice:
         logprobs = None

@@ -603,6 +603,25 @@ class SpeculativeUsage(ResponseModel):
     parts: list[SpeculativePartUsage] | None = None
 
 
+class SpeculativeDecodingMetrics(ResponseModel):
+    """vLLM's per-request speculation figures (`metrics.speculative_decoding`, what AIPerf reads),
+    zeros for plain decoding: verification steps with a draft, draft tokens proposed, draft tokens
+    accepted (the bonus token excluded), their ratio (0 without drafts), the mean acceptance length
+    1 + accepted / steps (the bonus included, vLLM's convention; 1 without steps), and
+    `acceptance_histogram[k]` the steps that accepted k draft tokens."""
+
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    draft_acceptance_rate: float = 0.0
+    mean_acceptance_length: float = 1.0
+    acceptance_histogram: list[int] = Field(default_factory=list)
+
+
+class ResponseMetrics(ResponseModel):
+    speculative_decoding: SpeculativeDecodingMetrics
+
+
 class TopLogprob(ResponseModel):
     token: str
     logprob: float
@@ -657,7 +676,7 @@ class ChatCompletionChoice(ResponseModel):
 
 
 class ChatCompletionResponse(ResponseModel):
-    _omit_if_none = frozenset({"speculative"})
+    _omit_if_none = frozenset({"speculative", "metrics"})
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -666,6 +685,7 @@ class ChatCompletionResponse(ResponseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     speculative: SpeculativeUsage | None = None
+    metrics: ResponseMetrics | None = None
 
 
 class DeltaToolCall(ResponseModel):
@@ -694,7 +714,7 @@ class ChatChunkChoice(ResponseModel):
 
 
 class ChatCompletionChunk(ResponseModel):
-    _omit_if_none = frozenset({"usage", "speculative"})
+    _omit_if_none = frozenset({"usage", "speculative", "metrics"})
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -703,6 +723,7 @@ class ChatCompletionChunk(ResponseModel):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     speculative: SpeculativeUsage | None = None
+    metrics: ResponseMetrics | None = None
 
 
 class CompletionChoice(ResponseModel):
@@ -714,7 +735,7 @@ class CompletionChoice(ResponseModel):
 
 
 class CompletionResponse(ResponseModel):
-    _omit_if_none = frozenset({"usage", "speculative"})
+    _omit_if_none = frozenset({"usage", "speculative", "metrics"})
 
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -723,6 +744,7 @@ class CompletionResponse(ResponseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     speculative: SpeculativeUsage | None = None
+    metrics: ResponseMetrics | None = None
 
 
 class CompletionChunk(CompletionResponse):

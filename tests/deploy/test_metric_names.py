@@ -109,8 +109,12 @@ def test_exported_metrics_follow_conventions(families, exposition):
 def test_labels_are_bounded(families, spec_server):
     by_name = {s.name: s for f in families for s in f.samples}
     assert by_name
-    positions = {s.labels["position"] for f in families for s in f.samples if "position" in s.labels}
+    positions = {s.labels["position"] for f in families for s in f.samples
+                 if "position" in s.labels and f.name.startswith("specserve_")}
     assert positions and all(1 <= int(p) <= MAX_POSITION for p in positions), positions
+    vllm_positions = {s.labels["position"] for f in families for s in f.samples
+                      if "position" in s.labels and f.name.startswith("vllm:")}     # vLLM's: 0-based
+    assert vllm_positions and all(0 <= int(p) < MAX_POSITION for p in vllm_positions), vllm_positions
     drafters = {s.labels["drafter"] for f in families for s in f.samples if "drafter" in s.labels}
     # the loaded drafters, plain decoding and the grammar's forced tokens: nothing per request
     assert drafters == {"none", "ngram", "grammar"}, drafters
