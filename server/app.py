@@ -22,6 +22,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve.engine.errors import EngineError, ShuttingDownError
 from specserve.server.metrics import ServerMetrics
 from specserve.server.openai_routes import OpenAIError, ServerState, clip, engine_error, get_state, router
+from specserve.server.token_routes import router as token_router
 from specserve.server.openapi import install_openapi
 from specserve.server.prompt_guard import default_body_limit
 
@@ -44,7 +46,7 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 def create_app(engine, *, served_model_name: str | None = None, api_key: str | None = None,
                max_request_body_bytes: int | str | None = "auto", tool_call_parser: str = "auto",
-               vllm_metrics: bool = True) -> FastAPI:
+               vllm_metrics: bool = True, cors: dict | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine` (an `AsyncEngine`, not yet started).
 
     `served_model_name` defaults to the engine's model name (``"default"`` is always accepted too);
@@ -53,6 +55,7 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
     `prompt_guard.default_body_limit`) is answered 413 before it is parsed. `tool_call_parser` reads
     the model's own tool calls for `tool_choice: "auto"` (server/tool_parsers.py; "auto" picks it from
     the chat template). `vllm_metrics`: /metrics also exports vLLM's series under vLLM's names.
+    `cors`: Starlette's `CORSMiddleware` keywords (allow_origins, ...), None for no CORS headers.
     """
 
     @asynccontextmanager
@@ -73,6 +76,7 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
                                       api_key=api_key or os.environ.get(API_KEY_ENV) or None,
                                       tool_call_parser=tool_call_parser)
     app.include_router(router)
+    app.include_router(token_router)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(raw: Request) -> Response:
@@ -86,6 +90,8 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
                                   else FALLBACK_MAX_REQUEST_BODY_BYTES)
     if max_request_body_bytes is not None:
         app.add_middleware(BodySizeLimit, max_bytes=int(max_request_body_bytes))
+    if cors:      # outermost: a preflight is answered before anything reads a body
+        app.add_middleware(CORSMiddleware, **cors)
     return app
 
 

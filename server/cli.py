@@ -251,6 +251,19 @@ def _load_engine(args: argparse.Namespace):
 # ---- serve ------------------------------------------------------------------------------------
 
 
+def _json_list(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's form of the CORS options)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from exc
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
 def _add_serve(sub) -> None:
     p = sub.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
@@ -268,6 +281,17 @@ def _add_serve(sub) -> None:
                    help="how tool_choice auto reads the model's own tool calls out of its text: hermes "
                         "(<tool_call>{...}</tool_call>); auto picks it from the chat template, when the template "
                         "renders tools; none refuses tool_choice auto (default: %(default)s)")
+    p.add_argument("--root-path", default="", metavar="PATH",
+                   help="the path prefix a reverse proxy serves the server under (default: none)")
+    c = p.add_argument_group("CORS", "Cross-origin requests from browsers: no CORS headers unless --allowed-origins "
+                                     "is given")
+    c.add_argument("--allowed-origins", type=_json_list, default=None, metavar="JSON",
+                   help='origins allowed, a JSON list, e.g. \'["https://app.example.com"]\' or \'["*"]\'')
+    c.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+                   help="methods allowed, a JSON list (default: %(default)s)")
+    c.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+                   help="request headers allowed, a JSON list (default: %(default)s)")
+    c.add_argument("--allow-credentials", action="store_true", help="allow credentials (cookies, authorization)")
     p.add_argument("--no-vllm-metrics", dest="vllm_metrics", action="store_false",
                    help="export only specserve's own series on /metrics, not also vLLM's (vllm:num_requests_running, "
                         "vllm:spec_decode_num_accepted_tokens_total, ...: docs/observability.md)")
@@ -292,6 +316,10 @@ def _add_serve(sub) -> None:
                         "full) for this long is disconnected and its request aborted, freeing its KV blocks; "
                         "until then its stream waits, taking nothing more from the engine (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
+    p.add_argument("--uvicorn-log-level", default=None, choices=LOG_LEVELS,
+                   help="the HTTP server's own log level (default: --log-level's)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no access-log line per request")
     _add_engine_args(p)
     _apply_env_defaults(p)
     p.set_defaults(func=_cmd_serve)
@@ -303,12 +331,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level)
     engine = _load_engine(args)
+    cors = (dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                 allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+            if args.allowed_origins else None)
     app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                     tool_call_parser=args.tool_call_parser, vllm_metrics=args.vllm_metrics,
+                     tool_call_parser=args.tool_call_parser, vllm_metrics=args.vllm_metrics, cors=cors,
                      max_request_body_bytes=("auto" if args.max_request_body_bytes is None
                                              else args.max_request_body_bytes or None))
     server = build_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
-                          log_level=args.log_level, header_timeout=args.header_timeout or None,
+                          log_level=args.uvicorn_log_level or args.log_level,
+                          access_log=not args.disable_log_requests, root_path=args.root_path,
+                          header_timeout=args.header_timeout or None,
                           body_timeout=args.body_timeout or None,
                           stream_stall_timeout=args.stream_stall_timeout or None)
     return run_server(server, engine)

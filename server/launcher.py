@@ -50,15 +50,18 @@ class SpecserveServer(uvicorn.Server):
 
 
 def build_server(app, *, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float | None = 25.0,
-                 log_level: str = "info", header_timeout: float | None = DEFAULT_HEADER_TIMEOUT_S,
+                 log_level: str = "info", access_log: bool = True, root_path: str = "",
+                 header_timeout: float | None = DEFAULT_HEADER_TIMEOUT_S,
                  body_timeout: float | None = DEFAULT_BODY_TIMEOUT_S,
                  stream_stall_timeout: float | None = DEFAULT_STREAM_STALL_TIMEOUT_S) -> SpecserveServer:
     """A server for `app` whose graceful shutdown lasts `shutdown_timeout` seconds (None: unbounded);
-    the three timeouts (seconds, None: off) are server/connection.py's."""
+    the three timeouts (seconds, None: off) are server/connection.py's; `root_path`: the path prefix
+    a reverse proxy serves it under; `access_log`: a log line per request."""
     grace = None if shutdown_timeout is None else shutdown_timeout + CLOSE_GRACE_S
     limits = ConnectionLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                               stall_timeout=stream_stall_timeout)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                            root_path=root_path, lifespan="on",
                             timeout_graceful_shutdown=grace, http=guarded_protocol(limits))
     return SpecserveServer(config, shutdown_timeout)
 

@@ -300,7 +300,7 @@ def _check_accepting(state: ServerState) -> None:
                           type="service_unavailable_error", code="shutting_down")
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
+def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in state.model_aliases:
         raise OpenAIError(404, f"The model `{clip(model)}` does not exist. This server serves `{state.model_name}`.",
                           param="model", code="model_not_found")
@@ -366,7 +366,7 @@ def _completion_prompt_ids(state: ServerState, prompt: str | list[int]) -> list[
     return list(prompt)
 
 
-def _vocab_size(engine) -> int | None:
+def vocab_size(engine) -> int | None:
     """The target's vocabulary size (the token ids it can produce), when the engine tells it."""
     size = getattr(engine, "vocab_size", None)
     if size is None:
@@ -375,7 +375,7 @@ def _vocab_size(engine) -> int | None:
 
 
 def _check_stop_token_ids(state: ServerState, ids: list[int] | None) -> None:
-    vocab = _vocab_size(state.engine)
+    vocab = vocab_size(state.engine)
     for i, token in enumerate(ids or ()):
         if vocab is not None and not 0 <= token < vocab:
             raise OpenAIError(400, f"Invalid value for 'stop_token_ids.{i}': token id {token} is outside this "
@@ -513,7 +513,7 @@ def _streaming_response(chunks: AsyncIterator[str]) -> StreamingResponse:
 async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
     state = get_state(raw)
     _check_accepting(state)
-    _check_model(state, body.model)
+    check_model(state, body.model)
     drafter_args = _drafter_args(body.speculative)
     size = text_bytes(m.text for m in body.messages)
     state.check_prompt_size(size, "messages")
@@ -706,7 +706,7 @@ async def _stream(call: EngineCall, chunk, choice, include_usage: bool, opening=
 async def completions(body: CompletionRequest, raw: Request) -> Response:
     state = get_state(raw)
     _check_accepting(state)
-    _check_model(state, body.model)
+    check_model(state, body.model)
     drafter_args = _drafter_args(body.speculative)
     size = text_bytes([body.single_prompt]) if isinstance(body.single_prompt, str) else 0
     state.check_prompt_size(size, "prompt")
@@ -714,18 +714,23 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     params = _sampling_params(state, body, len(prompt_ids), body.max_tokens, body.logprobs, "prompt")
     await _compile_constraint(state, body, params)
     call = EngineCall(state, raw, _new_id("cmpl"), prompt_ids, params, "prompt", drafter_args)
+    echoed = None
+    if body.echo:    # the prompt before each choice's text: as sent, or its token ids decoded
+        echoed = body.single_prompt if isinstance(body.single_prompt, str) else \
+            await state.off_loop(state.engine.tokenizer.decode, prompt_ids, size=4 * len(prompt_ids))
     if body.stream:
-        return _streaming_response(_completion_stream(state, body, call))
-    return await _completion_full(state, body, call, params.n)
+        return _streaming_response(_completion_stream(state, body, call, params.n, echoed))
+    return await _completion_full(state, body, call, params.n, echoed)
 
 
-async def _completion_full(state: ServerState, body: CompletionRequest, call: EngineCall, n: int) -> Response:
+async def _completion_full(state: ServerState, body: CompletionRequest, call: EngineCall, n: int,
+                           echoed: str | None = None) -> Response:
     got = await _collect(call, n)
     if got is None:
         return Response(status_code=499)   # nobody is listening
     choices = [
         CompletionChoice(
-            index=i, text=got.texts[i],
+            index=i, text=(echoed or "") + got.texts[i],
             logprobs=(state.renderer.completion_logprobs(got.logprobs[i], 0)[0] if body.logprobs is not None
                       else None),
             finish_reason=got.finish_reasons[i], stop_reason=got.stop_reasons[i])
@@ -736,7 +741,8 @@ async def _completion_full(state: ServerState, body: CompletionRequest, call: En
     return JSONResponse(response.model_dump(mode="json"))
 
 
-def _completion_stream(state: ServerState, body: CompletionRequest, call: EngineCall) -> AsyncIterator[str]:
+def _completion_stream(state: ServerState, body: CompletionRequest, call: EngineCall, n: int,
+                       echoed: str | None = None) -> AsyncIterator[str]:
     created = int(time.time())
     offsets: dict[int, int] = {}
 
@@ -753,7 +759,8 @@ def _completion_stream(state: ServerState, body: CompletionRequest, call: Engine
         return CompletionChoice(index=d.index, text=d.text, logprobs=logprobs, finish_reason=d.finish_reason,
                                 stop_reason=d.stop_reason)
 
-    return _stream(call, chunk, choice, body.include_usage)
+    opening = [CompletionChoice(index=i, text=echoed) for i in range(n)] if echoed else ()
+    return _stream(call, chunk, choice, body.include_usage, opening)
 
 
 # ---- models and health ------------------------------------------------------------------------
@@ -771,7 +778,7 @@ async def list_models(raw: Request) -> JSONResponse:
 @v1.get("/models/{model_id:path}")
 async def retrieve_model(model_id: str, raw: Request) -> JSONResponse:
     state = get_state(raw)
-    _check_model(state, model_id)
+    check_model(state, model_id)
     return JSONResponse(_model_card(state).model_dump(mode="json"))
 
 

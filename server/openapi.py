@@ -27,8 +27,9 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from specserve.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                       CompletionChunk, CompletionRequest, CompletionResponse, ErrorResponse,
-                                       HealthStatus, ModelCard, ModelList)
+                                       CompletionChunk, CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                       DetokenizeResponse, ErrorResponse, HealthStatus, ModelCard, ModelList,
+                                       TokenizeRequest, TokenizeResponse, VersionInfo)
 
 SCHEMA_REF = "#/components/schemas/{model}"
 
@@ -50,6 +51,7 @@ ERRORS: dict[int, tuple[str, str]] = {
                                 "(`code: shutting_down`); retry on another replica."),
 }
 COMPLETION_ERRORS = (400, 401, 404, 408, 413, 429, 500, 503)
+TOKENIZE_ERRORS = (400, 404, 408, 413, 429, 500)    # vLLM's utility routes: outside /v1, so no API key
 
 
 class Operation(NamedTuple):
@@ -66,6 +68,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/v1/models"): Operation(None, ModelList, None, (401, 500)),
     ("get", "/v1/models/{model_id}"): Operation(None, ModelCard, None, (401, 404, 500)),
     ("get", "/health"): Operation(None, HealthStatus, None, (503,)),
+    ("get", "/ping"): Operation(None, HealthStatus, None, (503,)),
+    ("post", "/ping"): Operation(None, HealthStatus, None, (503,)),
+    ("get", "/version"): Operation(None, VersionInfo, None, ()),
+    ("post", "/tokenize"): Operation(TokenizeRequest, TokenizeResponse, None, TOKENIZE_ERRORS),
+    ("post", "/detokenize"): Operation(DetokenizeRequest, DetokenizeResponse, None, TOKENIZE_ERRORS),
 }
 
 

@@ -13,8 +13,8 @@ Extensions we accept on top of OpenAI's fields:
 * ``speculative``: ``{"drafter": "<name>" | "none", ...}`` per request; extra keys are the drafter's per-request
   options, validated by the engine (an option the drafter does not take per request is a 400).
 
-OpenAI fields we do not implement are accepted only with their neutral value (no ``tools``,
-``response_format`` text, ``echo`` false, ...) and rejected with a
+OpenAI fields we do not implement are accepted only with their neutral value (``suffix`` empty,
+``echo`` without ``logprobs``, ...) and rejected with a
 400 naming the parameter otherwise; their JSON schema (``WithJsonSchema``) says exactly which
 value is accepted, so the OpenAPI document does not advertise what we refuse. Cross-field rules
 raise ``PydanticCustomError`` with ``ctx["param"]`` so the server can name the offending parameter
@@ -528,7 +528,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: Prompt
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WholeNumber] | None = None
-    echo: Annotated[bool, WithJsonSchema({"type": "boolean", "const": False})] | None = False
+    echo: bool | None = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N), WholeNumber] | None = None
     suffix: Annotated[str, WithJsonSchema({"type": "string", "maxLength": 0})] | None = None
 
@@ -541,12 +541,11 @@ class CompletionRequest(SamplingFields):
             raise ValueError("the prompt is empty")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("echo is not supported by this server")
-        return v
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise param_error("echo", "echo with logprobs is not supported (the prompt's logprobs are not computed)")
+        return self
 
     @field_validator("suffix")
     @classmethod
@@ -784,3 +783,49 @@ class ErrorInfo(ResponseModel):
 
 class ErrorResponse(ResponseModel):
     error: ErrorInfo
+
+
+# ---- vLLM's utility endpoints (server/token_routes.py) -------------------------------------------
+
+
+class TokenizeRequest(RequestModel):
+    """vLLM's `POST /tokenize`: a `prompt` (special tokens added by default) or chat `messages`
+    through the chat template (with the generation prompt by default; special tokens not added
+    again by default, as the template writes them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise param_error("prompt", "send either prompt or messages")
+        return self
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class VersionInfo(ResponseModel):
+    """The body of ``GET /version``."""
+
+    version: str
+

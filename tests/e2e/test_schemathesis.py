@@ -91,6 +91,7 @@ def test_the_document_lists_every_status_and_the_event_stream(server):
     assert set(paths["/v1/models"]["get"]["responses"]) == {"200", "401", "500"}
     assert set(paths["/v1/models/{model_id}"]["get"]["responses"]) == {"200", "401", "404", "500"}
     assert set(paths["/health"]["get"]["responses"]) == {"200", "503"}
+    assert set(paths["/tokenize"]["post"]["responses"]) == {"200", "400", "404", "408", "413", "429", "500"}
 
     schemas, responses = doc["components"]["schemas"], doc["components"]["responses"]
     assert {"ChatCompletionChunk", "CompletionChunk", "ErrorResponse", "ErrorInfo"} <= set(schemas)
