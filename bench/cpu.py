@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from specserve.bench.common import build_hf_model, chat_ids, machine_info, run_hf
-from specserve.bench.datasets import load_prompts
+from specserve.bench.datasets import add_dataset_args, load_prompts
 from specserve.bench.spec_decode import run_engine_batch
 from specserve.engine.config import EngineConfig
 from specserve.engine.core import LLMEngine
@@ -97,7 +97,10 @@ def llama_python(given: str | None) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specserve bench cpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default", help="a GGUF (llama.cpp needs one): 'default' or a .gguf path")
-    ap.add_argument("--datasets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"])
+    ap.add_argument("--datasets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"], metavar="NAME_OR_PATH",
+                    help="our benchmark names, local JSONL/JSON/CSV/Parquet files, or Hugging Face dataset ids in "
+                         "the offline cache (bench/datasets.py)")
+    add_dataset_args(ap)
     ap.add_argument("--num-prompts", type=int, default=4, help="per dataset (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch's and llama.cpp's threads (default: torch's)")
@@ -125,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                                     drafters=("none", *args.drafters), quantization=args.quantization,
                                     quantized_activations=args.quantized_activations, compile=args.compile),
                        loaded=loaded)
-    prompts = {ds: [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, args.num_prompts)] for ds in args.datasets}
+    prompts = {ds: [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, args.num_prompts, prompt_field=args.prompt_field,
+                                                                            messages_field=args.messages_field)]
+               for ds in args.datasets}
     hf = build_hf_model(loaded) if args.hf else None
     python = llama_python(args.llama_python)
     llama = LlamaWorker(python, gguf, threads, args.lookup_tokens) if python else None

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from specserve.bench.common import build_hf_model, chat_ids, run_hf
-from specserve.bench.datasets import load_prompts
+from specserve.bench.datasets import add_dataset_args, load_prompts
 from specserve.engine.config import KV_CACHE_DTYPES, EngineConfig
 from specserve.engine.core import LLMEngine
 from specserve.engine.loader import load_model
@@ -54,7 +54,8 @@ def run_ours(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tu
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dataset", default="mt_bench")
+    ap.add_argument("--dataset", default="mt_bench", metavar="NAME_OR_PATH")
+    add_dataset_args(ap)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -90,7 +91,9 @@ def main(argv: list[str] | None = None) -> None:
                                                    compile=c, kv_cache_dtype=kv), loaded=loaded)
     kv_dtypes = {name: str(e.kv_dtype).removeprefix("torch.") for name, e in engines.items()}
     hf = build_hf_model(loaded) if args.hf else None
-    prompts = [chat_ids(loaded.tokenizer, t) for t in load_prompts(args.dataset, args.num_prompts)]
+    prompts = [chat_ids(loaded.tokenizer, t) for t in load_prompts(args.dataset, args.num_prompts,
+                                                                        prompt_field=args.prompt_field,
+                                                                        messages_field=args.messages_field)]
     # warm-up on a short prompt
     for name, engine in engines.items():
         with cpu_kernels(variants[name][3]):

@@ -22,7 +22,7 @@ import httpx
 import torch
 import uvicorn
 
-from specserve.bench.datasets import load_prompts
+from specserve.bench.datasets import add_dataset_args, load_prompts
 from specserve.engine.async_engine import AsyncEngine
 from specserve.engine.config import EngineConfig
 from specserve.server.app import create_app
@@ -80,7 +80,8 @@ async def run_level(base: str, prompts: list[str], concurrency: int, max_tokens:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dataset", default="mt_bench")
+    ap.add_argument("--dataset", default="mt_bench", metavar="NAME_OR_PATH")
+    add_dataset_args(ap)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench/results/serve_throughput.json")
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                                                   max_num_seqs=max(args.concurrency), max_model_len=2048,
                                                   quantization="none"))
     server, base = start_server(engine)
-    prompts = load_prompts(args.dataset, 32)
+    prompts = load_prompts(args.dataset, 32, prompt_field=args.prompt_field, messages_field=args.messages_field)
     asyncio.run(run_level(base, prompts, 1, 8))  # warm-up
     levels = [asyncio.run(run_level(base, prompts, c, args.max_tokens)) for c in args.concurrency]
     server.should_exit = True

@@ -52,6 +52,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from specserve.bench.datasets import add_dataset_args   # light: no torch
+
 PLAIN = "none"
 DEFAULT_DRAFTERS = ("ngram", "mag", "draft_model")
 DEFAULT_DATASETS = ("mt_bench", "humaneval", "gsm8k")
@@ -77,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a drafter's option, e.g. draft_model.draft_layers=4 or draft_model.k_config=4,2,2,1 "
                          f"(repeatable; default: {DEFAULT_DRAFTER_OPTIONS})")
     ap.add_argument("--datasets", nargs="+", default=list(DEFAULT_DATASETS), metavar="NAME_OR_PATH",
-                    help="dataset names or {id, category, turns} JSONL files (default: %(default)s)")
+                    help="our benchmark names, local JSONL/JSON/CSV/Parquet files, or Hugging Face dataset ids in "
+                         "the offline cache (bench/datasets.py; default: %(default)s)")
+    add_dataset_args(ap)
     ap.add_argument("--num-prompts", type=int, default=10, metavar="N",
                     help="prompts per dataset (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=128, metavar="N",
@@ -421,7 +425,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     loaded = load_model(args.model)
     prompts = {}
     for ds in args.datasets:
-        prompts[dataset_label(ds)] = [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, args.num_prompts)]
+        prompts[dataset_label(ds)] = [chat_ids(loaded.tokenizer, t) for t in load_prompts(
+            ds, args.num_prompts, prompt_field=args.prompt_field, messages_field=args.messages_field)]
     longest = max(len(p) for ps in prompts.values() for p in ps)
     needed = longest + args.max_tokens + args.num_speculative_tokens + 1
     max_model_len = min(-(-needed // 256) * 256, getattr(loaded.hf_config, "max_position_embeddings", needed))
