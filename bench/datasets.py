@@ -1,37 +1,20 @@
 """Benchmark prompts, from the datasets users have.
 
-A dataset is named by:
-
-* one of our benchmark files (`mt_bench`, `humaneval`, `gsm8k`: `{id, category, turns}` JSONL,
-  third-party data read in place from `SPECSERVE_DATA`, or `../shared/data` beside the project);
-* a local file: JSONL, JSON (a list of rows, or an object holding one under `data`, `rows` or
-  `examples`), CSV, or Parquet (needs `pyarrow`);
-* a Hugging Face dataset id (`org/name`, optionally `org/name:split`), read from the offline hub
-  cache when it has been downloaded there (`HF_HUB_CACHE`, else `HF_HOME/hub`, else
-  `~/.cache/huggingface/hub`): the snapshot's data files of the split (`test` first, then
-  `validation`, then `train`, unless one is named). Nothing is downloaded.
-
-Each row gives one prompt, its first user turn: `prompt_field` names the field holding the text,
-`messages_field` one holding chat messages (`[{"role", "content"}, ...]` or ShareGPT's
-`[{"from", "value"}, ...]`); without either, the first of `turns`, `prompt`, `question`,
-`instruction`, `input`, `text`, and of `messages` / `conversations` for chat data, that the rows
-have. When nothing is found the error says what was looked for, and where.
+A dataset is named by one of our benchmark files (`mt_bench`, `humaneval`, `gsm8k`:
+`{id, category, turns}` JSONL, third-party data read in place from `SPECSERVE_DATA`, or
+`../shared/data` beside the project), or as `engine/datasets.py` reads them: a local JSONL, JSON,
+CSV or Parquet file, or a Hugging Face dataset id in the offline hub cache, each row's prompt its
+first user turn (`--prompt-field`, `--messages-field`).
 """
 
 from __future__ import annotations
 
-import csv
-import json
-import os
 from pathlib import Path
 
 from specserve.engine.data_dir import data_dir  # noqa: F401  (re-exported for the benchmarks)
+from specserve.engine.datasets import CHAT_FIELDS, TEXT_FIELDS, dataset_rows, prompt_of
 
 DATASETS = {"mt_bench": "mt_bench.jsonl", "humaneval": "humaneval.jsonl", "gsm8k": "gsm8k.jsonl"}
-TEXT_FIELDS = ("turns", "prompt", "question", "instruction", "input", "text")
-CHAT_FIELDS = ("messages", "conversations")
-FORMATS = (".jsonl", ".json", ".csv", ".parquet")
-SPLITS = ("test", "validation", "train")
 
 
 def dataset_label(name_or_path: str) -> str:
@@ -52,135 +35,19 @@ def add_dataset_args(ap) -> None:
 def load_prompts(name_or_path: str, limit: int | None = None, *, prompt_field: str | None = None,
                  messages_field: str | None = None) -> list[str]:
     """Each row's first user turn, in the dataset's order (see the module docstring)."""
-    prompts = []
-    for row in _rows(name_or_path):
-        prompts.append(_prompt_of(row, prompt_field, messages_field, name_or_path))
-        if limit is not None and len(prompts) >= limit:
-            break
-    return prompts
-
-
-# ---- where the rows come from ---------------------------------------------------------------
-
-
-def _rows(name: str):
-    path = Path(name)
-    if path.is_file():
-        yield from _file_rows(path)
-        return
-    if name in DATASETS:
+    name = name_or_path
+    if name in DATASETS and not Path(name).is_file():
         path = data_dir() / DATASETS[name]
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: set SPECSERVE_DATA to the folder holding {DATASETS[name]}")
-        yield from _file_rows(path)
-        return
-    files = _hub_files(name)
-    if not files:
-        raise FileNotFoundError(
-            f"dataset {name!r} not found: it is not a file, not one of {sorted(DATASETS)} (in {data_dir()}, "
-            f"$SPECSERVE_DATA), and not a Hugging Face dataset in the offline cache {hub_cache()} "
-            f"(looked for {_hub_dir(name.split(':')[0]).name}/snapshots/*/ with {', '.join(FORMATS)} files)")
-    for f in files:
-        yield from _file_rows(f)
-
-
-def _file_rows(path: Path):
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    yield json.loads(line)
-    elif suffix == ".json":
-        value = json.loads(path.read_text(encoding="utf-8"))
-        if isinstance(value, dict):
-            value = next((value[k] for k in ("data", "rows", "examples") if isinstance(value.get(k), list)), None)
-        if not isinstance(value, list):
-            raise ValueError(f"{path}: expected a list of rows (or an object with one under data, rows or examples)")
-        yield from value
-    elif suffix == ".csv":
-        with path.open(encoding="utf-8", newline="") as f:
-            yield from csv.DictReader(f)
-    elif suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as exc:
-            raise ImportError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from exc
-        yield from pq.read_table(path).to_pylist()
-    else:
-        raise ValueError(f"{path}: unknown format {suffix!r}; use one of {', '.join(FORMATS)}")
-
-
-def hub_cache() -> Path:
-    """The Hugging Face hub cache folder (where `huggingface-cli download` and `datasets` put files)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    home = Path(os.environ["HF_HOME"]) if os.environ.get("HF_HOME") else Path.home() / ".cache" / "huggingface"
-    return home / "hub"
-
-
-def _hub_dir(repo_id: str) -> Path:
-    return hub_cache() / ("datasets--" + repo_id.replace("/", "--"))
-
-
-def _hub_files(name: str) -> list[Path]:
-    """The data files of `org/name[:split]` in the newest cached snapshot, one split's, in name order."""
-    repo_id, _, split = name.partition(":")
-    snapshots = sorted((_hub_dir(repo_id) / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for snapshot in snapshots:
-        files = sorted(p for p in snapshot.rglob("*") if p.suffix.lower() in FORMATS and p.is_file()
-                       and not p.name.startswith("."))
-        for wanted in ([split] if split else SPLITS):
-            chosen = [p for p in files if _split_of(p) == wanted]
-            if chosen:
-                return chosen
-        if files and not split:
-            return files
-    return []
-
-
-def _split_of(path: Path) -> str | None:
-    """The split a hub data file belongs to: `test-00000-of-00001.parquet`, `data/train.jsonl`, ..."""
-    for part in (path.stem, path.parent.name):
-        head = part.split("-")[0].split(".")[0]
-        if head in SPLITS:
-            return head
-    return None
-
-
-# ---- a row's prompt -------------------------------------------------------------------------
-
-
-def _prompt_of(row, prompt_field: str | None, messages_field: str | None, name: str) -> str:
-    if not isinstance(row, dict):
-        if isinstance(row, str) and not (prompt_field or messages_field):
-            return row
-        raise ValueError(f"{name}: a row is not an object: {str(row)[:80]!r}")
-    if messages_field or (not prompt_field and any(k in row for k in CHAT_FIELDS)
-                          and not any(k in row for k in TEXT_FIELDS)):
-        field = messages_field or next(k for k in CHAT_FIELDS if k in row)
-        return _first_user_turn(row.get(field), field, name)
-    field = prompt_field or next((k for k in TEXT_FIELDS if k in row), None)
-    if field is None or field not in row:
-        raise KeyError(f"{name}: no prompt field in its rows (fields {sorted(row)[:12]}); name one with "
-                       f"--prompt-field, or chat messages with --messages-field")
-    value = row[field]
-    if isinstance(value, list):       # our files' `turns`: the first one
-        value = value[0] if value else ""
-    if not isinstance(value, str):
-        raise ValueError(f"{name}: field {field!r} holds {type(value).__name__}, not text")
-    return value
-
-
-def _first_user_turn(messages, field: str, name: str) -> str:
-    if not isinstance(messages, list):
-        raise ValueError(f"{name}: field {field!r} does not hold a list of messages")
-    for m in messages:
-        if not isinstance(m, dict):
-            continue
-        role = m.get("role", m.get("from"))
-        if role in ("user", "human"):
-            content = m.get("content", m.get("value"))
-            if isinstance(content, str):
-                return content
-    raise ValueError(f"{name}: a row's {field!r} has no user turn")
+        name = str(path)
+    prompts = []
+    try:
+        for row in dataset_rows(name):
+            prompts.append(prompt_of(row, prompt_field, messages_field, name_or_path))
+            if limit is not None and len(prompts) >= limit:
+                break
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{exc}; nor one of our benchmarks {sorted(DATASETS)} (in {data_dir()}, "
+                                f"$SPECSERVE_DATA)") from None
+    return prompts

@@ -506,7 +506,14 @@ def _add_train(sub) -> None:
     p.add_argument("--model", default=d["model"], help=MODEL_HELP)
     p.add_argument("--data", default=d["data"], metavar="PATH",
                    help="prompt pool: a {id, turns, source, output} JSONL file or a folder holding "
-                        "train_prompts.jsonl; 'default' = $SPECSERVE_DATA, else ../shared/data (default: %(default)s)")
+                        "train_prompts.jsonl; or any JSONL, JSON, CSV or Parquet file, or a Hugging Face dataset id "
+                        "in the offline cache (engine/datasets.py); 'default' = $SPECSERVE_DATA, else ../shared/data "
+                        "(default: %(default)s)")
+    p.add_argument("--prompt-field", default=None, metavar="FIELD",
+                   help="the field of --data's rows holding the prompt text (default: found by name)")
+    p.add_argument("--messages-field", default=None, metavar="FIELD",
+                   help="the field of --data's rows holding chat messages (first user turn: the prompt; the "
+                        "assistant's answer after it: the reference answer)")
     p.add_argument("--out", required=True, metavar="DIR", help="checkpoint folder to write")
     p.add_argument("--epochs", type=int, default=d["epochs"], help="(default: the drafter's trainer's own)")
     p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (default: the drafter's trainer's own)")

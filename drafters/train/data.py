@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 from specserve.drafters.nets.checkpoint import target_fingerprint
 from specserve.drafters.train.target import FeatureExtractor, target_topk
 from specserve.engine.data_dir import data_dir as shared_data_dir   # SPECSERVE_DATA, else ../shared/data
+from specserve.engine.datasets import answer_of, dataset_rows, prompt_of
 from specserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("specserve")
@@ -99,17 +100,30 @@ def default_pool_path(data_dir: str | os.PathLike | None = None) -> Path:
     return shared_data_dir() / DEFAULT_POOL
 
 
-def read_examples(path: str | os.PathLike) -> list[Example]:
-    """Every row of a `{id, category, turns[, source, output]}` JSONL file, as Examples."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: pass --data PATH, or set SPECSERVE_DATA to the folder "
-                                f"holding {DEFAULT_POOL}")
+def read_examples(path: str | os.PathLike, *, prompt_field: str | None = None,
+                  messages_field: str | None = None) -> list[Example]:
+    """Our pool's `{id, category, turns[, source, output]}` rows as they are; the rows of any other
+    dataset `engine/datasets.py` reads (a JSON, CSV or Parquet file, a Hugging Face id in the offline
+    cache; or with `prompt_field` / `messages_field` named) one Example each: its first user turn,
+    its reference answer when it has one, its source the dataset's name."""
+    name = str(path)
+    local = Path(name).expanduser()
+    if local.is_file():
+        name = str(local)
+    try:
+        rows = list(dataset_rows(name))
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{exc}; pass --data PATH, or set SPECSERVE_DATA to the folder holding "
+                                f"{DEFAULT_POOL}") from None
+    label = local.stem if local.is_file() else name
     examples = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                examples.append(Example.from_row(json.loads(line), n))
+    for n, row in enumerate(rows, 1):
+        if isinstance(row, dict) and "turns" in row and not (prompt_field or messages_field):
+            examples.append(Example.from_row(row, n))
+        else:
+            ident = row.get("id", n) if isinstance(row, dict) else n
+            examples.append(Example(id=str(ident), turns=[prompt_of(row, prompt_field, messages_field, name)],
+                                    output=answer_of(row, messages_field), source=label))
     return examples
 
 
@@ -142,18 +156,18 @@ def balance_by_source(examples: Seq[Example], max_examples: int | None = None, s
 
 def load_prompt_pool(path: str | os.PathLike | None = None, *, max_examples: int | None = None, seed: int = 0,
                      data_dir: str | os.PathLike | None = None, sources: Iterable[str] | None = None,
-                     require_output: bool = True) -> list[Example]:
+                     require_output: bool = True, prompt_field: str | None = None,
+                     messages_field: str | None = None) -> list[Example]:
     """The training prompt pool, balanced across sources (see `balance_by_source`).
 
-    `path`: a JSONL file or a folder holding train_prompts.jsonl; default: see `default_pool_path`.
-    `sources`: keep only these sources. `require_output`: drop rows without a reference answer
-    (teacher forcing needs one; self-distillation does not)."""
+    `path`: a dataset `read_examples` reads, or a folder holding train_prompts.jsonl; default: see
+    `default_pool_path`. `sources`: keep only these sources. `require_output`: drop rows without a
+    reference answer (teacher forcing needs one; self-distillation does not)."""
     if path is None:
         path = default_pool_path(data_dir)
-    path = Path(path).expanduser()
-    if path.is_dir():
-        path = path / DEFAULT_POOL
-    examples = read_examples(path)
+    if Path(path).expanduser().is_dir():
+        path = Path(path).expanduser() / DEFAULT_POOL
+    examples = read_examples(path, prompt_field=prompt_field, messages_field=messages_field)
     if sources is not None:
         wanted = set(sources)
         unknown = wanted - {ex.source for ex in examples}

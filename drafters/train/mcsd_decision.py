@@ -210,8 +210,8 @@ def train_mcsd_decision(options: dict, target, data=None) -> Path:
         num_speculative_tokens=nodes, max_draft_tokens_per_step=16 * nodes, draft_budget="fixed", quantization="none",
         seed=seed), loaded=target.loaded)
     data_path = o.get("data") if o.get("data") not in (None, "default") else None
-    examples = load_prompt_pool(data_path, max_examples=int(o["prompts"]), seed=seed,
-                                require_output=False)
+    examples = load_prompt_pool(data_path, max_examples=int(o["prompts"]), seed=seed, require_output=False,
+                                prompt_field=o.get("prompt_field"), messages_field=o.get("messages_field"))
     prompts = [render_prompt(engine.tokenizer, ex.turns)[-(max_len - max_tokens - 1):] for ex in examples]
     if not prompts:
         raise ValueError("the prompt pool is empty")

@@ -32,7 +32,8 @@ from specserve.engine.model import LlamaModel
 logger = logging.getLogger("specserve")
 
 DEFAULTS: dict[str, Any] = dict(
-    model="default", data=None, out=None, epochs=None, lr=None, batch_tokens=8192, max_examples=4000, max_len=512,
+    model="default", data=None, prompt_field=None, messages_field=None, out=None, epochs=None, lr=None,
+    batch_tokens=8192, max_examples=4000, max_len=512,
     device="auto", dtype="auto", seed=0, self_distill=False, self_distill_max_tokens=256, temperature=0.0,
     eval_examples=64, cache_dir=None, top_k=8, shard_size=256, progress=True,
 )
@@ -83,7 +84,8 @@ def prepare_data(target: TrainTarget, options: Mapping[str, Any]) -> TrainData:
     o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
     data = o["data"] if o["data"] not in (None, "default") else None
     examples = load_prompt_pool(data, max_examples=o["max_examples"], seed=o["seed"],
-                                require_output=not o["self_distill"])
+                                require_output=not o["self_distill"], prompt_field=o["prompt_field"],
+                                messages_field=o["messages_field"])
     if not examples:
         raise ValueError("the prompt pool is empty (no row with a reference answer; try --self-distill)")
     safe_name = re.sub(r"[^\w.-]+", "_", target.name)

@@ -45,6 +45,30 @@ def test_pool_location_and_rows_without_answers(tmp_path, monkeypatch, pool_writ
         load_prompt_pool(tmp_path / "missing.jsonl")
 
 
+def test_the_pool_can_be_any_dataset_users_have(tmp_path, monkeypatch):
+    """CSV rows with a question and an answer; ShareGPT-shaped chat rows (prompt: the first user
+    turn, answer: the assistant's reply); a Hugging Face id in the offline cache; named fields."""
+    import csv
+
+    with (tmp_path / "qa.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["question", "answer"])
+        w.writeheader()
+        w.writerows([{"question": "2 + 2?", "answer": "4"}, {"question": "3 + 3?", "answer": "6"}])
+    pool = load_prompt_pool(tmp_path / "qa.csv")
+    assert sorted((ex.turns, ex.output, ex.source) for ex in pool) == [(["2 + 2?"], "4", "qa"), (["3 + 3?"], "6", "qa")]
+    chat = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]},
+            {"conversations": [{"from": "human", "value": "Unanswered"}]}]
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = tmp_path / "hub" / "datasets--org--chat" / "snapshots" / "0" / "data"
+    snapshot.mkdir(parents=True)
+    (snapshot / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
+    [answered] = load_prompt_pool("org/chat")                       # teacher forcing: rows with an answer
+    assert answered.turns == ["Hi"] and answered.output == "Hello!" and answered.source == "org/chat"
+    assert len(load_prompt_pool("org/chat", require_output=False)) == 2
+    named = load_prompt_pool(tmp_path / "qa.csv", prompt_field="answer", require_output=False)
+    assert sorted(ex.turns[0] for ex in named) == ["4", "6"]
+
+
 def test_balance_handles_an_exhausted_pool():
     exs = [Example(id=str(i), turns=["q"], output="a", source="s" if i < 3 else "t") for i in range(5)]
     assert len(balance_by_source(exs, max_examples=100)) == 5
