@@ -733,12 +733,7 @@ class LLMEngine:
         spec = seq.request.spec
         if res.tree is not None:
             num_acc = len(res.verify.accepted_nodes)
-            spec.num_draft_tokens += res.tree.num_draft_tokens
-            spec.num_accepted_tokens += num_acc
-            spec.num_spec_steps += 1
-            while len(spec.accepted_length_counts) <= num_acc:
-                spec.accepted_length_counts.append(0)
-            spec.accepted_length_counts[num_acc] += 1
+            spec.observe(res.tree.num_draft_tokens, num_acc)
             stats = self.drafter_stats[GRAMMAR_PART if is_forced_tree(res.tree) else seq.drafter]
             stats.observe(res.tree.num_draft_tokens, num_acc)
             tally = res.tree.part_tally(res.verify.accepted_nodes)   # {} without provenance

@@ -30,6 +30,13 @@ def add_part_tally(parts: dict[str, PartStats], tally: Mapping[str, tuple[int, i
         st.num_accepted_tokens += accepted
 
 
+def count(counts: list[int], k: int) -> None:
+    """One more observation of k in `counts` (index k: how often k was seen), grown as needed."""
+    while len(counts) <= k:
+        counts.append(0)
+    counts[k] += 1
+
+
 @dataclass
 class EngineStats:
     num_running: int = 0
@@ -66,6 +73,13 @@ class RequestSpecStats:
     num_spec_steps: int = 0        # verification steps with a draft
     accepted_length_counts: list[int] = field(default_factory=list)   # index k: those steps accepting k drafts
 
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """A verification step of this request's draft tree."""
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        self.num_spec_steps += 1
+        count(self.accepted_length_counts, num_accepted)
+
     @property
     def mean_accepted_length(self) -> float:
         """τ: tokens committed per target forward, bonus included."""
@@ -101,9 +115,7 @@ class DrafterStats:
 
     def observe_budget(self, budget: int) -> None:
         """The scheduler gave a decoding sequence of this drafter `budget` draft nodes (0: none) this step."""
-        while len(self.budget_counts) <= budget:
-            self.budget_counts.append(0)
-        self.budget_counts[budget] += 1
+        count(self.budget_counts, budget)
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         self.num_steps += 1
@@ -114,6 +126,4 @@ class DrafterStats:
             self.accepted_by_depth.append(0)
         for d in range(num_accepted):
             self.accepted_by_depth[d] += 1
-        while len(self.accepted_length_counts) <= num_accepted:
-            self.accepted_length_counts.append(0)
-        self.accepted_length_counts[num_accepted] += 1
+        count(self.accepted_length_counts, num_accepted)
