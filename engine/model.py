@@ -142,6 +142,19 @@ if _ONEDNN_LINEAR is not None:
         return x.new_empty(x.shape[0], out_features)
 
 
+def _parts_in(objects):
+    """Each distinct part of `objects` (modules, or objects such as drafters whose attributes hold
+    modules): an attribute that is not a module, or a module inside one (its own sub-modules
+    after it), each once."""
+    seen: set[int] = set()
+    for obj in objects:
+        for value in [obj] if isinstance(obj, nn.Module) else list(vars(obj).values()):
+            for part in value.modules() if isinstance(value, nn.Module) else (value,):
+                if id(part) not in seen:
+                    seen.add(id(part))
+                    yield part
+
+
 def pack_weights_in(*objects) -> int:
     """Prepack every decoder layer inside `objects` (modules, or objects such as drafters whose
     attributes hold modules) with `DecoderLayer.pack_weights`, and call `pack_weights()` of the
@@ -149,26 +162,16 @@ def pack_weights_in(*objects) -> int:
     a draft model: a drafter's own layers (EAGLE's, a student's) run on a few rows per call, where
     packing pays as it does for the target. Weights already packed (shared with the target) keep
     their one copy and count as packed. Returns the weights packed."""
-    seen: set[int] = set()
+    packed_whole: set[int] = set()     # the layers of a draft model packed with it
     packed = 0
-    for obj in objects:
-        values = [obj] if isinstance(obj, nn.Module) else list(vars(obj).values())
-        for value in values:
-            if not isinstance(value, nn.Module):
-                pack = getattr(value, "pack_weights", None)
-                if callable(pack) and id(value) not in seen:
-                    seen.add(id(value))
-                    packed += pack()
-                continue
-            for sub in value.modules():
-                if id(sub) in seen:
-                    continue
-                if isinstance(sub, LlamaModel):     # a draft model: its layers and its LM head
-                    seen.update(id(layer) for layer in sub.layers)
-                    packed += sub.pack_weights()
-                elif isinstance(sub, DecoderLayer):
-                    packed += sub.pack_weights()
-                seen.add(id(sub))
+    for part in _parts_in(objects):
+        if isinstance(part, LlamaModel):     # a draft model: its layers and its LM head
+            packed_whole.update(id(layer) for layer in part.layers)
+            packed += part.pack_weights()
+        elif isinstance(part, DecoderLayer) and id(part) not in packed_whole:
+            packed += part.pack_weights()
+        elif not isinstance(part, nn.Module) and callable(getattr(part, "pack_weights", None)):
+            packed += part.pack_weights()
     return packed
 
 
@@ -183,25 +186,14 @@ def quantize_weights_in(*objects, kind: str, int8_act: bool = False) -> int:
     def own(weight: torch.Tensor, k: str) -> int:
         return 0 if quantized(weight) is not None else int(quantize_weight(weight, k, int8_act=int8_act))
 
-    seen: set[int] = set()
     done = 0
-    for obj in objects:
-        values = [obj] if isinstance(obj, nn.Module) else list(vars(obj).values())
-        for value in values:
-            if not isinstance(value, nn.Module):
-                quantize = getattr(value, "quantize_weights", None)
-                if callable(quantize) and id(value) not in seen:
-                    seen.add(id(value))
-                    done += quantize("int8", int8_act)
-                continue
-            for sub in value.modules():
-                if id(sub) in seen:
-                    continue
-                seen.add(id(sub))
-                if isinstance(sub, LlamaModel):
-                    done += own(sub.lm_head_weight, "int8")
-                elif isinstance(sub, DecoderLayer):
-                    done += sum(own(getattr(sub, name).weight, kind) for name in ("qkv", "o", "gate_up", "down"))
+    for part in _parts_in(objects):
+        if isinstance(part, LlamaModel):
+            done += own(part.lm_head_weight, "int8")
+        elif isinstance(part, DecoderLayer):
+            done += sum(own(getattr(part, name).weight, kind) for name in ("qkv", "o", "gate_up", "down"))
+        elif not isinstance(part, nn.Module) and callable(getattr(part, "quantize_weights", None)):
+            done += part.quantize_weights("int8", int8_act)
     return done
 
 
