@@ -345,19 +345,21 @@ def _spec_usage(out: RequestOutput | None) -> SpeculativeUsage | None:
                             mean_accepted_length=round(spec.mean_accepted_length, 4), parts=parts)
 
 
-def _chat_prompt_ids(state: ServerState, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
+def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], tools: list[dict] | None = None, *,
+                    add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
     """The conversation through the model's chat template (with `tools` where the template renders them)."""
     tokenizer = state.engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
-        raise OpenAIError(400, "this model has no chat template; use /v1/completions with a plain prompt",
-                          param="messages", code="chat_template_missing")
+        raise OpenAIError(400, "this model has no chat template; send a plain prompt (/v1/completions, or "
+                               "/tokenize's `prompt`)", param="messages", code="chat_template_missing")
     conversation = [m.template_dict() for m in messages]
     try:
-        text = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
     except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation (e.g. role order) is a 400
         raise OpenAIError(400, f"the chat template rejected the messages: {exc}", param="messages",
                           code="invalid_value") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _completion_prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
@@ -522,7 +524,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Respons
                                f"and {state.tool_parser_problem}; send tool_choice 'required' or a named function "
                                f"(forced through a grammar), or 'none'", param="tool_choice", code="invalid_value")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tool_mode else None
-    prompt_ids = await state.off_loop(_chat_prompt_ids, state, body.messages, tools, size=size)
+    prompt_ids = await state.off_loop(chat_prompt_ids, state, body.messages, tools, size=size)
     params = _sampling_params(state, body, len(prompt_ids), body.requested_max_tokens, body.num_logprobs,
                               "messages")
     await _compile_constraint(state, body, params)
@@ -653,10 +655,10 @@ def _chat_stream(state: ServerState, body: ChatCompletionRequest, call: EngineCa
                 sent[d.index] = upto
                 return ChatChunkChoice(index=d.index, delta=ChatDelta(content=text[done:upto]), logprobs=logprobs(d))
             del texts[d.index]
-            content, calls = _answer(state, body, text)
-            if body.tool_mode == "auto" and done:
-                rest = text[done:]
-                content = (state.tool_parser.parse(rest)[0] if calls else rest) or None
+            # what was not streamed yet (auto streams nothing past a call's marker, so the calls are in it)
+            content, calls = _answer(state, body, text[done:])
+            if done:
+                content = content or None
             delta = ChatDelta(content=content, tool_calls=[
                 DeltaToolCall(index=k, id=c.id, function=c.function) for k, c in enumerate(calls)] if calls else None)
             return ChatChunkChoice(index=d.index, delta=delta, finish_reason=_tool_finish(body, calls, d.finish_reason),

@@ -17,7 +17,7 @@ import importlib.metadata
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from specserve.server.openai_routes import OpenAIError, check_model, get_state, health, vocab_size
+from specserve.server.openai_routes import OpenAIError, chat_prompt_ids, check_model, get_state, health, vocab_size
 from specserve.server.prompt_guard import text_bytes
 from specserve.server.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
                                        VersionInfo)
@@ -48,21 +48,12 @@ async def ping_post(raw: Request) -> Response:
 
 
 def _tokenize(state, body: TokenizeRequest) -> list[int]:
-    tokenizer = state.engine.tokenizer
     if body.prompt is not None:
         add = True if body.add_special_tokens is None else body.add_special_tokens
-        return tokenizer.encode(body.prompt, add_special_tokens=add)
-    if not getattr(tokenizer, "chat_template", None):
-        raise OpenAIError(400, "this model has no chat template; send a prompt", param="messages",
-                          code="chat_template_missing")
+        return state.engine.tokenizer.encode(body.prompt, add_special_tokens=add)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    try:
-        text = tokenizer.apply_chat_template([m.template_dict() for m in body.messages], tools=tools,
-                                             add_generation_prompt=body.add_generation_prompt, tokenize=False)
-    except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation is a 400
-        raise OpenAIError(400, f"the chat template rejected the messages: {exc}", param="messages",
-                          code="invalid_value") from exc
-    return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    return chat_prompt_ids(state, body.messages, tools, add_generation_prompt=body.add_generation_prompt,
+                           add_special_tokens=bool(body.add_special_tokens))
 
 
 @router.post("/tokenize")
