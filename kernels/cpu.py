@@ -195,8 +195,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     T, H, D = q.shape
     out = torch.empty(T, H * D, dtype=out_dtype or torch.float32)
     library().paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _half(k_cache), out.data_ptr(),
-                              _flag(out),
-                              *_metadata_args(meta), H, k_cache.shape[1], D, scale, torch.get_num_threads())
+                              _flag(out), *_metadata_args(meta), H, k_cache.shape[1], D, scale, torch.get_num_threads())
     return out
 
 
@@ -210,8 +209,8 @@ def attend(qkv: torch.Tensor, rope, meta, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=out_dtype or torch.float32)
     library().rope_cache_attention(
         qkv.data_ptr(), _flag(qkv), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), _half(k_cache), out.data_ptr(), _flag(out), *_metadata_args(meta), num_heads, num_kv_heads, head_dim,
-        scale, torch.get_num_threads())
+        v_cache.data_ptr(), _half(k_cache), out.data_ptr(), _flag(out), *_metadata_args(meta), num_heads, num_kv_heads,
+        head_dim, scale, torch.get_num_threads())
     return out
 
 

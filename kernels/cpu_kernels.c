@@ -80,13 +80,11 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 static inline v16 load16(const float *p) { return *(const v16u *)p; }
 
+static inline v16 select16(i32x16 mask, v16 a, v16 b) { return (v16)(((i32x16)a & mask) | ((i32x16)b & ~mask)); }
+
 /* exp_f of 16 lanes at once: the same float operations, lane by lane, so the same values */
 static inline v16 exp16(v16 x) {
-    const v16 lo = (v16){0} - 87.3f, hi = (v16){0} + 88.3f;
-    i32x16 m = x < lo;
-    x = (v16)(((i32x16)x & ~m) | ((i32x16)lo & m));
-    m = x > hi;
-    x = (v16)(((i32x16)x & ~m) | ((i32x16)hi & m));
+    x = select16(x < -87.3f, (v16){0} - 87.3f, select16(x > 88.3f, (v16){0} + 88.3f, x));
     v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     v16 r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
@@ -315,8 +313,6 @@ void rope_cache(const void *qkv, int qkv_bf16, const float *cos, const float *si
 /* Scores of one query head against keys `keys` (slots; row stride `stride` elements), scaled, into
  * e; returns their max. Specialised for head_dim 64 and 128 (the query in registers), for an fp32
  * (`f`) and an fp16 (`h`) cache. */
-static inline v16 load16f(const float *p) { return load16(p); }
-
 /* a[0..15] each folded in hsum16's tree at once: lane j of the result is hsum16(a[j]), bit for bit
  * (level by level the same pairs: lanes l and l+8, then l and l+4, l and l+2, l and l+1) */
 static inline v16 hsum16x16(const v16 *a) {
@@ -361,6 +357,7 @@ static inline v16 hsum16x16(const v16 *a) {
         for (t = 0; t < n; t++) mx = e[t] > mx ? e[t] : mx;                                            \
         return mx;                                                                                     \
     }
+#define load16f load16
 #define load16h load_half16
 SCORES(4, f, float)
 SCORES(8, f, float)
@@ -437,6 +434,10 @@ typedef struct {
     int32_t row, chunk;
 } attn_item;
 
+typedef struct {
+    int64_t seq, open, keys, first_chunk;   /* its sequence, the end of its causal part, its key count */
+} attn_row;
+
 /* slots of the keys at list indices c0 .. c1 - 1 of row i of sequence b (see above) */
 static int64_t chunk_keys(int64_t c0, int64_t c1, int64_t open, const int32_t *table, int64_t bs,
                           const uint8_t *mask_row, int64_t m, int64_t ctx, int32_t *keys) {
@@ -459,8 +460,7 @@ void paged_attention(const float *q, const void *k_cache, const void *v_cache, i
                      int64_t table_width, int64_t block_size, const int32_t *mask_offsets, const int32_t *mask_widths,
                      const uint8_t *mask_data, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
     int64_t T = cu_q[num_seqs], G = H / Hkv, work = 0, items = 0;
-    /* per row: its sequence, the end of its causal part (`open`), its key count and first chunk */
-    int64_t *row_info = (int64_t *)malloc(sizeof(int64_t) * 4 * (T > 0 ? T : 1));
+    attn_row *rows = (attn_row *)malloc(sizeof(attn_row) * (T > 0 ? T : 1));
     for (int64_t b = 0; b < num_seqs; b++) {
         int64_t qlen = cu_q[b + 1] - cu_q[b], ctx = context_lens[b], m = mask_widths[b];
         for (int64_t r = cu_q[b]; r < cu_q[b + 1]; r++) {
@@ -469,10 +469,7 @@ void paged_attention(const float *q, const void *k_cache, const void *v_cache, i
                 const uint8_t *row = mask_data + mask_offsets[b] + i * m;
                 for (int64_t u = 0; u < m; u++) n += row[u] != 0;
             }
-            row_info[4 * r] = b;
-            row_info[4 * r + 1] = open;
-            row_info[4 * r + 2] = n;
-            row_info[4 * r + 3] = items;
+            rows[r] = (attn_row){b, open, n, items};
             items += (n + ATTN_CHUNK - 1) / ATTN_CHUNK;
             work += n;
         }
@@ -481,17 +478,17 @@ void paged_attention(const float *q, const void *k_cache, const void *v_cache, i
     /* per chunk and query head: m, l, acc[D] */
     float *part = (float *)malloc(sizeof(float) * (items > 0 ? items : 1) * H * (D + 2));
     for (int64_t r = 0, k = 0; r < T; r++)
-        for (int64_t c = 0; c * ATTN_CHUNK < row_info[4 * r + 2]; c++) item[k++] = (attn_item){(int32_t)r, (int32_t)c};
+        for (int64_t c = 0; c * ATTN_CHUNK < rows[r].keys; c++) item[k++] = (attn_item){(int32_t)r, (int32_t)c};
     int nt = threads_for(nthreads, work * H * D, 1 << 14);
 #pragma omp parallel num_threads(nt)
     {
         int32_t keys[ATTN_CHUNK];
         float e[ATTN_CHUNK];
-        float *row = (float *)malloc(sizeof(float) * D);
+        float *row = (float *)malloc(sizeof(float) * D);   /* a widened key (scores_any), then an output row */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t r = item[it].row, c = item[it].chunk;
-            const int64_t b = row_info[4 * r], open = row_info[4 * r + 1], total = row_info[4 * r + 2];
+            const int64_t b = rows[r].seq, open = rows[r].open, total = rows[r].keys;
             const int64_t i = r - cu_q[b], ctx = context_lens[b], m = mask_widths[b];
             const int64_t c0 = c * ATTN_CHUNK, c1 = c0 + ATTN_CHUNK < total ? c0 + ATTN_CHUNK : total;
             const int64_t n = chunk_keys(c0, c1, open, block_tables + b * table_width, block_size,
@@ -519,37 +516,33 @@ void paged_attention(const float *q, const void *k_cache, const void *v_cache, i
             }
         }
         /* each row and query head: its chunks combined in order */
-        float acc[512];
 #pragma omp for schedule(static)
         for (int64_t rh = 0; rh < T * H; rh++) {
             const int64_t r = rh / H, h = rh % H;
-            const int64_t chunks = (row_info[4 * r + 2] + ATTN_CHUNK - 1) / ATTN_CHUNK;
-            const float *p0 = part + (row_info[4 * r + 3] * H + h) * (D + 2);
+            const int64_t chunks = (rows[r].keys + ATTN_CHUNK - 1) / ATTN_CHUNK;
+            const float *p0 = part + (rows[r].first_chunk * H + h) * (D + 2);
             const int64_t step = H * (D + 2);              /* from one chunk's entry to the next's */
-            float *o = NULL;
-            if (chunks == 1) o = (float *)p0 + 2;
-            float mx = -INFINITY, sum = 0.0f;
+            const float *o = p0 + 2;                       /* one chunk: its own sums */
+            float mx = -INFINITY, sum = chunks ? p0[1] : 0.0f;
             if (chunks > 1) {
-                o = D <= 512 ? acc : (float *)malloc(sizeof(float) * D);
                 for (int64_t c = 0; c < chunks; c++) mx = p0[c * step] > mx ? p0[c * step] : mx;
-                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+                for (int64_t d = 0; d < D; d++) row[d] = 0.0f;
+                sum = 0.0f;
                 for (int64_t c = 0; c < chunks; c++) {
                     const float *pc = p0 + c * step, w = exp_f(pc[0] - mx);
                     sum += w * pc[1];
-                    for (int64_t d = 0; d < D; d++) o[d] += w * pc[2 + d];
+                    for (int64_t d = 0; d < D; d++) row[d] += w * pc[2 + d];
                 }
-            } else {
-                sum = chunks ? p0[1] : 0.0f;
+                o = row;
             }
             float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
             for (int64_t d = 0; d < D; d++) store(out, out_bf16, rh * D + d, chunks ? o[d] * inv : 0.0f);
-            if (chunks > 1 && D > 512) free(o);
         }
         free(row);
     }
     free(part);
     free(item);
-    free(row_info);
+    free(rows);
 }
 
 /* ---- a layer's attention in one call: RoPE and the cache write, then paged attention ------------ */
