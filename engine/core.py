@@ -433,7 +433,7 @@ class LLMEngine:
         """The KV cache's dtype (`EngineConfig.kv_cache_dtype`); attention runs in it
         (`engine.model.write_and_attend`; an fp16 cache's in fp32). auto: float16 where the layer
         stack runs in the native CPU kernels (half the memory; the same logits as fp32 on the default
-        model, and faster decoding: docs/architecture.md); else the model's, except float64 for bf16
+        model: docs/architecture.md); else the model's, except float64 for bf16
         activations on a CPU without the native kernels (`kernels/cpu.py`). Where activations are
         rounded to bf16, a last-bit difference between a tree row's attention and the same token's
         decode row can change a token; the native kernel computes both alike in fp32, SDPA needs
