@@ -1,7 +1,7 @@
 """specserve against the CPU anchors on the same GGUF, in one invocation:
 
     specserve bench cpu [--datasets mt_bench humaneval gsm8k] [--num-prompts 4] [--max-tokens 128]
-        [--threads 2] [--drafters ngram mag medusa eagle] [--quantization auto]
+        [--threads 2] [--drafters auto ngram mag medusa eagle] [--quantization auto]
         [--quantized-activations float|int8] [--compile]
         [--llama-python PATH] [--streams 16] [--no-hf]
 
@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=4, help="per dataset (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch's and llama.cpp's threads (default: torch's)")
-    ap.add_argument("--drafters", nargs="*", default=["ngram", "mag", "medusa", "eagle"])
+    ap.add_argument("--drafters", nargs="*", default=["auto", "ngram", "mag", "medusa", "eagle"],
+                    help="specserve methods besides plain decoding; auto: the server default (default: %(default)s)")
     ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                     help="specserve's weights (default: %(default)s, as served)")
     ap.add_argument("--quantized-activations", default="float", choices=ACTIVATIONS,

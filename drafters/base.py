@@ -262,7 +262,7 @@ def parse_drafter_options(items: Seq[str]) -> dict[str, dict]:
     return options
 
 
-_NOT_DRAFTERS = {"base", "draft_vocab", "features"}
+_NOT_DRAFTERS = {"auto", "base", "draft_vocab", "features"}
 
 
 def _import_builtin() -> None:

@@ -28,6 +28,10 @@ class EngineConfig:
     block_size: int = 16                # tokens per KV block
     num_kv_blocks: int | None = None    # KV pool size; default: enough for max_num_seqs full contexts, capped by memory
     kv_cache_memory_gib: float = 4.0    # cap for the default pool size
+    # CUDA: the share of the device's memory the engine may hold (weights, drafters, activations, KV
+    # pool), as vLLM's --gpu-memory-utilization; the pool's cap is what it leaves (replaces
+    # kv_cache_memory_gib there). None: not used
+    gpu_memory_utilization: float | None = None
     max_queue_len: int = 256            # waiting requests before new ones get 429
     seed: int = 0                       # seeds unseeded sampling
     drafters: tuple[str, ...] = ()      # drafters to load; the first is the default ("none" = plain decoding)
@@ -85,9 +89,11 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
         unloaded = sorted(set(self.drafter_options) - set(self.drafters))
-        if unloaded:
+        if unloaded and "auto" not in self.drafters:   # auto's drafters are known once the model is (engine.core)
             raise ValueError(f"options given for drafters that are not loaded: {', '.join(unloaded)} "
                              f"(load them with --drafter NAME)")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_queue_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")

@@ -17,7 +17,7 @@ from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.draft_policy import DraftCall, StepReport, TreeOutcome
 from specserve.engine.errors import InvalidRequestError, is_unrecoverable
 from specserve.engine.features import FeatureStore
-from specserve.engine.kv_cache import BlockManager, KVCache
+from specserve.engine.kv_cache import BlockManager, KVCache, activation_reserve_bytes, kv_pool_bytes
 from specserve.engine.loader import LoadedModel, load_model
 from specserve.engine.grammar import GRAMMAR_PART, Grammars, forced_tree, is_forced_tree
 from specserve.engine.logits_processing import needs_processing
@@ -35,6 +35,7 @@ from specserve.kernels import cpu as native_cpu
 
 _DEFAULT = object()
 NO_DRAFTER = "none"
+AUTO = "auto"   # drafters.auto.AUTO: a choice among the drafters `drafters.auto` picks, every step
 
 logger = logging.getLogger("specserve")
 
@@ -69,6 +70,17 @@ class LLMEngine:
                                                 dtype=self.dtype, device=self.device)
         act = self._quantize(config, loaded.gguf_types)
         self.kv_dtype = self._kv_cache_dtype(config, act)
+        # the target's features of every KV position, for the sequences whose drafter reads them
+        self.features = FeatureStore(mc.hidden_size, self.dtype, self.device)
+        self.drafters = self._load_drafters(config.drafters)
+        if self.quantization != "none" and config.quantize_drafters and self.drafters:
+            done = quantize_weights_in(*self.drafters.values(), kind="int8" if self.quantization == "int8" else "int4",
+                                       int8_act=int8_activations(config.quantized_activations))
+            logger.info("quantized %d weight matrices of the drafters", done)
+        if config.prepack_weights and self.device.type == "cpu":
+            packed = self.model.pack_weights() + pack_weights_in(*self.drafters.values())
+            logger.info("prepacked %d weight matrices for oneDNN", packed)
+        # the KV pool last, so that a pool sized by --gpu-memory-utilization sees the drafters' memory
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         min_blocks = -(-self.max_model_len // config.block_size)
         if num_blocks < min_blocks:
@@ -80,17 +92,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.num_speculative_tokens, config.max_draft_tokens_per_step, self.max_model_len,
                                    draft_budget=config.draft_budget, grammar_drafts=config.grammar_drafts)
-        # the target's features of every KV position, for the sequences whose drafter reads them
-        self.features = FeatureStore(mc.hidden_size, self.dtype, self.device)
-        self.drafters = self._load_drafters(config.drafters)
-        if self.quantization != "none" and config.quantize_drafters and self.drafters:
-            done = quantize_weights_in(*self.drafters.values(), kind="int8" if self.quantization == "int8" else "int4",
-                                       int8_act=int8_activations(config.quantized_activations))
-            logger.info("quantized %d weight matrices of the drafters", done)
-        if config.prepack_weights and self.device.type == "cpu":
-            packed = self.model.pack_weights() + pack_weights_in(*self.drafters.values())
-            logger.info("prepacked %d weight matrices for oneDNN", packed)
         self.default_drafter = config.drafters[0] if config.drafters and config.drafters[0] != NO_DRAFTER else None
+        if self.default_drafter == AUTO and not self.auto_drafters:
+            self.default_drafter = None
         self.drafter_stats = self._new_drafter_stats()
         self.features.set_capture_layers(self._capture_layers())
         # the drafters that tell a context for each tree (`Drafter.context_of`), less those that failed to
@@ -207,23 +211,41 @@ class LLMEngine:
         self.runner.graphs = graphs
 
     def _load_drafters(self, names: tuple[str, ...]) -> dict:
+        """The drafters called `names`; "auto" stands for those `drafters.auto` picks for this model
+        (kept in `auto_drafters`, in its order), loaded once each beside any named."""
+        from specserve.drafters.auto import auto_drafters
         from specserve.drafters.base import DrafterContext, make_drafter   # the registry, no specific drafter
 
         ctx = DrafterContext(tokenizer=self.tokenizer, target=self.model, model_config=self.model_config,
                              device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
                              max_num_seqs=self.config.max_num_seqs, features=self.features)
-        drafters = {}
+        self.auto_drafters: tuple[str, ...] = ()
+        expanded = []
         for name in names:
+            if name == AUTO:
+                picked = auto_drafters(self.model_config, self.model)
+                for choice in picked:
+                    logger.info("drafter auto: %s (%s)", choice.name, choice.reason)
+                self.auto_drafters = tuple(c.name for c in picked)
+                expanded += self.auto_drafters
+            else:
+                expanded.append(name)
+        unloaded = sorted(set(self.config.drafter_options) - set(expanded))
+        if unloaded:
+            raise ValueError(f"options given for drafters that are not loaded: {', '.join(unloaded)} "
+                             f"(drafter auto loads {', '.join(self.auto_drafters) or 'none'} for this model; "
+                             f"load others with --drafter NAME)")
+        drafters = {}
+        for name in expanded:
             if name != NO_DRAFTER and name not in drafters:
                 options = dict(self.config.drafter_options.get(name, {}))
                 drafters[name] = make_drafter(name, ctx, **options)
         return drafters
 
-    def _draft_context(self, seq: Sequence) -> int | None:
-        """The context `seq`'s drafter tells for its next tree (`Drafter.context_of`), for the
+    def _draft_context(self, seq: Sequence, name: str) -> int | None:
+        """The context drafter `name` tells for `seq`'s next tree (`Drafter.context_of`), for the
         goodput budget; None when it tells none, or raised (logged once per drafter; the budget
         then sizes the tree from the drafter's record alone, and the request goes on)."""
-        name = seq.drafter
         if name not in self._context_drafters:
             return None
         drafter = self.drafters[name]
@@ -272,13 +294,16 @@ class LLMEngine:
         return list(self.drafters)
 
     def resolve_drafter(self, name) -> str | None:
-        """A request's drafter: the server default when absent, None for "none"."""
+        """A request's drafter: the server default when absent, None for "none", "auto" for a
+        choice among `auto_drafters` renewed every step."""
         if name is _DEFAULT or name is None:
             return self.default_drafter
         if name == NO_DRAFTER:
             return None
+        if name == AUTO and self.auto_drafters:
+            return AUTO
         if name not in self.drafters:
-            loaded = ", ".join([NO_DRAFTER, *self.drafters])
+            loaded = ", ".join([NO_DRAFTER, *([AUTO] if self.auto_drafters else []), *self.drafters])
             raise InvalidRequestError(f"drafter {name!r} is not loaded; loaded drafters: {loaded}",
                                       "speculative.drafter")
         return name
@@ -294,6 +319,10 @@ class LLMEngine:
             key = next(iter(options))
             raise InvalidRequestError(f"plain decoding (drafter 'none') takes no options; got {key!r}",
                                       f"speculative.{key}")
+        if name == AUTO:
+            key = next(iter(options))
+            raise InvalidRequestError(f"drafter 'auto' takes no options (name one drafter to set its options); "
+                                      f"got {key!r}", f"speculative.{key}")
         impl = self.drafters[name]
         for key in options:
             if key not in impl.request_options:
@@ -308,11 +337,25 @@ class LLMEngine:
             raise InvalidRequestError(str(exc), f"speculative.{key}") from exc
 
     def _default_num_blocks(self) -> int:
+        """Enough blocks for --max-num-seqs full contexts (more would lie idle: no prefix cache),
+        within --kv-cache-memory-gib, or on CUDA with --gpu-memory-utilization within what that
+        share of the device's memory leaves after weights, drafters and a step's activations."""
         mc, cfg = self.model_config, self.config
         per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype)
         wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        cap = int(cfg.kv_cache_memory_gib * 2**30) // per_block
-        return max(min(wanted, cap), -(-self.max_model_len // cfg.block_size))
+        cap_bytes = int(cfg.kv_cache_memory_gib * 2**30)
+        if cfg.gpu_memory_utilization is not None and self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            step_tokens = cfg.max_num_batched_tokens + cfg.max_draft_tokens_per_step
+            reserve = activation_reserve_bytes(step_tokens, mc.hidden_size, mc.intermediate_size, mc.vocab_size)
+            cap_bytes = kv_pool_bytes(total, cfg.gpu_memory_utilization, torch.cuda.memory_allocated(self.device),
+                                      reserve)
+            logger.info("--gpu-memory-utilization %.2f: %.2f GiB of %.2f GiB for the KV pool", cfg.gpu_memory_utilization,
+                        cap_bytes / 2**30, total / 2**30)
+        elif cfg.gpu_memory_utilization is not None:
+            logger.warning("--gpu-memory-utilization applies on CUDA only; on %s the KV pool's cap is "
+                           "--kv-cache-memory-gib", self.device.type)
+        return max(min(wanted, cap_bytes // per_block), -(-self.max_model_len // cfg.block_size))
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -351,8 +394,10 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params,
                       RequestMetrics(arrival_time=arrival_time or time.monotonic()), drafter=drafter)
         req.spec.drafter = drafter
-        if drafter is not None:   # a composite drafter's declared parts, reported even if one never proposes
-            add_part_tally(req.spec.parts, {str(p): (0, 0) for p in getattr(self.drafters[drafter], "part_names", ())})
+        names = self.auto_drafters if drafter == AUTO else (drafter,) if drafter is not None else ()
+        # the parts reported per request, even if one never proposes: auto's drafters, a composite's parts
+        parts = names if drafter == AUTO else getattr(self.drafters[drafter], "part_names", ()) if names else ()
+        add_part_tally(req.spec.parts, {str(p): (0, 0) for p in parts})
         for i in range(params.n):
             key = sample_key(params.seed, i) if params.seed is not None else None
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
@@ -361,13 +406,16 @@ class LLMEngine:
             if params.guided is not None:
                 seq.grammar = self.grammars.state(params.guided)
             req.seqs.append(seq)
-            if drafter is not None:
+            started = []
+            for name in names:
                 try:
-                    self.drafters[drafter].start(DraftRequest.of(seq))
-                except Exception:   # this sequence is decoded plainly; the drafter never hears of it again
-                    logger.exception("drafter %s failed in start(); plain decoding for %s", drafter, seq)
-                    self.drafter_stats[drafter].num_fallbacks += 1
-                    seq.drafter = None
+                    self.drafters[name].start(DraftRequest.of(seq))
+                    started.append(name)
+                except Exception:   # the drafter never hears of this sequence again (none left: plain decoding)
+                    logger.exception("drafter %s failed in start(); it does not draft for %s", name, seq)
+                    self.drafter_stats[name].num_fallbacks += 1
+            seq.drafters = tuple(started)
+            seq.drafter = started[0] if started else None
             self.scheduler.add(seq)
         self.requests[request_id] = req
 
@@ -543,7 +591,7 @@ class LLMEngine:
         batch that raises here can be run again. After that, each sequence's tokens are processed
         on their own (`_process`): an error there fails that request alone."""
         feature_idx = {b for b, seq in enumerate(batch.seqs)
-                       if seq.drafter is not None and self.drafters[seq.drafter].needs_features}
+                       if any(self.drafters[name].needs_features for name in seq.drafters)}
         prompt_tokens = sum(min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
                             for seq, n in zip(batch.seqs, batch.num_tokens)
                             if seq.num_computed_tokens < seq.num_prompt_tokens)
@@ -667,7 +715,9 @@ class LLMEngine:
             except ValueError:   # features never came for the positions in between (cannot happen in order)
                 logger.exception("feature store out of step for %s", seq)
                 self.features.free(seq.seq_id)
-            groups.setdefault(seq.drafter, []).append(b)
+            for name in seq.drafters:
+                if self.drafters[name].needs_features:
+                    groups.setdefault(name, []).append(b)
         for name, idx in groups.items():
             try:
                 self.drafters[name].observe([DraftRequest.of(batch.seqs[b]) for b in idx],
@@ -739,6 +789,9 @@ class LLMEngine:
             tally = res.tree.part_tally(res.verify.accepted_nodes)   # {} without provenance
             if tally:
                 stats.observe_parts(tally)
+            if spec.drafter == AUTO and not is_forced_tree(res.tree):   # the request's tally: by drafter
+                add_part_tally(spec.parts, {seq.drafter: (res.tree.num_draft_tokens, num_acc)})
+            elif tally:
                 add_part_tally(spec.parts, tally)
             stats.verify_time_s += verify_time
         spec.num_target_forwards += 1
@@ -809,11 +862,11 @@ class LLMEngine:
         seq.stop_reason = stop_reason
         self.scheduler.remove(seq)
         self.features.free(seq.seq_id)
-        if seq.drafter is not None:
+        for name in seq.drafters:
             try:
-                self.drafters[seq.drafter].finish(DraftRequest.of(seq))
+                self.drafters[name].finish(DraftRequest.of(seq))
             except Exception:
-                logger.exception("drafter %s failed in finish()", seq.drafter)
+                logger.exception("drafter %s failed in finish()", name)
 
     def _collect(self) -> list[RequestOutput]:
         outputs = []

@@ -101,6 +101,28 @@ class KVCache:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
+def activation_reserve_bytes(num_tokens: int, hidden_size: int, intermediate_size: int, vocab_size: int) -> int:
+    """A generous bound on the activations of a step of `num_tokens` tokens, in fp32: the logits,
+    the MLP's gate/up/down intermediates and a few hidden-size buffers per token, doubled for the
+    allocator's fragmentation and the sampler's copies of the logits."""
+    per_token = vocab_size + 3 * intermediate_size + 8 * hidden_size
+    return 2 * 4 * num_tokens * per_token
+
+
+def kv_pool_bytes(total: int, utilization: float, used: int, reserve: int) -> int:
+    """The KV pool's memory under vLLM's `--gpu-memory-utilization`: the share `utilization` of the
+    device's `total` bytes, less what the engine already holds (`used`: weights, drafters) and the
+    step's activations (`reserve`); a ValueError saying what to change when nothing is left."""
+    budget = int(utilization * total)
+    left = budget - used - reserve
+    if left <= 0:
+        raise ValueError(f"--gpu-memory-utilization {utilization} allows {budget / 2**30:.2f} GiB of "
+                         f"{total / 2**30:.2f} GiB, but the weights and drafters hold {used / 2**30:.2f} GiB and a "
+                         f"step's activations need up to {reserve / 2**30:.2f} GiB: nothing is left for the KV "
+                         f"cache; raise it, or lower --max-num-batched-tokens")
+    return left
+
+
 def commit_accepted(
     blocks: BlockManager,
     cache: KVCache,

@@ -61,9 +61,9 @@ class Scheduler:
                                        max(max_num_batched_tokens, max_num_seqs + max_draft_tokens_per_step))
         self.policy: DraftPolicy = draft_budget
         self.blocks = blocks
-        # seq -> its drafter's context for its next tree (`Drafter.context_of`) or None; set by the
-        # engine, asked only for a policy that reads contexts
-        self.context_of: Callable[[Sequence], int | None] | None = None
+        # (seq, drafter) -> that drafter's context for the sequence's next tree (`Drafter.context_of`)
+        # or None; set by the engine, asked only for a policy that reads contexts
+        self.context_of: Callable[[Sequence, str], int | None] | None = None
         self.max_draft_per_seq = max_draft_per_seq
         self.grammar_drafts = grammar_drafts
         self.max_draft_tokens_per_step = max_draft_tokens_per_step
@@ -196,13 +196,21 @@ class Scheduler:
         caps = StepCaps(max(0, min(self.max_draft_tokens_per_step, room)), base_tokens, base_commits,
                         len(self.running) + admitted)
         ask = self.context_of is not None and caps.max_total > 0 and getattr(self.policy, "reads_contexts", False)
-        candidates = []
+        choose = getattr(self.policy, "chooses_drafters", False)
+        candidates, seqs = [], []
         for seq in decoding:
             cap = self._seq_cap(seq, self.max_draft_per_seq)
-            candidates.append(Candidate(seq.seq_id, seq.drafter, cap,
-                                        self.context_of(seq) if ask and cap > 0 else None))
+            for name in seq.drafters if choose else seq.drafters[:1]:
+                candidates.append(Candidate(seq.seq_id, name, cap,
+                                            self.context_of(seq, name) if ask and cap > 0 else None))
+                seqs.append(seq)
         sizes = self.policy.allocate(candidates, caps)
-        return {**{c.seq_id: size for c, size in zip(candidates, sizes)}, **forced}, set(forced)
+        budgets: dict[int, int] = {}
+        for seq, c, size in zip(seqs, candidates, sizes):
+            if size > 0 or seq.seq_id not in budgets:   # the drafter that got the budget drafts this step
+                budgets[seq.seq_id] = size
+                seq.drafter = c.drafter
+        return {**budgets, **forced}, set(forced)
 
     def _running_tokens(self) -> Iterator[tuple[Sequence, int]]:
         """(sequence, its own tokens this step: a decode token, or its prompt's next chunk) for the

@@ -110,7 +110,10 @@ class Sequence:
         self.pending_text: str = ""
         self.pending_logprobs: list[TokenLogprob] = []
         self.reported_finished = False
-        self.drafter: str | None = request.drafter   # name of the drafter proposing for this sequence
+        # the drafters that may propose for it (one, or auto's several: the draft policy picks one
+        # each step) and the one proposing now; set by the engine when the drafters have started it
+        self.drafters: tuple[str, ...] = (request.drafter,) if request.drafter else ()
+        self.drafter: str | None = request.drafter
         self.options: dict = {}                      # the request's own options for its drafter
         self.grammar = None                          # its structured output's state (engine/grammar.py)
         # MCSD target-initialised roots (lossy opt-in): token_ids[-1] was sampled but is held back

@@ -69,7 +69,8 @@ class RequestSpecStats:
     num_accepted_tokens: int = 0   # draft tokens accepted (bonus excluded)
     num_target_forwards: int = 0   # forwards that produced tokens for it (prefill's last chunk included)
     num_generated_tokens: int = 0
-    parts: dict[str, PartStats] = field(default_factory=dict)   # by part name (composite drafters only)
+    # by part name (a composite drafter's parts; for drafter "auto", by the drafter of each tree)
+    parts: dict[str, PartStats] = field(default_factory=dict)
     num_spec_steps: int = 0        # verification steps with a draft
     accepted_length_counts: list[int] = field(default_factory=list)   # index k: those steps accepting k drafts
 

@@ -31,6 +31,7 @@ from specserve.server.tool_parsers import TOOL_CALL_PARSERS   # light: json and 
 # to EngineConfig's).
 ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seqs=16, max_model_len=None,
                        max_num_batched_tokens=512, block_size=16, num_kv_blocks=None, kv_cache_memory_gib=4.0,
+                       gpu_memory_utilization=None,
                        max_queue_len=256, seed=0, drafters=(), num_speculative_tokens=8,
                        max_draft_tokens_per_step=64, draft_budget="goodput",
                        prepack_weights=True, enforce_eager=False, compile=False, quantization="auto",
@@ -56,6 +57,7 @@ ENV_VARS = {
     "max_num_seqs": "SPECSERVE_MAX_NUM_SEQS", "max_model_len": "SPECSERVE_MAX_MODEL_LEN",
     "max_num_batched_tokens": "SPECSERVE_MAX_NUM_BATCHED_TOKENS", "block_size": "SPECSERVE_BLOCK_SIZE",
     "num_kv_blocks": "SPECSERVE_NUM_KV_BLOCKS", "kv_cache_memory_gib": "SPECSERVE_KV_CACHE_MEMORY_GIB",
+    "gpu_memory_utilization": "SPECSERVE_GPU_MEMORY_UTILIZATION",
     "max_queue_len": "SPECSERVE_MAX_QUEUE_LEN", "seed": "SPECSERVE_SEED",
     "prepack_weights": "SPECSERVE_PREPACK_WEIGHTS", "enforce_eager": "SPECSERVE_ENFORCE_EAGER",
     "compile": "SPECSERVE_COMPILE",
@@ -97,6 +99,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "capped by --kv-cache-memory-gib)")
     g.add_argument("--kv-cache-memory-gib", type=float, default=d["kv_cache_memory_gib"], metavar="GIB",
                    help="memory cap for the default KV-cache pool (default: %(default)s)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"], metavar="FRACTION",
+                   help="CUDA: the share of the GPU's memory the engine may hold, as vLLM's; the KV pool's cap "
+                        "is what it leaves after weights, drafters and a step's activations, instead of "
+                        "--kv-cache-memory-gib (default: not used)")
     g.add_argument("--max-queue-len", type=int, default=d["max_queue_len"], metavar="N",
                    help="requests queued beyond the free sequence slots and KV room before new ones get "
                         "HTTP 429 (default: %(default)s)")
@@ -142,7 +148,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--drafter", dest="drafters", action=_AppendReplacingDefault, default=None, metavar="NAME",
                    help="load this drafter (repeatable); the first one is the default of requests that name none, "
-                        "'none' first keeps plain decoding as the default (default: no drafter)")
+                        "'none' first keeps plain decoding as the default, 'none' alone loads none; 'auto' loads "
+                        "the lookup drafters and the shipped trained drafters that fit the model and pay on it, "
+                        "the draft policy choosing among them every step (default: auto)")
     s.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"], metavar="N",
                    help="most draft-tree nodes per sequence per step (default: %(default)s)")
     s.add_argument("--max-draft-tokens-per-step", type=int, default=d["max_draft_tokens_per_step"], metavar="N",
@@ -219,7 +227,7 @@ def _engine_config(args: argparse.Namespace):
     from specserve.drafters.base import parse_drafter_options
 
     values = {name: getattr(args, name) for name in ENGINE_DEFAULTS}
-    values["drafters"] = tuple(values["drafters"] or ())
+    values["drafters"] = tuple(values["drafters"]) if values["drafters"] is not None else ("auto",)
     options = parse_drafter_options(args.drafter_option)
     if args.draft_model:
         source = args.draft_model
@@ -455,6 +463,8 @@ BENCHMARKS = {   # name -> (module with main(argv), what it measures)
     "serve": ("specserve.bench.serve_throughput", "server throughput with concurrent streaming clients"),
     "parity": ("specserve.bench.parity", "the papers' orderings (claim, paper, ours, holds) on the shipped drafters"),
     "reliability": ("specserve.bench.reliability", "soak, disconnect storm and back-to-idle checks of a live server"),
+    "aiperf": ("specserve.bench.aiperf", "AIPerf (installed in its own environment) against a live server at "
+                                         "several concurrencies, plain and with the default drafters"),
     "gpu": ("specserve.bench.gpu", "the GPU bring-up: plain decoding by batch, every drafter at batch 1 and 32, kernels, "
                                    "transformers, the weight-read floor"),
     "report": ("specserve.bench.report", "no measurement: regenerate docs/results.md from bench/results/*.json"),

@@ -443,7 +443,8 @@ class ServerMetrics:
         default = getattr(core, "default_drafter", None)
         self.default_drafter: str = default if isinstance(default, str) and default else NO_DRAFTER
         loaded = getattr(engine, "drafter_names", None)
-        self.drafter_labels: list[str] = [NO_DRAFTER, *(loaded if isinstance(loaded, list) else [])]
+        auto = ["auto"] if getattr(core, "auto_drafters", None) else []   # a request's choice among them
+        self.drafter_labels: list[str] = [NO_DRAFTER, *auto, *(loaded if isinstance(loaded, list) else [])]
         for name in self.drafter_labels:      # zeros for every label a request can take
             for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.request_tokens):
                 family.labels(name)

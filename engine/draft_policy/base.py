@@ -82,9 +82,13 @@ class StepReport:
 
 
 class DraftPolicy(Protocol):
+    # optional class attributes: `reads_contexts` (the scheduler asks drafters' contexts) and
+    # `chooses_drafters` (a sequence with several drafters comes as one candidate per drafter, all
+    # with its seq_id; else as one candidate, its first drafter)
+
     def allocate(self, candidates: list[Candidate], caps: StepCaps) -> list[int]:
         """Each candidate's node budget this step, in order: one of `budget_sizes`, at most its cap,
-        at most `caps.max_total` in all."""
+        at most `caps.max_total` in all; of the candidates sharing a seq_id, one at most above 0."""
 
     def observe(self, report: StepReport) -> None:
         """What came of the last allocation."""

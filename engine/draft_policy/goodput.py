@@ -47,6 +47,11 @@ drafts. Three ideas make it:
    tried lately becomes uncertain again and is tried once optimism says it could pay, and a
    sequence left at 0 returns to its key's estimate, so nothing freezes on old text.
 
+4. A sequence that may draft with several drafters (`--drafter auto`) comes as one candidate per
+   drafter, each with its own key, evidence and cost; before the greedy moves it is given the one
+   whose best tree alone would raise the step's goodput most (none, if no tree would), so the
+   choice among drafters and the choice of K = 0 are one decision, renewed every step.
+
 Allocation is greedy: from 0 everywhere, among the moves (one sequence raised to any larger size)
 that raise G and earn at least the rate of a plain decode step of the sequences that decode after
 this one (a step holding a prefill chunk commits few tokens in many seconds, and against its own
@@ -144,7 +149,8 @@ class GoodputPolicy:
     """See the module docstring. `max_per_seq`: num_speculative_tokens; `max_step_tokens`: the
     most tokens a step can hold (the step cost model's range)."""
 
-    reads_contexts = True   # the scheduler asks each drafter's context (`Drafter.context_of`)
+    reads_contexts = True    # the scheduler asks each drafter's context (`Drafter.context_of`)
+    chooses_drafters = True  # a sequence with several drafters comes as one candidate per drafter
 
     def __init__(self, max_per_seq: int, max_step_tokens: int):
         self.sizes = budget_sizes(max_per_seq)
@@ -153,7 +159,8 @@ class GoodputPolicy:
         self.draft_cost: dict[str, DraftCostModel] = {}
         self.shapes: dict[str, _Shape] = {}
         self.keys: dict[tuple, _Evidence] = {}
-        self.seqs: dict[int, _Seq] = {}
+        self.seqs: dict[tuple[int, str], _Seq] = {}   # (seq_id, drafter) -> its own evidence
+        self.drafting: dict[int, str] = {}             # seq_id -> the drafter its last budget went to
         self.step = 0
         self.clock: dict[str, int] = {}   # drafter -> the steps it had candidates in (its keys' time)
 
@@ -199,9 +206,9 @@ class GoodputPolicy:
 
     def _seq_key(self, cand: Candidate) -> tuple[_Seq, _Evidence]:
         """The candidate's sequence state (its own evidence faded to now) and its key's evidence."""
-        st = self.seqs.get(cand.seq_id)
+        st = self.seqs.get((cand.seq_id, cand.drafter))
         if st is None:
-            st = self.seqs[cand.seq_id] = _Seq(_Evidence(self.depth, SEQ_DECAY, self.step))
+            st = self.seqs[(cand.seq_id, cand.drafter)] = _Seq(_Evidence(self.depth, SEQ_DECAY, self.step))
         st.own.fade(self.step)
         st.key = (cand.drafter, cand.context, st.outcome)
         return st, self._key(st.key)
@@ -287,6 +294,17 @@ class GoodputPolicy:
         if caps.decode_rows and caps.base_tokens > caps.decode_rows:
             decode_rate = caps.decode_rows / step_seconds(float(caps.decode_rows))
         now_s = t0
+
+        def alone(entry: list, j: int) -> float | None:
+            """The step's goodput with only this candidate's tree at sizes[j] (the greedy's first
+            move), or None where that move is not taken."""
+            c, sizes, gains, nodes, _, p = entry
+            denom = seconds(1.0 - p, nodes[j], p) + draft_seconds(c.drafter, (1, sizes[j], sizes[j]))
+            if denom <= 0 or gains[j] < decode_rate * (denom - t0):
+                return None
+            return (commits + gains[j]) / denom
+
+        self._choose(cands, alone, goodput)
         while True:
             best, best_score = None, 0.0
             for ci, (c, sizes, gains, nodes, cur, p) in enumerate(cands):
@@ -318,13 +336,39 @@ class GoodputPolicy:
             draft_s += d_delta
             now_s = seconds(no_tree, extra, trees) + draft_s
             c[4] = j
-        return [sizes[cur] for _, sizes, _, _, cur, _ in cands]
+        out = [sizes[cur] for _, sizes, _, _, cur, _ in cands]
+        for c, size in zip(candidates, out):
+            if size or c.seq_id not in self.drafting:
+                self.drafting[c.seq_id] = c.drafter
+        return out
+
+    @staticmethod
+    def _choose(cands: list, alone, goodput: float) -> None:
+        """One drafter for each sequence that comes with several (one candidate per drafter): the
+        one whose best tree alone (`alone(entry, size index)`: the step's goodput with it) raises
+        the step's goodput (`goodput`) most; the others are left at size 0. On a tie, or where none
+        would raise it, the earlier candidate."""
+        by_seq: dict[int, list[list]] = {}
+        for entry in cands:
+            by_seq.setdefault(entry[0].seq_id, []).append(entry)
+        for group in by_seq.values():
+            if len(group) < 2:
+                continue
+            best, best_g = group[0], goodput
+            for entry in group:
+                for j in range(1, len(entry[1])):
+                    g = alone(entry, j)
+                    if g is not None and g > best_g:
+                        best, best_g = entry, g
+            for entry in group:
+                if entry is not best:
+                    entry[1:4] = [[0], [0.0], [0.0]]
 
     # ---- observations ----
 
     def observe(self, report: StepReport) -> None:
         for seq_id, granted in report.granted.items():
-            st = self.seqs.get(seq_id)
+            st = self.seqs.get((seq_id, self.drafting.get(seq_id)))
             if st is not None:
                 st.pending = granted
         if report.seconds > 0:
@@ -334,7 +378,7 @@ class GoodputPolicy:
                 self._drafter_cost(call.drafter).observe(len(call.seq_ids), sum(call.budgets),
                                                          max(call.budgets), call.seconds)
             for seq_id, nodes in zip(call.seq_ids, call.nodes):
-                st = self.seqs.get(seq_id)
+                st = self.seqs.get((seq_id, call.drafter))
                 if st is None or not st.pending:
                     continue
                 key = self._key(st.key)
@@ -343,7 +387,7 @@ class GoodputPolicy:
                 if nodes == 0:
                     st.pending = 0
         for out in report.outcomes:
-            st = self.seqs.get(out.seq_id)
+            st = self.seqs.get((out.seq_id, self.drafting.get(out.seq_id)))
             if st is None or not st.pending:
                 continue
             key = self._key(st.key)
@@ -353,4 +397,6 @@ class GoodputPolicy:
             st.outcome = WHOLE if out.accepted >= out.depth else PARTIAL if out.accepted else NONE
             st.pending = 0
         for seq_id in report.finished:
-            self.seqs.pop(seq_id, None)
+            self.drafting.pop(seq_id, None)
+            for name in self.clock:
+                self.seqs.pop((seq_id, name), None)

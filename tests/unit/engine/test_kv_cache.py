@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from specserve.engine.kv_cache import BlockManager, KVCache, commit_accepted
+from specserve.engine.config import EngineConfig
+from specserve.engine.kv_cache import BlockManager, KVCache, commit_accepted, kv_pool_bytes
 from specserve.kernels.kv_compact import compact_kv_reference
 
 
@@ -80,3 +81,25 @@ def test_compact_reference_overlapping_moves():
     # slot 3 -> 1 while slot 1 -> 0: the read of slot 1 must see its old value
     compact_kv_reference(kv, torch.tensor([1, 3]), torch.tensor([0, 1]))
     assert kv[0, 0, :, 0, 0].tolist() == [before[0, 0, 1, 0, 0].item(), before[0, 0, 3, 0, 0].item(), 2, 3, 4, 5]
+
+
+def test_gpu_memory_utilization_leaves_the_pool_what_weights_and_activations_do_not_take():
+    gib = 2**30
+    assert kv_pool_bytes(80 * gib, 0.9, 2 * gib, 1 * gib) == int(0.9 * 80 * gib) - 3 * gib
+    with pytest.raises(ValueError, match="nothing is left for the KV cache; raise it, or lower --max-num-batched"):
+        kv_pool_bytes(8 * gib, 0.25, 1 * gib, 1 * gib)
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+            EngineConfig(gpu_memory_utilization=bad)
+
+
+def test_gpu_memory_utilization_on_the_cpu_keeps_the_memory_cap(tiny_llama_dir, caplog):
+    from specserve.engine.core import LLMEngine
+
+    cfg = dict(model=str(tiny_llama_dir), dtype="float32", device="cpu", max_num_seqs=2, max_model_len=64,
+               kv_cache_memory_gib=0.001)
+    plain = LLMEngine(EngineConfig(**cfg))
+    with caplog.at_level("WARNING", logger="specserve"):
+        util = LLMEngine(EngineConfig(**cfg, gpu_memory_utilization=0.5))
+    assert util.blocks.num_blocks == plain.blocks.num_blocks
+    assert "applies on CUDA only" in caplog.text

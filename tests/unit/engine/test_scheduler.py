@@ -100,7 +100,7 @@ def test_draft_length_follows_acceptance():
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
                       max_draft_tokens_per_step=64, draft_budget="adaptive")
     seq = make_seq(5)
-    seq.drafter = "d"
+    seq.drafters, seq.drafter = ("d",), "d"
     sched.add(seq)
     run_step(sched)                                   # prefill
     assert sched.schedule().draft_budgets == [8]
@@ -120,7 +120,7 @@ def test_draft_length_follows_acceptance():
     fixed = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
                       max_draft_tokens_per_step=64, draft_budget="fixed")
     other = make_seq(5)
-    other.drafter = "d"
+    other.drafters, other.drafter = ("d",), "d"
     fixed.add(other)
     run_step(fixed)
     _verified(fixed, other, 0, 8)
@@ -135,7 +135,7 @@ def test_misses_at_one_node_pause_drafting_with_backoff():
     sched = Scheduler(BlockManager(256, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
                       max_draft_tokens_per_step=64, draft_budget="adaptive")
     seq = make_seq(5, max_tokens=1000)
-    seq.drafter = "d"
+    seq.drafters, seq.drafter = ("d",), "d"
     sched.add(seq)
     run_step(sched)
     for _ in range(7):
@@ -176,7 +176,7 @@ def test_fixed_budget_splits_the_step_cap_evenly():
                       max_draft_tokens_per_step=12, draft_budget="fixed")
     seqs = [make_seq(5, str(i)) for i in range(4)]
     for s in seqs:
-        s.drafter = "d"
+        s.drafters, s.drafter = ("d",), "d"
         sched.add(s)
     run_step(sched)
     assert sched.schedule().draft_budgets == [3, 3, 3, 3]
@@ -185,7 +185,7 @@ def test_fixed_budget_splits_the_step_cap_evenly():
 def test_finished_sequences_are_reported_to_the_policy_once():
     sched = Scheduler(BlockManager(64, 4), 4, 64, 8, 64, draft_budget="adaptive")
     seq = make_seq(5)
-    seq.drafter = "d"
+    seq.drafters, seq.drafter = ("d",), "d"
     sched.add(seq)
     run_step(sched)
     _verified(sched, seq, 0, 8)
@@ -208,7 +208,7 @@ def _decoding_with_a_prompt_waiting(draft_budget: str, prompt_len: int | None):
         sched.policy.calibrate(lambda n: 0.01 + 1e-6 * n, sched.max_step_tokens)
     for i in range(4):
         s = make_seq(5, str(i), max_tokens=1000)
-        s.drafter = "d"
+        s.drafters, s.drafter = ("d",), "d"
         sched.add(s)
     run_step(sched)   # prefill
     if prompt_len is not None:
@@ -226,3 +226,36 @@ def test_prefill_goes_before_drafts():
         batch = _decoding_with_a_prompt_waiting(policy, 100)
         assert [s.request.request_id for s in batch.seqs][-1] == "new" and batch.num_tokens[-1] == 100, policy
         assert 0 < sum(batch.draft_budgets) <= 110 - 4 - 100, policy
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive", "goodput"])
+def test_a_sequence_with_several_drafters_drafts_with_one_per_step(policy):
+    """A sequence that may draft with "x" or "y" (drafter auto): the goodput policy is asked about
+    both and picks one each step, the other policies draft with the first; the chosen one is the
+    sequence's drafter for the step, and its budget the sequence's."""
+    from specserve.engine.draft_policy import DraftCall
+
+    asked = []
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
+                      max_draft_tokens_per_step=64, draft_budget=policy)
+    sched.context_of = lambda seq, name: asked.append(name) or 0
+    seq = make_seq(5, max_tokens=1000)
+    seq.drafters, seq.drafter = ("x", "y"), "x"
+    sched.add(seq)
+    run_step(sched)                                   # prefill
+    drafted = []
+    for _ in range(40):
+        batch = sched.schedule()
+        budget = batch.draft_budgets[0]
+        assert batch.granted[seq.seq_id] == budget and seq.drafter in ("x", "y")
+        report = StepReport(granted=dict(batch.granted))
+        if budget:
+            drafted.append(seq.drafter)
+            report.drafts.append(DraftCall(seq.drafter, [seq.seq_id], [budget], [budget], 0.0))
+            report.outcomes.append(TreeOutcome(seq, budget, budget, 0))   # neither is ever right
+        sched.observe(report)
+        sched.blocks.shrink(seq.seq_id, seq.num_computed_tokens)          # as if nothing was accepted
+    if policy == "goodput":
+        assert set(asked) == {"x", "y"} and set(drafted) == {"x", "y"}  # it tried both, then neither
+    else:
+        assert asked == [] and set(drafted) == {"x"}

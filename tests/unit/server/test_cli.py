@@ -43,7 +43,7 @@ def test_serve_args_build_the_engine_config():
     config = cli._engine_config(args)
     assert (config.model, config.dtype, config.device, config.max_num_seqs, config.max_model_len,
             config.num_kv_blocks, config.max_num_batched_tokens) == ("/m", "float32", "cpu", 4, 256, 64, 512)
-    assert config.drafters == ()
+    assert config.drafters == ("auto",)   # speculation by default
 
 
 def test_drafter_args():
@@ -67,7 +67,7 @@ def test_draft_model_and_drafter_options(source, expected):
 
 @pytest.mark.parametrize("argv, message", [
     (["--drafter-option", "ngram-max=3"], "DRAFTER.KEY=VALUE"),
-    (["--drafter-option", "ngram.max_ngram=3"], "not loaded: ngram"),
+    (["--drafter", "none", "--drafter-option", "ngram.max_ngram=3"], "not loaded: ngram"),
     (["--drafter", "ngram", "--draft-model", "target:2"], "not loaded: draft_model"),
 ])
 def test_bad_drafter_options_are_clear_errors(argv, message):

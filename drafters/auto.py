@@ -1,0 +1,59 @@
+"""`--drafter auto` (the server's default): the drafters worth loading for a target.
+
+* The lookup drafters, always: `ngram` (prompt lookup) and `mag` (Max-Gram with a bigram fallback)
+  need no training, fit every target and cost microseconds when they find nothing.
+* The trained drafters whose shipped checkpoint fits the target (the same fingerprint, see
+  `nets.checkpoint.target_fingerprint`) and whose held-back τ (tokens per target forward, recorded
+  in its meta.json at training) is at least MIN_TAU: below it a drafter's network costs about what
+  it saves. On the default model that is eagle (τ 2.05), parallelspec (1.92) and medusa (1.60);
+  student (1.39), ctc (1.39) and falcon (1.16) stay out. For any other target, only the lookups.
+
+Trained drafters come first, by τ, then the lookups: a draft policy that does not choose among a
+sequence's drafters (fixed, adaptive) uses the first. The goodput policy chooses every step, per
+sequence, the one that pays most, or none (engine/draft_policy/goodput.py, idea 4).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from specserve.drafters.base import available_drafters
+from specserve.drafters.nets.checkpoint import SHIPPED_DIR, read_meta, target_fingerprint
+
+AUTO = "auto"
+LOOKUP_DRAFTERS = ("ngram", "mag")
+MIN_TAU = 1.5
+
+
+@dataclass(frozen=True)
+class AutoDrafter:
+    name: str
+    reason: str
+
+
+def auto_drafters(model_config, target, root: str | os.PathLike | None = None) -> list[AutoDrafter]:
+    """What `--drafter auto` loads for `target` (a LlamaModel and its config), and why; `root`: the
+    folder of shipped checkpoints (default drafters/checkpoints/)."""
+    root = SHIPPED_DIR if root is None else Path(root)
+    fingerprint = target_fingerprint(model_config, target)
+    registered = set(available_drafters())
+    trained: dict[str, tuple[float, str]] = {}
+    for meta_file in sorted(root.glob("*/meta.json")) if root.is_dir() else ():
+        try:
+            meta = read_meta(meta_file.parent)
+        except (OSError, ValueError):
+            continue
+        if (meta.target_fingerprint != fingerprint or meta.kind not in registered or meta.tau is None
+                or meta.tau < MIN_TAU):
+            continue
+        if meta.kind not in trained or meta.tau > trained[meta.kind][0]:
+            trained[meta.kind] = (float(meta.tau), meta_file.parent.name)
+    out = [AutoDrafter(kind, f"shipped checkpoint {folder}/ fits this model, held-back tau {tau:.2f} >= {MIN_TAU}")
+           for kind, (tau, folder) in sorted(trained.items(), key=lambda kv: -kv[1][0])]
+    return out + [AutoDrafter(name, "lookup drafter: no training, fits every model")
+                  for name in LOOKUP_DRAFTERS if name in registered]
+
+
+__all__ = ["AUTO", "LOOKUP_DRAFTERS", "MIN_TAU", "AutoDrafter", "auto_drafters"]
