@@ -92,6 +92,12 @@ BENCHMARKS: dict[str, Benchmark] = {
         "temperature), a storm of clients that disconnect mid-stream, and checks that it returns to idle after "
         "each phase, answers /health throughout and exits cleanly on SIGTERM. PASS means no request lost, none "
         "invalid, no server error."),
+    "aiperf": Benchmark(
+        "AIPerf against the server", "specserve.bench.aiperf", "aiperf",
+        "NVIDIA's AIPerf load generator (an external client, in its own environment) against `specserve serve` as "
+        "started by default, plain (`--drafter none`) and with the default drafters (`auto`): streaming chat "
+        "requests at several concurrencies; its latencies and throughput, and the acceptance it reads from our "
+        "responses' `metrics.speculative_decoding` beside the `vllm:spec_decode_*` counters of /metrics."),
     "parity": Benchmark(
         "Paper parity", "specserve.bench.parity", "parity",
         "The orderings the drafters' papers report (claim, the paper's figure, ours, whether it holds), measured on "

@@ -162,7 +162,7 @@ class GoodputPolicy:
         self.seqs: dict[tuple[int, str], _Seq] = {}   # (seq_id, drafter) -> its own evidence
         self.drafting: dict[int, str] = {}             # seq_id -> the drafter its last budget went to
         self.step = 0
-        self.clock: dict[str, int] = {}   # drafter -> the steps it had candidates in (its keys' time)
+        self.clock: dict[str, float] = {}   # drafter -> the steps it had candidates in (its keys' time)
 
     def calibrate(self, profile_forward: Callable[[int], float], max_tokens: int, **kwargs) -> dict[int, float]:
         """Set the step cost curve from timed forwards (`cost.calibrate_step_cost`)."""
@@ -241,17 +241,36 @@ class GoodputPolicy:
     def optimists(candidates: list[Candidate], keys: list[_Evidence]) -> set[int]:
         """The candidates (indices) that read their key (`keys`, in order) at its upper bound this
         step: one per drafter, the one whose key has the least evidence at its first depth (the
-        earliest on a tie)."""
-        best: dict[str, tuple[float, int]] = {}
+        earliest on a tie), and one per sequence: a sequence with several drafters lends its
+        optimism to the least tried of them, the other drafters taking their next least tried
+        candidate of another sequence, if any (the best of several upper bounds would favour
+        drafting far more than any one of them)."""
+        ranked: dict[str, list[tuple[float, int]]] = {}
         for i, (c, key) in enumerate(zip(candidates, keys)):
-            if c.drafter not in best or key.trials[0] < best[c.drafter][0]:
-                best[c.drafter] = (key.trials[0], i)
-        return {i for _, i in best.values()}
+            ranked.setdefault(c.drafter, []).append((key.trials[0], i))
+        for order in ranked.values():
+            order.sort()
+        chosen, taken = set(), set()
+        for order in sorted(ranked.values()):   # the least tried drafter first
+            for _, i in order:
+                if candidates[i].seq_id not in taken:
+                    chosen.add(i)
+                    taken.add(candidates[i].seq_id)
+                    break
+        return chosen
 
     def allocate(self, candidates: list[Candidate], caps: StepCaps) -> list[int]:
         self.step += 1
-        for name in {c.drafter for c in candidates}:
-            self.clock[name] = self.clock.get(name, 0) + 1
+        # a drafter's keys age by one step per step it serves in; a sequence's k drafters share its
+        # step (1/k each), so that offering k of them explores no more than offering one
+        alternatives: dict[int, int] = {}
+        for c in candidates:
+            alternatives[c.seq_id] = alternatives.get(c.seq_id, 0) + 1
+        ticks: dict[str, float] = {}
+        for c in candidates:
+            ticks[c.drafter] = max(ticks.get(c.drafter, 0.0), 1.0 / alternatives[c.seq_id])
+        for name, tick in ticks.items():
+            self.clock[name] = self.clock.get(name, 0) + tick
         predict, memo, draft_memo = self.step_cost.predict, {}, {}
 
         def step_seconds(tokens: float) -> float:
