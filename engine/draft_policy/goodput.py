@@ -72,6 +72,7 @@ PRIOR_WEIGHT = 2.0   # P: trials a depth's prior counts for (the first depth's: 
                      # P(tree) starts at 1 with the same weight
 SEQ_WEIGHT = 4.0     # W: trials its key's rate counts for against a sequence's own deviation
 SEQ_DECAY = 0.8      # a sequence's own evidence fades by this per step
+SEQ_NEGLIGIBLE = 1e-4  # below this a sequence's own deviation moves no rate: it reads its key's
 KEY_DECAY = 0.99     # a key's evidence fades by this per step of its drafter, a drafter's tree shapes per tree
 
 FIRST, WHOLE, PARTIAL, NONE = "first", "whole", "partial", "none"
@@ -220,10 +221,17 @@ class GoodputPolicy:
         `optimist`, else at its mean."""
         # within a step a key's rates and a drafter's tree shapes are the same for every sequence
         # reading them: computed once per step (`memo`, the allocation's)
+        # and so are the gains of the sequences whose own evidence has faded to nothing (a crowd
+        # that has not drafted for a while: their deviation moves no rate by 1e-4)
+        alike = all(abs(dev) < SEQ_NEGLIGIBLE * (t + SEQ_WEIGHT) for dev, t in zip(st.own.hits, st.own.trials))
+        shared = (id(key), optimist, tuple(sizes)) if alike else None
+        if shared is not None and shared in memo:
+            return memo[shared]
         key_rates = memo.get(id(key))
         if key_rates is None:
             key_rates = memo[id(key)] = self.key_rates(key)
-        p, rates = key.p_tree(), self.rates(st.own, key, optimist, key_rates)
+        p = key.p_tree()
+        rates = (key_rates[1] if optimist else key_rates[0]) if alike else self.rates(st.own, key, optimist, key_rates)
         shape = self.shapes.setdefault(cand.drafter, _Shape())
         means = memo.get((cand.drafter, tuple(sizes)))
         if means is None:
@@ -233,7 +241,10 @@ class GoodputPolicy:
         for s, depth in zip(sizes, means[0]):
             best = max(best, min(float(s), p * expected_accepted(rates, depth)))
             gains.append(best)
-        return gains, [p * n for n in means[1]], p
+        out = gains, [p * n for n in means[1]], p
+        if shared is not None:
+            memo[shared] = out
+        return out
 
     # ---- the allocation ----
 
@@ -314,14 +325,18 @@ class GoodputPolicy:
             decode_rate = caps.decode_rows / step_seconds(float(caps.decode_rows))
         now_s = t0
 
+        alone_memo: dict = {}
+
         def alone(entry: list, j: int) -> float | None:
             """The step's goodput with only this candidate's tree at sizes[j] (the greedy's first
-            move), or None where that move is not taken."""
+            move), or None where that move is not taken (alike for candidates sharing their gains)."""
             c, sizes, gains, nodes, _, p = entry
-            denom = seconds(1.0 - p, nodes[j], p) + draft_seconds(c.drafter, (1, sizes[j], sizes[j]))
-            if denom <= 0 or gains[j] < decode_rate * (denom - t0):
-                return None
-            return (commits + gains[j]) / denom
+            memo_key = (id(gains), j)
+            if memo_key not in alone_memo:
+                denom = seconds(1.0 - p, nodes[j], p) + draft_seconds(c.drafter, (1, sizes[j], sizes[j]))
+                alone_memo[memo_key] = (None if denom <= 0 or gains[j] < decode_rate * (denom - t0)
+                                        else (commits + gains[j]) / denom)
+            return alone_memo[memo_key]
 
         self._choose(cands, alone, goodput)
         while True:
