@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specserve bench gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default", help="the target model (default: %(default)s)")
     ap.add_argument("--drafters", nargs="+", default=None, metavar="NAME",
-                    help="drafters to measure (default: every registered drafter)")
+                    help="drafters to measure (default: every registered drafter, and auto)")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32, 64], metavar="B",
                     help="plain decoding batch sizes (default: %(default)s)")
     ap.add_argument("--spec-batch-sizes", nargs="+", type=int, default=[1, 32], metavar="B",
@@ -332,6 +332,15 @@ def measure_plain(engine, pool, batch_sizes, max_tokens: int, budget: Budget, mi
     return out
 
 
+def _draft_counts(engine, drafter: str) -> dict[str, int]:
+    """Draft steps, drafted and accepted tokens so far of `drafter` (for auto: of the drafters it
+    chooses among, each counting the trees it proposed)."""
+    names = engine.auto_drafters if drafter == "auto" else (drafter,)
+    stats = [engine.drafter_stats[n] for n in names]
+    return {"draft_steps": sum(s.num_steps for s in stats), "draft_tokens": sum(s.num_draft_tokens for s in stats),
+            "accepted_tokens": sum(s.num_accepted_tokens for s in stats)}
+
+
 def measure_drafters(engine, drafters, batches, max_tokens: int, anchor_every: int, budget: Budget,
                      min_left: float) -> dict:
     """Per drafter: {"tok_s", "speedup", "tau", "mismatch_rate"} over `batches` (lists of prompts,
@@ -368,12 +377,9 @@ def measure_drafters(engine, drafters, batches, max_tokens: int, anchor_every: i
             results[d] = {"error": "skipped: out of time budget"}
             continue
         try:
-            before = engine.drafter_stats[d].copy()
+            before = _draft_counts(engine, d)
             pending.append((d, *run(d, f"{d}")))
-            after = engine.drafter_stats[d]
-            drafted[d] = {"draft_steps": after.num_steps - before.num_steps,
-                          "draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
-                          "accepted_tokens": after.num_accepted_tokens - before.num_accepted_tokens}
+            drafted[d] = {k: v - before[k] for k, v in _draft_counts(engine, d).items()}
         except Exception as exc:   # a drafter that fails is reported, the others still run
             results[d] = {"error": f"{type(exc).__name__}: {exc}"}
         if len(pending) >= anchor_every or i == len(drafters) - 1:
@@ -427,7 +433,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         args.device, args.dtype = "cpu", "float32"
         args.batch_sizes, args.spec_batch_sizes = [1, 2], [1, 2]
         args.prompts_at_1, args.max_tokens, args.hf_compile = 1, 6, False
-        args.drafters = args.drafters or ["ngram", "eagle"]
+        args.drafters = args.drafters or ["ngram", "eagle", "auto"]
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
@@ -473,7 +479,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             save()
 
     loaded = load_model(args.model)
-    drafters = args.drafters or available_drafters()
+    drafters = args.drafters or [*available_drafters(), "auto"]   # auto: the server's default choice among them
     options = {d: o for d, o in DRAFTER_OPTIONS.items() if d in drafters}
     pools = {ds: [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, 32)] for ds in DATASETS}
     mixed = [p for group in zip(*pools.values()) for p in group]      # mt_bench, humaneval, gsm8k, ...
