@@ -49,6 +49,11 @@ def _is_bad(seq) -> bool:
     return seq.request.request_id == "bad"
 
 
+def _is_bad_view(seq) -> bool:
+    """`_is_bad` for what a drafter sees (a DraftRequest: the tokens, not the request)."""
+    return tuple(seq.token_ids[:seq.num_prompt_tokens]) == tuple(PROMPTS["bad"])
+
+
 @pytest.fixture(scope="module")
 def clean(tiny_llama_dir):
     """The fault-free outputs of PROMPTS (greedy)."""
@@ -166,13 +171,13 @@ def test_a_drafter_failing_to_start_means_plain_decoding(tiny_llama_dir, clean):
     start = drafter.start
 
     def faulty(seq):
-        if _is_bad(seq):
+        if _is_bad_view(seq):
             raise InjectedFault("start broke")
         start(seq)
 
     drafter.start = faulty
     _check(_run(engine, drafter="ngram"), clean, engine, failed=())
-    assert engine.get_stats().drafters["ngram"].num_fallbacks >= 1
+    assert engine.get_stats().drafters["ngram"].num_fallbacks == 1   # the marked request's only
 
 
 def test_an_unrecoverable_device_error_escapes_the_step(tiny_llama_dir):
@@ -247,3 +252,28 @@ def test_async_engine_raises_the_failure_in_that_request_stream_only(tiny_llama_
     assert results["bad"][0] == "failed" and "InjectedFault" in results["bad"][1]
     assert all(results[rid][0] == "ok" and len(results[rid][1]) == GREEDY.max_tokens for rid in ("a", "b", "c"))
     assert engine.is_alive is False and not engine.dead.is_set()   # shut down, not dead
+
+
+def test_auto_goes_on_without_a_drafter_that_fails(tiny_llama_dir, clean):
+    """drafter auto on the tiny model (ngram, mag): mag raises in every propose, and ngram cannot
+    start the marked request. Every request still gets its fault-free tokens; the failures are
+    fallbacks, ngram's trees are still verified."""
+    engine = make_llm_engine(tiny_llama_dir, drafters=("auto",), drafter_options={"mag": {"bigram": False}},
+                             draft_budget="goodput")
+    assert engine.auto_drafters == ("ngram", "mag")
+    ngram, mag = engine.drafters["ngram"], engine.drafters["mag"]
+    start = ngram.start
+
+    def faulty_start(seq):
+        if _is_bad_view(seq):
+            raise InjectedFault("start broke")
+        start(seq)
+
+    def faulty_propose(seqs, budgets):
+        raise InjectedFault("propose broke")
+
+    ngram.start, mag.propose = faulty_start, faulty_propose
+    _check(_run(engine, drafter="auto"), clean, engine, failed=())
+    stats = engine.get_stats().drafters
+    assert stats["ngram"].num_fallbacks == 1 and stats["mag"].num_fallbacks >= 1
+    assert stats["ngram"].num_steps > 0
