@@ -54,6 +54,10 @@ class Drafter(ABC):
     # composite drafters: the parts whose names their trees' `sources` index (TokenTree.source_names);
     # per-part draft/accepted counts are kept in stats, responses and /metrics, from zero for these
     part_names: tuple[str, ...] = ()
+    # True: it drafts correctly from an extended prefix (`seq.hypothetical`, tokens not yet committed)
+    # and keeps no state of such a draft, so the engine may ask it for the tree after a grammar's
+    # forced tokens and graft it there (told nothing in `accept` of such a tree)
+    drafts_after_uncommitted: bool = False
     # option names a request may set in its `speculative` block (handed on as `seq.options`)
     request_options: ClassVar[tuple[str, ...]] = ()
 

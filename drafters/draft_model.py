@@ -116,6 +116,7 @@ class _SeqState:
 @register("draft_model")
 class DraftModelDrafter(Drafter):
     name = "draft_model"
+    drafts_after_uncommitted = True   # see Drafter; its cache is cut back to the committed prefix
 
     def __init__(self, ctx: DrafterContext, *, draft_model: str | None = None, draft_layers: int | None = None,
                  k_config="chain:4", num_blocks: int | None = None, block_size: int = 16,

@@ -239,6 +239,7 @@ class MaxGramDrafter(Drafter):
     for the bigram table (default `$SPECSERVE_CACHE` or ~/.cache/specserve)."""
 
     name = "mag"
+    drafts_after_uncommitted = True   # see Drafter; hypothetical tokens go to a copy
     request_options = ("max_tokens",)
 
     def __init__(self, ctx: DrafterContext | None = None, *, max_tokens: int = 10, bigram: bool = True,

@@ -62,6 +62,7 @@ class NgramDrafter(Drafter):
     (longest continuation), `max_matches` (branches). Per request: `max_depth`, `max_matches`."""
 
     name = "ngram"
+    drafts_after_uncommitted = True   # see Drafter; stateless
     request_options = ("max_depth", "max_matches")
 
     def __init__(self, ctx: DrafterContext | None = None, *, max_ngram: int = 4, min_ngram: int = 1,

@@ -19,7 +19,7 @@ from specserve.engine.errors import InvalidRequestError, is_unrecoverable
 from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import BlockManager, KVCache, activation_reserve_bytes, kv_pool_bytes
 from specserve.engine.loader import LoadedModel, load_model
-from specserve.engine.grammar import GRAMMAR_PART, Grammars, forced_tree, is_forced_tree
+from specserve.engine.grammar import GRAMMAR_PART, Grammars, forced_tree, grammar_prefix, is_forced_tree
 from specserve.engine.logits_processing import needs_processing
 from specserve.engine.model import LlamaModel, pack_weights_in, quantize_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
@@ -101,6 +101,8 @@ class LLMEngine:
         self._context_drafters = {name for name, d in self.drafters.items() if _tells_context(d)}
         if self._context_drafters:
             self.scheduler.context_of = self._draft_context
+        self.scheduler.drafts_after = frozenset(name for name, d in self.drafters.items()
+                                                if getattr(d, "drafts_after_uncommitted", False))
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)   # structured output
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device, self.features.capture_layers,
                                   eos_token_ids=tuple(self.eos_token_ids))
@@ -456,12 +458,17 @@ class LLMEngine:
             now = time.monotonic()
             for seq in first:
                 seq.request.metrics.first_scheduled_time = now
+            granted = {}   # what the draft policy granted: the budgets less the grammar's forced tokens
             for seq in batch.seqs:
                 if seq.seq_id in batch.granted:
-                    name = GRAMMAR_PART if seq.seq_id in batch.forced else seq.drafter
-                    self.drafter_stats[name].observe_budget(batch.granted[seq.seq_id])
+                    forced = batch.forced.get(seq.seq_id)
+                    granted[seq.seq_id] = batch.granted[seq.seq_id] - (forced or 0)
+                    if forced is not None:
+                        self.drafter_stats[GRAMMAR_PART].observe_budget(forced)
+                    if forced is None or (granted[seq.seq_id] and seq.drafter is not None):
+                        self.drafter_stats[seq.drafter].observe_budget(granted[seq.seq_id])
             # the policy learns from the budgets it granted, not from the grammar's forced tokens
-            report = StepReport(granted={k: v for k, v in batch.granted.items() if k not in batch.forced})
+            report = StepReport(granted=granted)
             try:
                 trees = self._propose(batch, report)
                 t0 = time.perf_counter()
@@ -662,22 +669,32 @@ class LLMEngine:
 
     def _propose(self, batch, report: StepReport) -> dict[int, TokenTree]:
         """Ask each drafter for the trees of its sequences; the sequences in `batch.forced` draft the
-        tokens their grammar forces instead. A drafter that raises, or a tree that is malformed,
-        means plain decoding for those sequences this step (counted as fallbacks)."""
+        tokens their grammar forces first, and their drafter (one that can: `drafts_after_uncommitted`)
+        the rest of their budget after them, from the prefix the forced tokens extend; its tree is
+        hung from the forced chain (`TokenTree.then`). A drafter that raises, or a tree that is
+        malformed, means no tree of it for those sequences this step (counted as fallbacks)."""
         groups: dict[str, list[int]] = {}
         trees: dict[int, TokenTree] = {}
+        after: dict[int, list[int]] = {}   # batch index -> the forced tokens its drafter's tree follows
         for b, (seq, budget) in enumerate(zip(batch.seqs, batch.draft_budgets)):
-            if budget > 0 and seq.seq_id in batch.forced:   # the grammar's own draft
-                trees[b] = forced_tree(seq.token_ids[-1], seq.grammar.forced()[:budget])
+            k = batch.forced.get(seq.seq_id)
+            if budget > 0 and k is not None:   # the grammar's own draft, then maybe the drafter's
+                forced = seq.grammar.forced()[:k]
+                if forced:
+                    trees[b] = forced_tree(seq.token_ids[-1], forced)
+                if budget > k and seq.drafter in self.scheduler.drafts_after:
+                    after[b] = forced
+                    groups.setdefault(seq.drafter, []).append(b)
             elif budget > 0 and seq.drafter is not None:
                 groups.setdefault(seq.drafter, []).append(b)
         for name, idx in groups.items():
             stats = self.drafter_stats[name]
             seqs = [batch.seqs[b] for b in idx]
+            budgets = [batch.draft_budgets[b] - len(after.get(b, ())) for b in idx]
             t0 = time.perf_counter()
             try:
-                views = [DraftRequest.of(seq) for seq in seqs]
-                proposed = self.drafters[name].propose(views, [batch.draft_budgets[b] for b in idx])
+                views = [DraftRequest.of(seq, after.get(b, ())) for b, seq in zip(idx, seqs)]
+                proposed = self.drafters[name].propose(views, budgets)
                 if len(proposed) != len(idx):
                     raise ValueError(f"{len(proposed)} trees for {len(idx)} sequences")
             except Exception:
@@ -687,18 +704,20 @@ class LLMEngine:
             finally:
                 draft_time = time.perf_counter() - t0
                 stats.draft_time_s += draft_time
-            for b, seq, tree in zip(idx, seqs, proposed):
+            nodes = []
+            for b, seq, tree, budget, view in zip(idx, seqs, proposed, budgets, views):
+                nodes.append(0)
                 if tree is None:
                     continue
-                problem = self._tree_problem(tree, seq, batch.draft_budgets[b])
+                problem = self._tree_problem(tree, seq, budget, view.token_ids[-1] if b in after else None)
                 if problem:
                     logger.warning("drafter %s returned a malformed tree (%s); plain decoding this step", name, problem)
                     stats.num_fallbacks += 1
                     continue
                 if tree.num_draft_tokens > 0:
-                    trees[b] = tree
-            report.drafts.append(DraftCall(name, [seq.seq_id for seq in seqs], [batch.draft_budgets[b] for b in idx],
-                                           [trees[b].num_draft_tokens if b in trees else 0 for b in idx], draft_time))
+                    nodes[-1] = tree.num_draft_tokens
+                    trees[b] = trees[b].then(tree, name) if b in after and b in trees else tree
+            report.drafts.append(DraftCall(name, [seq.seq_id for seq in seqs], budgets, nodes, draft_time))
         return trees
 
     def _deliver_features(self, batch, features: dict[int, tuple[int, torch.Tensor]],
@@ -726,10 +745,14 @@ class LLMEngine:
                 logger.exception("drafter %s failed in observe()", name)
                 self.drafter_stats[name].num_fallbacks += 1
 
-    def _tree_problem(self, tree, seq: Sequence, budget: int) -> str | None:
+    def _tree_problem(self, tree, seq: Sequence, budget: int, after: int | None = None) -> str | None:
+        """What is wrong with `tree` as `seq`'s draft, or None; `after`: the last forced token, when
+        the tree goes after a grammar's forced tokens (a one-root tree rooted there)."""
         if not isinstance(tree, TokenTree):
             return f"not a TokenTree: {type(tree).__name__}"
-        if tree.tokens[0] != seq.token_ids[-1]:
+        if after is not None and (tree.tokens[0] != after or tree.num_roots > 1 or tree.next_roots > 1):
+            return "a tree after forced tokens must be one tree rooted at the last of them"
+        if after is None and tree.tokens[0] != seq.token_ids[-1]:
             return "root is not the last committed token"
         if tree.num_nodes - 1 > budget:
             return f"{tree.num_nodes - 1} nodes after the root, over the budget of {budget}"
@@ -764,12 +787,17 @@ class LLMEngine:
                 self._fail_request(res.seq.request, exc, "processing its tokens")
                 continue
             if res.tree is not None and not is_forced_tree(res.tree):   # the policy and drafters learn from theirs
-                outcomes.append(TreeOutcome(res.seq, res.tree.num_draft_tokens, max(tree_depths(res.tree.parents)),
-                                            len(res.verify.accepted_nodes), res.verify))
+                k, num_acc = grammar_prefix(res.tree), len(res.verify.accepted_nodes)
+                if k == 0:
+                    outcomes.append(TreeOutcome(res.seq, res.tree.num_draft_tokens,
+                                                max(tree_depths(res.tree.parents)), num_acc, res.verify))
+                elif num_acc >= k:   # the drafter's tree after the forced chain: tested from its root
+                    outcomes.append(TreeOutcome(res.seq, res.tree.num_draft_tokens - k,
+                                                max(tree_depths(res.tree.parents)) - k, num_acc - k, None))
         report.outcomes += outcomes
         by_drafter: dict[str, list[TreeOutcome]] = {}
-        for out in outcomes:
-            if not out.seq.is_finished:
+        for out in outcomes:   # a tree drafted after forced tokens left no state in its drafter to tell
+            if not out.seq.is_finished and out.verify is not None:
                 by_drafter.setdefault(out.seq.drafter, []).append(out)
         for name, live in by_drafter.items():
             try:
@@ -784,15 +812,28 @@ class LLMEngine:
         if res.tree is not None:
             num_acc = len(res.verify.accepted_nodes)
             spec.observe(res.tree.num_draft_tokens, num_acc)
-            stats = self.drafter_stats[GRAMMAR_PART if is_forced_tree(res.tree) else seq.drafter]
-            stats.observe(res.tree.num_draft_tokens, num_acc)
+            k = 0 if is_forced_tree(res.tree) else grammar_prefix(res.tree)
+            if k:   # the grammar's forced chain, then the drafter's tree: each counted as its own
+                grammar = self.drafter_stats[GRAMMAR_PART]
+                grammar.observe(k, min(k, num_acc))
+                grammar.verify_time_s += verify_time
+                drafted, accepted = res.tree.num_draft_tokens - k, max(0, num_acc - k)
+            else:
+                drafted, accepted = res.tree.num_draft_tokens, num_acc
+            forced = is_forced_tree(res.tree)
+            stats = self.drafter_stats[GRAMMAR_PART if forced else seq.drafter]
+            stats.observe(drafted, accepted)
             tally = res.tree.part_tally(res.verify.accepted_nodes)   # {} without provenance
-            if tally:
-                stats.observe_parts(tally)
-            if spec.drafter == AUTO and not is_forced_tree(res.tree):   # the request's tally: by drafter
-                add_part_tally(spec.parts, {seq.drafter: (res.tree.num_draft_tokens, num_acc)})
-            elif tally:
-                add_part_tally(spec.parts, tally)
+            # the drafter's own parts: a composite drafter's, else the drafter itself
+            own = tally if forced else ({p: t for p, t in tally.items() if p != GRAMMAR_PART}
+                                        or {seq.drafter: (drafted, accepted)})
+            if tally and not forced and list(own) != [seq.drafter]:
+                stats.observe_parts(own)
+            # the request's parts: by drafter for auto, and beside the grammar's where it has one
+            if spec.drafter == AUTO and not forced:
+                own = {seq.drafter: (drafted, accepted)}
+            if tally or spec.drafter == AUTO or seq.grammar is not None:
+                add_part_tally(spec.parts, {**({GRAMMAR_PART: (k, min(k, num_acc))} if k else {}), **own})
             stats.verify_time_s += verify_time
         spec.num_target_forwards += 1
         before = seq.num_output_tokens - seq.held_back

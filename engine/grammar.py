@@ -205,6 +205,17 @@ def is_forced_tree(tree) -> bool:
     return tree.source_names == (GRAMMAR_PART,)
 
 
+def grammar_prefix(tree) -> int:
+    """How many draft nodes of `tree` are a grammar's forced chain from its root (its first part,
+    nodes 1..k; the rest, if any, a drafter's tree after them): 0 for a drafter's own tree."""
+    if tree.sources is None or not tree.source_names or tree.source_names[0] != GRAMMAR_PART:
+        return 0
+    k = 0
+    while k + 1 < tree.num_nodes and tree.sources[k + 1] == 0 and tree.parents[k + 1] == k:
+        k += 1
+    return k
+
+
 def apply_masks(logits: torch.Tensor, masks: np.ndarray) -> torch.Tensor:
     """logits [..., V] with every token whose bit is 0 in masks [..., words] (int32) set to -inf."""
     words = torch.from_numpy(np.ascontiguousarray(masks)).to(logits.device)

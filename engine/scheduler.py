@@ -38,7 +38,9 @@ class ScheduledBatch:
     num_tokens: list[int] = field(default_factory=list)   # new tokens per sequence this step (tree root: 1)
     draft_budgets: list[int] = field(default_factory=list)  # max draft nodes per sequence (0 = none)
     granted: dict[int, int] = field(default_factory=dict)   # decoding seq_id -> draft nodes it got (0 = none)
-    forced: set[int] = field(default_factory=set)   # of those, the seq_ids drafting their grammar's forced tokens
+    # of those, the seq_ids drafting their grammar's forced tokens -> how many (the first nodes of their
+    # tree: the grammar's chain, then, within the budget, their drafter's tree after it)
+    forced: dict[int, int] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)   # raised while being scheduled
 
@@ -64,6 +66,9 @@ class Scheduler:
         # (seq, drafter) -> that drafter's context for the sequence's next tree (`Drafter.context_of`)
         # or None; set by the engine, asked only for a policy that reads contexts
         self.context_of: Callable[[Sequence, str], int | None] | None = None
+        # the drafters that can draft after a grammar's forced tokens (tokens not yet committed:
+        # `Drafter.drafts_after_uncommitted`); set by the engine
+        self.drafts_after: frozenset[str] = frozenset()
         self.max_draft_per_seq = max_draft_per_seq
         self.grammar_drafts = grammar_drafts
         self.max_draft_tokens_per_step = max_draft_tokens_per_step
@@ -136,7 +141,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         drafts: dict[int, int] = {}
-        forced: set[int] = set()
+        forced: dict[int, int] = {}
         if any((s.drafter is not None or s.grammar is not None) and s.num_uncomputed_tokens == 1 for s in self.running):
             drafts, forced = self._allocate()
         i = 0
@@ -152,7 +157,7 @@ class Scheduler:
             if seq.seq_id in drafts:
                 batch.granted[seq.seq_id] = batch.draft_budgets[-1]
                 if seq.seq_id in forced:
-                    batch.forced.add(seq.seq_id)
+                    batch.forced[seq.seq_id] = min(forced[seq.seq_id], batch.draft_budgets[-1])
             budget -= scheduled
             i += 1
         for seq in batch.preempted:   # preempted after being scheduled
@@ -170,11 +175,13 @@ class Scheduler:
             budget -= scheduled
         return batch
 
-    def _allocate(self) -> tuple[dict[int, int], set[int]]:
-        """The draft budgets of the decoding sequences (seq_id -> nodes), and which of them are their
-        grammar's forced tokens (granted first, outside the policy); the draft policy's for those
-        with a drafter, with what the step's token budget leaves after the running sequences' own
-        tokens, the prompts admitted this step and the forced tokens."""
+    def _allocate(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The draft budgets of the decoding sequences (seq_id -> nodes), and how many of them are
+        their grammar's forced tokens (granted first, outside the policy); the draft policy's for
+        those with a drafter, with what the step's token budget leaves after the running sequences'
+        own tokens, the prompts admitted this step and the forced tokens. A sequence with forced
+        tokens is a candidate too, for the nodes after them, with the drafters that can draft after
+        tokens not yet committed (`drafts_after`); its budget is both together."""
         left = self.max_num_batched_tokens - sum(n for _, n in self._running_tokens())
         admitted, admit_tokens = self._admissions(left)
         room = left - admit_tokens   # draft nodes come after this step's prefill
@@ -190,19 +197,25 @@ class Scheduler:
             if self.grammar_drafts and seq.grammar is not None and seq.grammar.forced():
                 forced[seq.seq_id] = min(len(seq.grammar.forced()), self._seq_cap(seq, self.max_draft_per_seq), spare)
                 spare -= forced[seq.seq_id]
+                if any(name in self.drafts_after for name in seq.drafters):
+                    decoding.append(seq)
             elif seq.drafter is not None:
                 decoding.append(seq)
         room -= sum(forced.values())
-        caps = StepCaps(max(0, min(self.max_draft_tokens_per_step, room)), base_tokens, base_commits,
-                        len(self.running) + admitted)
+        caps = StepCaps(max(0, min(self.max_draft_tokens_per_step, room)), base_tokens + sum(forced.values()),
+                        base_commits, len(self.running) + admitted)
         ask = self.context_of is not None and caps.max_total > 0 and getattr(self.policy, "reads_contexts", False)
         choose = getattr(self.policy, "chooses_drafters", False)
         candidates, seqs = [], []
         for seq in decoding:
             cap = self._seq_cap(seq, self.max_draft_per_seq)
-            for name in seq.drafters if choose else seq.drafters[:1]:
-                candidates.append(Candidate(seq.seq_id, name, cap,
-                                            self.context_of(seq, name) if ask and cap > 0 else None))
+            names = seq.drafters if choose else seq.drafters[:1]
+            if seq.seq_id in forced:   # after the forced tokens; its context would be of the committed prefix
+                cap -= forced[seq.seq_id]
+                names = [name for name in names if name in self.drafts_after]
+            for name in names:
+                candidates.append(Candidate(seq.seq_id, name, cap, self.context_of(seq, name)
+                                            if ask and cap > 0 and seq.seq_id not in forced else None))
                 seqs.append(seq)
         sizes = self.policy.allocate(candidates, caps)
         budgets: dict[int, int] = {}
@@ -210,7 +223,9 @@ class Scheduler:
             if size > 0 or seq.seq_id not in budgets:   # the drafter that got the budget drafts this step
                 budgets[seq.seq_id] = size
                 seq.drafter = c.drafter
-        return {**budgets, **forced}, set(forced)
+        for seq_id, k in forced.items():
+            budgets[seq_id] = k + budgets.get(seq_id, 0)
+        return budgets, forced
 
     def _running_tokens(self) -> Iterator[tuple[Sequence, int]]:
         """(sequence, its own tokens this step: a decode token, or its prompt's next chunk) for the

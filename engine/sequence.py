@@ -50,7 +50,12 @@ class DraftRequest:
             raise ValueError("num_committed exceeds the tokens")
 
     @classmethod
-    def of(cls, seq: "Sequence") -> "DraftRequest":
+    def of(cls, seq: "Sequence", hypothetical: Seq[int] = ()) -> "DraftRequest":
+        """The view of `seq`; with `hypothetical` tokens after its committed prefix (e.g. a grammar's
+        forced tokens), the view of that extended prefix (no extra roots then)."""
+        if hypothetical:
+            return cls(seq.seq_id, (*seq.token_ids, *hypothetical), seq.num_prompt_tokens, seq.params,
+                       seq.sample_key, seq.options or _NO_OPTIONS, (), len(seq.token_ids))
         return cls(seq.seq_id, tuple(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.sample_key,
                    seq.options or _NO_OPTIONS, tuple(seq.alt_roots) if seq.held_back else ())
 

@@ -197,6 +197,40 @@ class TokenTree:
         return TokenTree(list(self.tokens), list(self.parents), self.draft_probs, self.next_roots,
                          [0] * len(self.tokens), (name,))
 
+    def then(self, after: "TokenTree", name: str) -> "TokenTree":
+        """This chain (a single path from its root, e.g. a grammar's forced tokens) with `after` (a
+        one-root tree rooted at this chain's last token, proposed by `name`) hung from its last
+        node. Sources keep both: this tree's parts first (its own name for a tree without sources),
+        then `after`'s (`name` for a tree without). Deterministic nodes on one side and sampled ones
+        on the other: the deterministic ones get one-hot rows (q(x) = 1). Example: chain tokens
+        `[5, a]`, after `[a, b, c]` with parents `[-1, 0, 0]` -> tokens `[5, a, b, c]`, parents
+        `[-1, 0, 1, 1]`."""
+        last = self.num_nodes - 1
+        if self.parents != [NO_PARENT, *range(last)] or after.num_roots != 1 or after.tokens[0] != self.tokens[-1]:
+            raise ValueError("then: a chain, and a one-root tree rooted at its last token")
+        tokens = self.tokens + after.tokens[1:]
+        parents = self.parents + [last + p for p in after.parents[1:]]
+        probs = None
+        if self.draft_probs is not None or after.draft_probs is not None:
+            vocab = (after.draft_probs if after.draft_probs is not None else self.draft_probs).shape[1]
+            rows = []
+            for tree in (self, after):
+                if tree.draft_probs is not None:
+                    rows.append(tree.draft_probs if tree is self else tree.draft_probs[1:])
+                else:
+                    picks = torch.tensor(tree.tokens if tree is self else tree.tokens[1:], dtype=torch.int64)
+                    one_hot = torch.zeros(len(picks), vocab, dtype=torch.float32)
+                    one_hot[torch.arange(len(picks)), picks] = 1.0
+                    rows.append(one_hot.to(self.draft_probs.device if self.draft_probs is not None
+                                           else after.draft_probs.device))
+            probs = torch.cat(rows)
+        mine = self.source_names if self.sources is not None else ("",)
+        theirs = after.source_names if after.sources is not None else (name,)
+        own = self.sources if self.sources is not None else [0] * self.num_nodes
+        sources = own + [len(mine) + p for p in (after.sources[1:] if after.sources is not None
+                                                 else [0] * (after.num_nodes - 1))]
+        return TokenTree(tokens, parents, probs, after.next_roots, sources, (*mine, *theirs))
+
     @classmethod
     def root_only(cls, root: int) -> "TokenTree":
         """No draft: plain decoding in the same code path."""

@@ -247,3 +247,39 @@ def test_forced_tokens_are_drafted_for_free_and_change_nothing(tiny_llama_dir, e
     assert stats.num_draft_tokens > before.num_draft_tokens and stats.num_accepted_tokens > before.num_accepted_tokens
     for i, p in enumerate(prompts):
         assert out[f"g{i}"][0] == hf_constrained_greedy(tiny_llama_dir, engine, p, CASES["json"], 40)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "mag", "draft_model"])
+def test_a_drafter_drafts_after_the_forced_tokens_in_the_same_tree(engine, prompts, plain, drafter):
+    """Where the grammar forces tokens, a drafter that can draft from tokens not yet committed
+    proposes the rest of the budget after them (its view extended by the forced tokens), in the
+    same tree: the same tokens as plain constrained decoding, and each part counted as its own."""
+    impl = engine.drafters[drafter]
+    propose, extended = impl.propose, []
+
+    def recording(seqs, budgets):
+        extended.extend(s.hypothetical for s in seqs if s.hypothetical)
+        return propose(seqs, budgets)
+
+    impl.propose = recording
+    before = {name: engine.get_stats().drafters[name] for name in ("grammar", drafter)}
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=40, guided=CASES["json"])
+        for i, p in enumerate(prompts):
+            engine.add_request(f"g{i}", p, params, drafter=drafter)
+        got, specs = {}, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(t for d in out.outputs for t in d.token_ids)
+                specs[out.request_id] = out.spec
+    finally:
+        impl.propose = propose
+    assert {rid: toks for rid, toks in got.items()} == {rid: toks for rid, (toks, _) in plain["json"].items()}
+    assert extended, "no tree was drafted after forced tokens"
+    after = {name: engine.get_stats().drafters[name] for name in ("grammar", drafter)}
+    drafted = {name: after[name].num_draft_tokens - before[name].num_draft_tokens for name in after}
+    assert drafted["grammar"] > 0 and drafted[drafter] > 0
+    parts = {name: sum(s.parts[name].num_draft_tokens for s in specs.values()) for name in ("grammar", drafter)}
+    assert parts == drafted                                                   # per request, the same split
+    assert sum(s.num_draft_tokens for s in specs.values()) == sum(drafted.values())
+    assert after[drafter].num_fallbacks == before[drafter].num_fallbacks

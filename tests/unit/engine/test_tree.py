@@ -93,3 +93,25 @@ def test_forest_of_target_initialised_roots():
     assert tree.num_roots == 2 and tree.num_draft_tokens == 2
     with pytest.raises(ValueError):   # roots must lead
         TokenTree([10, 11, 12], [NO_PARENT, 0, NO_PARENT])
+
+
+def test_then_hangs_a_tree_from_a_chain_with_both_parts():
+    from specserve.engine.tree import TokenTree
+
+    chain = TokenTree.chain(5, [6, 7])
+    chain.sources, chain.source_names = [0, 0, 0], ("grammar",)
+    after = TokenTree([7, 8, 9, 10], [-1, 0, 0, 1])
+    both = chain.then(after, "ngram")
+    assert both.tokens == [5, 6, 7, 8, 9, 10] and both.parents == [-1, 0, 1, 2, 2, 3]
+    assert both.source_names == ("grammar", "ngram") and both.sources == [0, 0, 0, 1, 1, 1]
+    assert both.part_tally([1, 2, 3, 5]) == {"grammar": (2, 2), "ngram": (3, 2)}
+    assert both.draft_probs is None
+    # sampled drafts after a deterministic chain: the chain's rows are one-hot
+    q = torch.softmax(torch.randn(4, 12), -1)
+    sampled = chain.then(TokenTree([7, 8, 9, 10], [-1, 0, 0, 1], q), "draft_model")
+    assert sampled.draft_probs.shape == (6, 12) and torch.equal(sampled.draft_probs[3:], q[1:])
+    assert sampled.draft_probs[1, 6] == 1 and sampled.draft_probs[2, 7] == 1 and sampled.draft_probs[1].sum() == 1
+    with pytest.raises(ValueError):
+        chain.then(TokenTree([6, 8], [-1, 0]), "ngram")          # not rooted at the chain's last token
+    with pytest.raises(ValueError):
+        after.then(TokenTree([10, 11], [-1, 0]), "ngram")        # not a chain
