@@ -9,7 +9,10 @@ greedy, on the served default model (`--quantization auto`, as `make serve`). Ro
 * `constrained, no drafter`: the schema alone, the grammar's forced tokens not drafted
   (`--no-grammar-drafts`);
 * `grammar drafter`: the same with the forced tokens drafted (the default);
-* `grammar + D`: with drafter D besides;
+* `grammar + D`: with drafter D besides (drafting after the forced tokens, in the same tree, where
+  D can: `Drafter.drafts_after_uncommitted`);
+* `grammar + D, D not after forced tokens`: the same, the forced chain alone where the grammar forces
+  tokens (what the engine did before trees held both; for such a D only);
 * `unconstrained`: no schema, no drafter (what the constraint costs).
 
 At batch 1 (prompts one at a time) and at `--streams` concurrent requests: tokens/s, τ (tokens
@@ -98,12 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [chat_ids(loaded.tokenizer, INSTRUCTION + q) for q in questions]
     guided = ("json", json.dumps(SCHEMA))
 
-    rows = {UNCONSTRAINED: ("none", None, True), NO_DRAFTER: ("none", guided, False), GRAMMAR: ("none", guided, True)}
-    rows.update({f"grammar + {d}": (d, guided, True) for d in args.drafters})
+    after = engine.scheduler.drafts_after   # the drafters that draft after the forced tokens, in one tree
+    rows = {UNCONSTRAINED: ("none", None, True, True), NO_DRAFTER: ("none", guided, False, True),
+            GRAMMAR: ("none", guided, True, True)}
+    for d in args.drafters:
+        rows[f"grammar + {d}"] = (d, guided, True, True)
+        if d in after:   # the baseline: the forced chain alone where the grammar forces tokens
+            rows[f"grammar + {d}, {d} not after forced tokens"] = (d, guided, True, False)
 
     def run(name: str, group: list[list[int]], tag: str):
-        drafter, g, forced = rows[name]
+        drafter, g, forced, merged = rows[name]
         engine.scheduler.grammar_drafts = forced
+        engine.scheduler.drafts_after = after if merged else frozenset()
         return decode(engine, group, args.max_tokens, drafter, g, tag)
 
     for name in rows:                       # warm-up: first calls compile the schema, allocate, initialise
