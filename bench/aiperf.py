@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -152,19 +153,35 @@ def warm_up(base: str, model_name: str, prompts: Path, concurrency: int, max_tok
     asyncio.run(all_of())
 
 
-def scrape_spec_counters(base: str) -> dict[str, float]:
-    """vLLM's speculation counters from /metrics, read as `vllm bench serve` reads them (lines starting
-    `vllm:spec_decode`, ending `_total`, summed over their labels)."""
-    out: dict[str, float] = {}
-    text = httpx.get(base + "/metrics", timeout=30).text
+def vllm_bench_spec_counters(text: str) -> tuple[dict[str, float], dict[int, float]]:
+    """The speculation counters of a /metrics exposition as `vllm bench serve` gathers them: lines
+    starting `vllm:spec_decode` whose name ends `_total`, summed over label sets; per-position ones
+    by `position` too."""
+    totals: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:spec_decode"):
             continue
-        series, _, value = line.rpartition(" ")
-        name = series.split("{", 1)[0]
-        if name.endswith("_total") and "per_pos" not in name:
-            out[name] = out.get(name, 0.0) + float(value)
-    return out
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{")[0]
+        if not name.endswith("_total"):
+            continue
+        totals[name] = totals.get(name, 0.0) + float(value)
+        m = re.search(r'position="(\d+)"', name_labels)
+        if m:
+            per_pos[int(m.group(1))] = per_pos.get(int(m.group(1)), 0.0) + float(value)
+    return totals, per_pos
+
+
+SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
+                 "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+
+
+def scrape_spec_counters(base: str) -> dict[str, float]:
+    """SPEC_COUNTERS (by our key) from the server's /metrics, read as `vllm bench serve` reads them."""
+    totals = vllm_bench_spec_counters(httpx.get(base + "/metrics", timeout=30).text)[0]
+    return {key: totals.get(name, 0.0) for key, name in SPEC_COUNTERS.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,18 +252,15 @@ def main(argv: list[str] | None = None) -> int:
                                          capture_output=True, text=True)
                     seconds = time.monotonic() - t0
                     if run.returncode != 0:
-                        raise RuntimeError(f"aiperf failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+                        raise RuntimeError(f"aiperf failed ({run.returncode}):\n{run.stdout[-3000:]}\n"
+                                           f"{run.stderr[-3000:]}")
                     after = scrape_spec_counters(base)
                     row = {"drafter": drafter, "concurrency": c, "requests": n, "seconds": round(seconds, 1),
                            **read_export(artifacts)}
-                    drafts = after.get("vllm:spec_decode_num_drafts_total", 0) - before.get(
-                        "vllm:spec_decode_num_drafts_total", 0)
-                    accepted = after.get("vllm:spec_decode_num_accepted_tokens_total", 0) - before.get(
-                        "vllm:spec_decode_num_accepted_tokens_total", 0)
-                    drafted = after.get("vllm:spec_decode_num_draft_tokens_total", 0) - before.get(
-                        "vllm:spec_decode_num_draft_tokens_total", 0)
-                    row["metrics_endpoint"] = {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
-                                               "acceptance_length": 1 + accepted / drafts if drafts else None}
+                    level = {key: after[key] - before[key] for key in SPEC_COUNTERS}
+                    level["acceptance_length"] = (1 + level["accepted_tokens"] / level["drafts"]
+                                                  if level["drafts"] else None)
+                    row["metrics_endpoint"] = level
                     result["runs"].append(row)
                     print(f"{drafter} c={c}: {row.get('output_tok_s', {}).get('avg')} tok/s in {seconds:.0f} s",
                           file=sys.stderr, flush=True)
@@ -261,9 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _fmt(row: dict, col: str, key: str = "avg", spec: str = ".1f") -> str:
-    value = (row.get(col) or {}).get(key)
+def _num(value, spec: str) -> str:
     return "–" if value is None else format(value, spec)
+
+
+def _fmt(row: dict, col: str, key: str = "avg", spec: str = ".1f") -> str:
+    return _num((row.get(col) or {}).get(key), spec)
 
 
 def markdown(result: dict) -> str:
@@ -274,8 +291,8 @@ def markdown(result: dict) -> str:
              f"{meta.get('date', '')}; {meta.get('machine', '')}; torch {meta.get('torch', '')}; prompts: "
              f"{', '.join(meta.get('datasets', []))} ({meta.get('prompts')} in turn).",
              "",
-             "| drafter | concurrency | requests | output tok/s | requests/s | TTFT ms (p50 / p99) | ITL ms (p50 / p99) "
-             "| acceptance length (AIPerf: per request / pooled) | draft acceptance (AIPerf) "
+             "| drafter | concurrency | requests | output tok/s | requests/s | TTFT ms (p50 / p99) "
+             "| ITL ms (p50 / p99) | acceptance length (AIPerf: per request / pooled) | draft acceptance (AIPerf) "
              "| acceptance length (/metrics) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     plain = {r["concurrency"]: r for r in result.get("runs", []) if r["drafter"] == "none"}
@@ -285,20 +302,20 @@ def markdown(result: dict) -> str:
         if base is not None and base is not r and (base.get("output_tok_s") or {}).get("avg"):
             tok += f" ({r['output_tok_s']['avg'] / base['output_tok_s']['avg']:.2f}×)"
         ml = (r.get("metrics_endpoint") or {}).get("acceptance_length")
-        lines.append(f"| {r['drafter']} | {r['concurrency']} | {r['requests']} | {tok} | {_fmt(r, 'requests_s', spec='.2f')} "
+        lines.append(f"| {r['drafter']} | {r['concurrency']} | {r['requests']} | {tok} "
+                     f"| {_fmt(r, 'requests_s', spec='.2f')} "
                      f"| {_fmt(r, 'ttft_ms', 'p50', '.0f')} / {_fmt(r, 'ttft_ms', 'p99', '.0f')} "
                      f"| {_fmt(r, 'itl_ms', 'p50', '.1f')} / {_fmt(r, 'itl_ms', 'p99', '.1f')} "
-                     f"| {_fmt(r, 'acceptance_length', spec='.2f')} / "
-                     f"{'–' if r.get('pooled_acceptance_length') is None else format(r['pooled_acceptance_length'], '.2f')} "
+                     f"| {_fmt(r, 'acceptance_length', spec='.2f')} / {_num(r.get('pooled_acceptance_length'), '.2f')} "
                      f"| {_fmt(r, 'draft_acceptance_rate', spec='.0f')}{'%' if r.get('draft_acceptance_rate') else ''} "
-                     f"| {'–' if ml is None else format(ml, '.2f')} |")
+                     f"| {_num(ml, '.2f')} |")
     lines += ["", "output tok/s: AIPerf's output token throughput (in brackets: over plain decoding at the same "
               "concurrency, same run); TTFT and ITL as AIPerf measures them from the stream; acceptance length: "
               "tokens per verification step (bonus included), as AIPerf reads it from the responses' "
               "`metrics.speculative_decoding` (the mean of the requests' own, over the requests that drafted; and "
               "pooled over every step, from its histogram), and from the `vllm:spec_decode_*` counters of /metrics "
-              "as `vllm bench serve` reads them (pooled over the level's requests; a warm-up of C requests precedes each level); draft "
-              "acceptance: accepted / drafted tokens, the mean of the requests'.", ""]
+              "as `vllm bench serve` reads them (pooled over the level's requests; a warm-up of C requests "
+              "precedes each level); draft acceptance: accepted / drafted tokens, the mean of the requests'.", ""]
     return "\n".join(lines)
 
 

@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from specserve.drafters.base import available_drafters
-from specserve.drafters.nets.checkpoint import SHIPPED_DIR, read_meta, target_fingerprint
+from specserve.drafters.nets.checkpoint import find_shipped, target_fingerprint
 
-AUTO = "auto"
 LOOKUP_DRAFTERS = ("ngram", "mag")
 MIN_TAU = 1.5
 MAX_TRAINED = 1
@@ -45,20 +43,13 @@ class AutoDrafter:
 def auto_drafters(model_config, target, root: str | os.PathLike | None = None) -> list[AutoDrafter]:
     """What `--drafter auto` loads for `target` (a LlamaModel and its config), and why; `root`: the
     folder of shipped checkpoints (default drafters/checkpoints/)."""
-    root = SHIPPED_DIR if root is None else Path(root)
-    fingerprint = target_fingerprint(model_config, target)
     registered = set(available_drafters())
     trained: dict[str, tuple[float, str]] = {}
-    for meta_file in sorted(root.glob("*/meta.json")) if root.is_dir() else ():
-        try:
-            meta = read_meta(meta_file.parent)
-        except (OSError, ValueError):
-            continue
-        if (meta.target_fingerprint != fingerprint or meta.kind not in registered or meta.tau is None
-                or meta.tau < MIN_TAU):
+    for meta, folder in find_shipped(None, target_fingerprint(model_config, target), root):
+        if meta.kind not in registered or meta.tau is None or meta.tau < MIN_TAU:
             continue
         if meta.kind not in trained or meta.tau > trained[meta.kind][0]:
-            trained[meta.kind] = (float(meta.tau), meta_file.parent.name)
+            trained[meta.kind] = (float(meta.tau), folder.name)
     best = sorted(trained.items(), key=lambda kv: -kv[1][0])[:MAX_TRAINED]
     out = [AutoDrafter(kind, f"shipped checkpoint {folder}/ fits this model, the best held-back tau: {tau:.2f} "
                              f">= {MIN_TAU}") for kind, (tau, folder) in best]
@@ -66,4 +57,4 @@ def auto_drafters(model_config, target, root: str | os.PathLike | None = None) -
                   for name in LOOKUP_DRAFTERS if name in registered]
 
 
-__all__ = ["AUTO", "LOOKUP_DRAFTERS", "MAX_TRAINED", "MIN_TAU", "AutoDrafter", "auto_drafters"]
+__all__ = ["LOOKUP_DRAFTERS", "MAX_TRAINED", "MIN_TAU", "AutoDrafter", "auto_drafters"]

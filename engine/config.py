@@ -13,6 +13,7 @@ from specserve.engine.quant import ACTIVATIONS, QUANTIZATIONS
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.draft_policy.POLICIES
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "float64")
+AUTO_DRAFTER = "auto"   # --drafter auto: the drafters `drafters.auto` picks, one chosen per sequence every step
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
         unloaded = sorted(set(self.drafter_options) - set(self.drafters))
-        if unloaded and "auto" not in self.drafters:   # auto's drafters are known once the model is (engine.core)
+        if unloaded and AUTO_DRAFTER not in self.drafters:   # auto's drafters are known once the model is (engine.core)
             raise ValueError(f"options given for drafters that are not loaded: {', '.join(unloaded)} "
                              f"(load them with --drafter NAME)")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:

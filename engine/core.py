@@ -12,14 +12,14 @@ import time
 
 import torch
 
-from specserve.engine.config import EngineConfig, ModelConfig, check_prompt_fits
+from specserve.engine.config import AUTO_DRAFTER, EngineConfig, ModelConfig, check_prompt_fits
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.draft_policy import DraftCall, StepReport, TreeOutcome
 from specserve.engine.errors import InvalidRequestError, is_unrecoverable
 from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import BlockManager, KVCache, activation_reserve_bytes, kv_pool_bytes
 from specserve.engine.loader import LoadedModel, load_model
-from specserve.engine.grammar import GRAMMAR_PART, Grammars, forced_tree, grammar_prefix, is_forced_tree
+from specserve.engine.grammar import GRAMMAR_PART, Grammars, forced_tree, is_forced_tree, split_forced
 from specserve.engine.logits_processing import needs_processing
 from specserve.engine.model import LlamaModel, pack_weights_in, quantize_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
@@ -35,7 +35,6 @@ from specserve.kernels import cpu as native_cpu
 
 _DEFAULT = object()
 NO_DRAFTER = "none"
-AUTO = "auto"   # drafters.auto.AUTO: a choice among the drafters `drafters.auto` picks, every step
 
 logger = logging.getLogger("specserve")
 
@@ -93,14 +92,14 @@ class LLMEngine:
                                    config.num_speculative_tokens, config.max_draft_tokens_per_step, self.max_model_len,
                                    draft_budget=config.draft_budget, grammar_drafts=config.grammar_drafts)
         self.default_drafter = config.drafters[0] if config.drafters and config.drafters[0] != NO_DRAFTER else None
-        if self.default_drafter == AUTO and not self.auto_drafters:
+        if self.default_drafter == AUTO_DRAFTER and not self.auto_drafters:
             self.default_drafter = None
         self.drafter_stats = self._new_drafter_stats()
         self.features.set_capture_layers(self._capture_layers())
         # the drafters that tell a context for each tree (`Drafter.context_of`), less those that failed to
         self._context_drafters = {name for name, d in self.drafters.items() if _tells_context(d)}
         if self._context_drafters:
-            self.scheduler.context_of = self._draft_context
+            self.scheduler.context_of = self._draft_contexts
         self.scheduler.drafts_after = frozenset(name for name, d in self.drafters.items()
                                                 if getattr(d, "drafts_after_uncommitted", False))
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)   # structured output
@@ -224,7 +223,7 @@ class LLMEngine:
         self.auto_drafters: tuple[str, ...] = ()
         expanded = []
         for name in names:
-            if name == AUTO:
+            if name == AUTO_DRAFTER:
                 picked = auto_drafters(self.model_config, self.model)
                 for choice in picked:
                     logger.info("drafter auto: %s (%s)", choice.name, choice.reason)
@@ -244,29 +243,35 @@ class LLMEngine:
                 drafters[name] = make_drafter(name, ctx, **options)
         return drafters
 
-    def _draft_context(self, seq: Sequence, name: str) -> int | None:
-        """The context drafter `name` tells for `seq`'s next tree (`Drafter.context_of`), for the
-        goodput budget; None when it tells none, or raised (logged once per drafter; the budget
-        then sizes the tree from the drafter's record alone, and the request goes on)."""
-        if name not in self._context_drafters:
-            return None
-        drafter = self.drafters[name]
-        t0 = time.perf_counter()
-        try:
-            context = drafter.context_of(DraftRequest.of(seq))
-        except Exception:
-            logger.exception("drafter %s failed to tell a context; its budgets come from its record alone", name)
-            self._context_drafters.discard(name)
-            return None
-        finally:
-            self.drafter_stats[name].draft_time_s += time.perf_counter() - t0
-        if context is None:
-            return None
-        if isinstance(context, bool) or not isinstance(context, int):
-            logger.warning("drafter %s told a context %r that is not an integer; ignored from now on", name, context)
-            self._context_drafters.discard(name)
-            return None
-        return context
+    def _draft_contexts(self, seq: Sequence, names) -> dict[str, int]:
+        """The contexts drafters `names` tell for `seq`'s next tree (`Drafter.context_of`), for the
+        goodput budget, one view of `seq` for all; a drafter is left out when it tells none, or
+        raised (logged once per drafter; the budget then sizes the tree from the drafter's record
+        alone, and the request goes on)."""
+        out: dict[str, int] = {}
+        view = None
+        for name in names:
+            if name not in self._context_drafters:
+                continue
+            view = view or DraftRequest.of(seq)
+            t0 = time.perf_counter()
+            try:
+                context = self.drafters[name].context_of(view)
+            except Exception:
+                logger.exception("drafter %s failed to tell a context; its budgets come from its record alone", name)
+                self._context_drafters.discard(name)
+                continue
+            finally:
+                self.drafter_stats[name].draft_time_s += time.perf_counter() - t0
+            if context is None:
+                continue
+            if isinstance(context, bool) or not isinstance(context, int):
+                logger.warning("drafter %s told a context %r that is not an integer; ignored from now on", name,
+                               context)
+                self._context_drafters.discard(name)
+                continue
+            out[name] = context
+        return out
 
     def _capture_layers(self) -> tuple[int, ...]:
         """The target's intermediate layers the feature store keeps: the union over the served
@@ -302,10 +307,10 @@ class LLMEngine:
             return self.default_drafter
         if name == NO_DRAFTER:
             return None
-        if name == AUTO and self.auto_drafters:
-            return AUTO
+        if name == AUTO_DRAFTER and self.auto_drafters:
+            return AUTO_DRAFTER
         if name not in self.drafters:
-            loaded = ", ".join([NO_DRAFTER, *([AUTO] if self.auto_drafters else []), *self.drafters])
+            loaded = ", ".join([NO_DRAFTER, *([AUTO_DRAFTER] if self.auto_drafters else []), *self.drafters])
             raise InvalidRequestError(f"drafter {name!r} is not loaded; loaded drafters: {loaded}",
                                       "speculative.drafter")
         return name
@@ -321,7 +326,7 @@ class LLMEngine:
             key = next(iter(options))
             raise InvalidRequestError(f"plain decoding (drafter 'none') takes no options; got {key!r}",
                                       f"speculative.{key}")
-        if name == AUTO:
+        if name == AUTO_DRAFTER:
             key = next(iter(options))
             raise InvalidRequestError(f"drafter 'auto' takes no options (name one drafter to set its options); "
                                       f"got {key!r}", f"speculative.{key}")
@@ -352,8 +357,8 @@ class LLMEngine:
             reserve = activation_reserve_bytes(step_tokens, mc.hidden_size, mc.intermediate_size, mc.vocab_size)
             cap_bytes = kv_pool_bytes(total, cfg.gpu_memory_utilization, torch.cuda.memory_allocated(self.device),
                                       reserve)
-            logger.info("--gpu-memory-utilization %.2f: %.2f GiB of %.2f GiB for the KV pool", cfg.gpu_memory_utilization,
-                        cap_bytes / 2**30, total / 2**30)
+            logger.info("--gpu-memory-utilization %.2f: %.2f GiB of %.2f GiB for the KV pool",
+                        cfg.gpu_memory_utilization, cap_bytes / 2**30, total / 2**30)
         elif cfg.gpu_memory_utilization is not None:
             logger.warning("--gpu-memory-utilization applies on CUDA only; on %s the KV pool's cap is "
                            "--kv-cache-memory-gib", self.device.type)
@@ -396,9 +401,9 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params,
                       RequestMetrics(arrival_time=arrival_time or time.monotonic()), drafter=drafter)
         req.spec.drafter = drafter
-        names = self.auto_drafters if drafter == AUTO else (drafter,) if drafter is not None else ()
+        names = self.auto_drafters if drafter == AUTO_DRAFTER else (drafter,) if drafter is not None else ()
         # the parts reported per request, even if one never proposes: auto's drafters, a composite's parts
-        parts = names if drafter == AUTO else getattr(self.drafters[drafter], "part_names", ()) if names else ()
+        parts = names if drafter == AUTO_DRAFTER else getattr(self.drafters[drafter], "part_names", ()) if names else ()
         add_part_tally(req.spec.parts, {str(p): (0, 0) for p in parts})
         for i in range(params.n):
             key = sample_key(params.seed, i) if params.seed is not None else None
@@ -787,13 +792,12 @@ class LLMEngine:
                 self._fail_request(res.seq.request, exc, "processing its tokens")
                 continue
             if res.tree is not None and not is_forced_tree(res.tree):   # the policy and drafters learn from theirs
-                k, num_acc = grammar_prefix(res.tree), len(res.verify.accepted_nodes)
-                if k == 0:
-                    outcomes.append(TreeOutcome(res.seq, res.tree.num_draft_tokens,
-                                                max(tree_depths(res.tree.parents)), num_acc, res.verify))
-                elif num_acc >= k:   # the drafter's tree after the forced chain: tested from its root
-                    outcomes.append(TreeOutcome(res.seq, res.tree.num_draft_tokens - k,
-                                                max(tree_depths(res.tree.parents)) - k, num_acc - k, None))
+                # after a forced chain: the drafter's tree, tested from its root only if the chain was accepted
+                num_acc = len(res.verify.accepted_nodes)
+                k, drafted, accepted = split_forced(res.tree, num_acc)
+                if num_acc >= k:
+                    outcomes.append(TreeOutcome(res.seq, drafted, max(tree_depths(res.tree.parents)) - k, accepted,
+                                                res.verify if k == 0 else None))
         report.outcomes += outcomes
         by_drafter: dict[str, list[TreeOutcome]] = {}
         for out in outcomes:   # a tree drafted after forced tokens left no state in its drafter to tell
@@ -812,28 +816,30 @@ class LLMEngine:
         if res.tree is not None:
             num_acc = len(res.verify.accepted_nodes)
             spec.observe(res.tree.num_draft_tokens, num_acc)
-            k = 0 if is_forced_tree(res.tree) else grammar_prefix(res.tree)
-            if k:   # the grammar's forced chain, then the drafter's tree: each counted as its own
-                grammar = self.drafter_stats[GRAMMAR_PART]
-                grammar.observe(k, min(k, num_acc))
-                grammar.verify_time_s += verify_time
-                drafted, accepted = res.tree.num_draft_tokens - k, max(0, num_acc - k)
-            else:
-                drafted, accepted = res.tree.num_draft_tokens, num_acc
             forced = is_forced_tree(res.tree)
+            if forced:   # the grammar's chain alone: the grammar's tree
+                k, drafted, accepted = 0, res.tree.num_draft_tokens, num_acc
+            else:        # a drafter's tree, maybe after a grammar's forced chain: each part counted as its own
+                k, drafted, accepted = split_forced(res.tree, num_acc)
+            grammar = {GRAMMAR_PART: (k, min(k, num_acc))} if k else {}
+            if k:
+                self.drafter_stats[GRAMMAR_PART].observe(*grammar[GRAMMAR_PART])
+                self.drafter_stats[GRAMMAR_PART].verify_time_s += verify_time
             stats = self.drafter_stats[GRAMMAR_PART if forced else seq.drafter]
             stats.observe(drafted, accepted)
             tally = res.tree.part_tally(res.verify.accepted_nodes)   # {} without provenance
-            # the drafter's own parts: a composite drafter's, else the drafter itself
-            own = tally if forced else ({p: t for p, t in tally.items() if p != GRAMMAR_PART}
-                                        or {seq.drafter: (drafted, accepted)})
-            if tally and not forced and list(own) != [seq.drafter]:
-                stats.observe_parts(own)
-            # the request's parts: by drafter for auto, and beside the grammar's where it has one
-            if spec.drafter == AUTO and not forced:
-                own = {seq.drafter: (drafted, accepted)}
-            if tally or spec.drafter == AUTO or seq.grammar is not None:
-                add_part_tally(spec.parts, {**({GRAMMAR_PART: (k, min(k, num_acc))} if k else {}), **own})
+            parts = {p: t for p, t in tally.items() if p != GRAMMAR_PART}   # the drafter's own parts
+            composite = bool(parts) and list(parts) != [seq.drafter]
+            if composite and not forced:
+                stats.observe_parts(parts)
+            # the request's parts: the tree's own; by drafter for auto, and beside the grammar's
+            if forced:
+                mine = tally
+            else:
+                mine = {**grammar, **(parts if composite and spec.drafter != AUTO_DRAFTER
+                                      else {seq.drafter: (drafted, accepted)})}
+            if tally or spec.drafter == AUTO_DRAFTER or seq.grammar is not None:
+                add_part_tally(spec.parts, mine)
             stats.verify_time_s += verify_time
         spec.num_target_forwards += 1
         before = seq.num_output_tokens - seq.held_back

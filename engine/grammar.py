@@ -205,6 +205,14 @@ def is_forced_tree(tree) -> bool:
     return tree.source_names == (GRAMMAR_PART,)
 
 
+def split_forced(tree, num_accepted: int) -> tuple[int, int, int]:
+    """(k, draft nodes, accepted tokens) of the drafter's part of `tree`: k = `grammar_prefix(tree)`
+    forced nodes first (0: the whole tree is the drafter's), then its nodes, of which accepted are
+    those of the `num_accepted` (a path from the root) beyond the forced chain."""
+    k = grammar_prefix(tree)
+    return k, tree.num_draft_tokens - k, max(0, num_accepted - k)
+
+
 def grammar_prefix(tree) -> int:
     """How many draft nodes of `tree` are a grammar's forced chain from its root (its first part,
     nodes 1..k; the rest, if any, a drafter's tree after them): 0 for a drafter's own tree."""

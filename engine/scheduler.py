@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence as Seq
 
 if TYPE_CHECKING:
     from specserve.engine.model_runner import StepResult
@@ -63,9 +63,9 @@ class Scheduler:
                                        max(max_num_batched_tokens, max_num_seqs + max_draft_tokens_per_step))
         self.policy: DraftPolicy = draft_budget
         self.blocks = blocks
-        # (seq, drafter) -> that drafter's context for the sequence's next tree (`Drafter.context_of`)
-        # or None; set by the engine, asked only for a policy that reads contexts
-        self.context_of: Callable[[Sequence, str], int | None] | None = None
+        # (seq, drafters) -> {drafter: its context for the sequence's next tree} (`Drafter.context_of`;
+        # a drafter that tells none left out); set by the engine, asked only for a policy that reads contexts
+        self.context_of: Callable[[Sequence, Seq[str]], dict[str, int]] | None = None
         # the drafters that can draft after a grammar's forced tokens (tokens not yet committed:
         # `Drafter.drafts_after_uncommitted`); set by the engine
         self.drafts_after: frozenset[str] = frozenset()
@@ -213,9 +213,9 @@ class Scheduler:
             if seq.seq_id in forced:   # after the forced tokens; its context would be of the committed prefix
                 cap -= forced[seq.seq_id]
                 names = [name for name in names if name in self.drafts_after]
+            contexts = self.context_of(seq, names) if ask and cap > 0 and seq.seq_id not in forced else {}
             for name in names:
-                candidates.append(Candidate(seq.seq_id, name, cap, self.context_of(seq, name)
-                                            if ask and cap > 0 and seq.seq_id not in forced else None))
+                candidates.append(Candidate(seq.seq_id, name, cap, contexts.get(name)))
                 seqs.append(seq)
         sizes = self.policy.allocate(candidates, caps)
         budgets: dict[int, int] = {}

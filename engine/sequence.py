@@ -117,8 +117,8 @@ class Sequence:
         self.reported_finished = False
         # the drafters that may propose for it (one, or auto's several: the draft policy picks one
         # each step) and the one proposing now; set by the engine when the drafters have started it
-        self.drafters: tuple[str, ...] = (request.drafter,) if request.drafter else ()
-        self.drafter: str | None = request.drafter
+        self.drafters: tuple[str, ...] = ()
+        self.drafter: str | None = None
         self.options: dict = {}                      # the request's own options for its drafter
         self.grammar = None                          # its structured output's state (engine/grammar.py)
         # MCSD target-initialised roots (lossy opt-in): token_ids[-1] was sampled but is held back

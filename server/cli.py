@@ -222,12 +222,12 @@ def _apply_env_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace):
-    from specserve.engine.config import EngineConfig
+    from specserve.engine.config import AUTO_DRAFTER, EngineConfig
 
     from specserve.drafters.base import parse_drafter_options
 
     values = {name: getattr(args, name) for name in ENGINE_DEFAULTS}
-    values["drafters"] = tuple(values["drafters"]) if values["drafters"] is not None else ("auto",)
+    values["drafters"] = tuple(values["drafters"]) if values["drafters"] is not None else (AUTO_DRAFTER,)
     options = parse_drafter_options(args.drafter_option)
     if args.draft_model:
         source = args.draft_model

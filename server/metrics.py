@@ -138,6 +138,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from specserve.engine.config import AUTO_DRAFTER
 from specserve.engine.draft_policy import budget_sizes
 from specserve.engine.outputs import RequestOutput
 
@@ -443,7 +444,7 @@ class ServerMetrics:
         default = getattr(core, "default_drafter", None)
         self.default_drafter: str = default if isinstance(default, str) and default else NO_DRAFTER
         loaded = getattr(engine, "drafter_names", None)
-        auto = ["auto"] if getattr(core, "auto_drafters", None) else []   # a request's choice among them
+        auto = [AUTO_DRAFTER] if getattr(core, "auto_drafters", None) else []   # a request's choice among them
         self.drafter_labels: list[str] = [NO_DRAFTER, *auto, *(loaded if isinstance(loaded, list) else [])]
         for name in self.drafter_labels:      # zeros for every label a request can take
             for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.request_tokens):

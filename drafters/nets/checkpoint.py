@@ -198,10 +198,11 @@ def load_checkpoint(directory: str | os.PathLike, *, kind: str | None = None, fi
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 
-def find_shipped(kind: str, fingerprint: str, root: str | os.PathLike | None = None) -> list[tuple[CheckpointMeta, Path]]:
-    """(meta, folder) of every `kind` checkpoint made for the target with `fingerprint` among the
-    sub-folders of `root` (default: the checkpoints shipped in drafters/checkpoints/), by folder name.
-    Folders without a readable meta.json are passed over."""
+def find_shipped(kind: str | None, fingerprint: str,
+                 root: str | os.PathLike | None = None) -> list[tuple[CheckpointMeta, Path]]:
+    """(meta, folder) of every `kind` checkpoint (any kind: None) made for the target with
+    `fingerprint` among the sub-folders of `root` (default: the checkpoints shipped in
+    drafters/checkpoints/), by folder name. Folders without a readable meta.json are passed over."""
     root = SHIPPED_DIR if root is None else Path(root)
     found = []
     for meta_file in sorted(root.glob("*/meta.json")) if root.is_dir() else ():
@@ -209,7 +210,7 @@ def find_shipped(kind: str, fingerprint: str, root: str | os.PathLike | None = N
             meta = read_meta(meta_file.parent)
         except (OSError, ValueError):
             continue
-        if meta.kind == kind and meta.target_fingerprint == fingerprint:
+        if kind in (None, meta.kind) and meta.target_fingerprint == fingerprint:
             found.append((meta, meta_file.parent))
     return found
 

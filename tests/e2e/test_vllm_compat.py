@@ -6,32 +6,13 @@ leaves only ours."""
 
 from __future__ import annotations
 
-import re
-
 import httpx
 import openai
 import pytest
 
+from specserve.bench.aiperf import vllm_bench_spec_counters   # the parser `bench aiperf` reads /metrics with
+
 CHAT = [{"role": "user", "content": "Count: one two three one two three one two"}]
-
-
-def vllm_bench_spec_counters(text: str) -> tuple[dict[str, float], dict[int, float]]:
-    """The speculation counters as `vllm bench serve` gathers them: lines starting `vllm:spec_decode`
-    whose name ends `_total`, summed over label sets; per-position ones by `position`."""
-    totals: dict[str, float] = {}
-    per_pos: dict[int, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:spec_decode"):
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{")[0]
-        if not name.endswith("_total"):
-            continue
-        totals[name] = totals.get(name, 0.0) + float(value)
-        m = re.search(r'position="(\d+)"', name_labels)
-        if m:
-            per_pos[int(m.group(1))] = per_pos.get(int(m.group(1)), 0.0) + float(value)
-    return totals, per_pos
 
 
 def samples(text: str, name: str) -> dict[str, float]:

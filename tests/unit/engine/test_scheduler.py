@@ -238,7 +238,7 @@ def test_a_sequence_with_several_drafters_drafts_with_one_per_step(policy):
     asked = []
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
                       max_draft_tokens_per_step=64, draft_budget=policy)
-    sched.context_of = lambda seq, name: asked.append(name) or 0
+    sched.context_of = lambda seq, names: {name: asked.append(name) or 0 for name in names}
     seq = make_seq(5, max_tokens=1000)
     seq.drafters, seq.drafter = ("x", "y"), "x"
     sched.add(seq)
