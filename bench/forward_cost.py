@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--variants", nargs="+", default=["unpacked", "prepacked"], choices=VARIANTS,
                     help="weights to time, the first the reference (default: %(default)s)")
-    ap.add_argument("--out", default="bench/results/cpu_linear_pack",
+    ap.add_argument("--out", default="bench/results/forward_cpu",
                     help="writes OUT.json and OUT.md (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.threads:

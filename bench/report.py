@@ -77,6 +77,12 @@ BENCHMARKS: dict[str, Benchmark] = {
         "variant of the weights: fp32 with and without the oneDNN-prepacked copies (`--prepack-weights`, on by "
         "default on the CPU), weight-only int8 / int4 with fp32 or bf16 activations (`--quantization`): what a "
         "draft tree costs against a 1-token decode, the cost table behind the goodput draft budget."),
+    "step_anatomy": Benchmark(
+        "Decode step anatomy", "specserve.bench.step_anatomy", "step",
+        "Where a one-row decode step's time goes on the CPU, by context length: the projections' and LM head's "
+        "matmuls, the attention, the rest of the layer stack (norms, SiLU) from the native kernels' phase timers, "
+        "and the host work around them (scheduler, inputs, sampling, bookkeeping), with the step over the sum of "
+        "its matmuls."),
     "budget_replay": Benchmark(
         "Draft-budget policies replayed", "specserve.bench.budget_replay", "replay",
         "The draft-budget policies replayed offline on one recorded decoding (ngram, mag): the same acceptance "

@@ -478,7 +478,10 @@ class LLMEngine:
                 trees = self._propose(batch, report)
                 t0 = time.perf_counter()
                 self._run_batch(batch, trees, report)
-                report.seconds = time.perf_counter() - t0
+                if any(seq.drafters or seq.grammar is not None for seq in batch.seqs):
+                    # timed only where the policy has something to decide: its step cost fit is host
+                    # work that a step of plain decoding alone would pay for nothing
+                    report.seconds = time.perf_counter() - t0
                 report.num_tokens = batch.total_tokens + sum(t.num_draft_tokens for t in trees.values())
                 report.num_trees = len(trees)
             except Exception as exc:

@@ -91,7 +91,7 @@ def pack_linear_weight(weight: torch.Tensor, min_rows: int = 1) -> bool:
     has 2 rows or more, so a 2-row GEMM streams the weight about twice and costs about twice
     a 1-row one; a draft tree of a few nodes then costs the target forward half a plain step
     more. Prepacked once, a forward of 2-9 rows costs little more than one of 1 row (measured:
-    `bench/results/cpu_linear_pack.json`). The copy doubles the weight's memory; it is dropped
+    `specserve bench forward --variants unpacked prepacked`). The copy doubles the weight's memory; it is dropped
     with the weight, and ignored once the weight is changed in place (its version moves)."""
     if (weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in _PACK_DTYPES
             or weight.is_inference() or quantized(weight) is not None):

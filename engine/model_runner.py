@@ -128,6 +128,7 @@ class ModelRunner:
         if self.capture_layers:
             model.check_capture_layers(self.capture_layers)
         self.graphs: StepGraphs | None = None   # once captured (LLMEngine.capture_graphs)
+        self._last_sampling: dict[str, tuple] = {}   # part -> (params, keys, SamplingTensors): `_sampling`
         # the target's forward: the model itself, or its compiled forward (engine/compiled.py)
         self.forward = model
 
@@ -250,8 +251,7 @@ class ModelRunner:
         plain_seqs = [batch.seqs[b] for b in inp.plain]
         plain_lp = None
         if plain_seqs:
-            st = SamplingTensors.from_params([s.params for s in plain_seqs], self.device,
-                                             [s.sample_key for s in plain_seqs])
+            st = self._sampling("plain", plain_seqs)
             plain_logits = self._masked(self._processed(logits[:num_plain], plain_seqs), inp.plain, grammar_masks)
             out = sample(plain_logits, st, [s.num_output_tokens for s in plain_seqs])
             device_out.append(out.token_ids)
@@ -266,8 +266,7 @@ class ModelRunner:
             tree_logits = logits[num_plain:].index_select(0, inp.tree_pad_index.reshape(-1))
             tree_logits = tree_logits.view(*inp.tree_pad_index.shape, -1)                 # [T, N, V]
             tree_logits = self._masked(self._processed(tree_logits, tree_seqs, packed), inp.tree_idx, grammar_masks)
-            st = SamplingTensors.from_params([s.params for s in tree_seqs], self.device,
-                                             [s.sample_key for s in tree_seqs])
+            st = self._sampling("trees", tree_seqs)
             verified = verify_batched(packed, tree_logits, st, any_greedy=any(s.params.greedy for s in tree_seqs),
                                       positions=inp.tree_positions)
             path_lens = verified.num_accepted + 1
@@ -305,6 +304,18 @@ class ModelRunner:
         self._collect_features(result, batch, inp, hidden, feature_idx, layers)
         self._computed_lengths(batch, inp, result)
         return result
+
+    def _sampling(self, part: str, seqs: list[Sequence]) -> SamplingTensors:
+        """The `SamplingTensors` of `seqs`' rows (`part`: the plain rows or the trees); the last
+        step's again when the same requests come in the same order, as in most decode steps."""
+        params, keys = [s.params for s in seqs], [s.sample_key for s in seqs]
+        last = self._last_sampling.get(part)
+        if last is not None and last[1] == keys and len(last[0]) == len(params) and all(
+                a is b for a, b in zip(last[0], params)):
+            return last[2]
+        st = SamplingTensors.from_params(params, self.device, keys)
+        self._last_sampling[part] = (params, keys, st)
+        return st
 
     def _processed(self, logits: torch.Tensor, seqs: list[Sequence], packed: PackedTrees | None = None) -> torch.Tensor:
         """`logits` ([B, V] of plain rows, or [T, N, V] of `packed` trees' nodes) with the rows of the

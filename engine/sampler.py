@@ -37,6 +37,13 @@ _MASK32 = 0xFFFFFFFF
 _KEY_STRIDE = 1_000_003   # sample_key: choices of one request get keys this far apart
 
 
+def argmax(x: Tensor) -> Tensor:
+    """`x.argmax(dim=-1)`, the same index (the first of equal maxima; a NaN counts as the maximum),
+    through `max`: torch's CPU argmax is not vectorized (62 µs against 22 µs over one row of a 49k
+    vocabulary on this project's AVX-512 machine), and every decoded token pays it."""
+    return x.max(dim=-1).indices
+
+
 def sample_key(seed: int, index: int = 0) -> int:
     """The 64-bit key (as a signed int64) of choice `index` of a request seeded with `seed`."""
     key = (int(seed) * _KEY_STRIDE + int(index)) % 2**64
@@ -196,7 +203,7 @@ def processed_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
     argmax(raw logits) for greedy rows. Rows are processed independently.
     """
     logits = logits.float()
-    return _processed_probs(logits, st, logits.argmax(dim=-1))
+    return _processed_probs(logits, st, argmax(logits))
 
 
 def _processed_probs(logits: Tensor, st: SamplingTensors, greedy_ids: Tensor) -> Tensor:
@@ -251,13 +258,13 @@ def sample(logits: Tensor, st: SamplingTensors, positions=None) -> SamplerOutput
     Logprobs (OpenAI-style) are taken from log_softmax of the raw, unscaled logits.
     """
     logits = logits.float()
-    greedy_ids = logits.argmax(dim=-1)                                       # [B]
+    greedy_ids = argmax(logits)                                     # [B]
     if st.all_greedy:
         token_ids = greedy_ids
     else:
         probs = _processed_probs(logits, st, greedy_ids)
         race = probs / race_noise(st, probs.shape[1], positions, probs.device)
-        token_ids = torch.where(st.temperature == 0, greedy_ids, race.argmax(dim=-1))
+        token_ids = torch.where(st.temperature == 0, greedy_ids, argmax(race))
 
     if st.max_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)

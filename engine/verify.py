@@ -173,7 +173,7 @@ def _walk(root, tokens, children, target_probs, draft_probs, generator) -> tuple
 
 from typing import Sequence  # noqa: E402
 
-from specserve.engine.sampler import (SamplingTensors, exponential_noise, keyed_exponentials,  # noqa: E402
+from specserve.engine.sampler import (SamplingTensors, argmax, exponential_noise, keyed_exponentials,  # noqa: E402
                                      processed_probs)
 from specserve.engine.tree import PackedTrees  # noqa: E402
 
@@ -450,7 +450,7 @@ def _sampling_walk(packed: PackedTrees, probs_at, V: int, generators, active: to
             alternates = torch.cat([alternates, torch.full((T, W - 1 - alternates.shape[1]), -1,
                                                            dtype=torch.int64, device=dev)], dim=1)
     else:
-        bonus = keys.argmax(dim=-1)
+        bonus = argmax(keys)
         alternates = torch.full((T, 0), -1, dtype=torch.int64, device=dev)
     return BatchVerifyResult(best_path, best_num, _commit_tokens(packed, best_path, best_num, bonus),
                              best_root, alternates)
@@ -542,7 +542,7 @@ def verify_batched(packed: PackedTrees, target_logits: torch.Tensor, sampling: S
     greedy_res = None
     keyed = sampling.keyed_rows
     if sampling.all_greedy or any_greedy is not False or keyed:
-        matched = target_logits.argmax(dim=-1)                                 # [T, N]
+        matched = argmax(target_logits)                               # [T, N]
         if keyed:
             assert positions is not None, "keyed rows need the positions of their roots"
             ix = _keyed_index(sampling, dev)

@@ -47,6 +47,10 @@ logger = logging.getLogger("specserve")
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-Wno-psabi"]
 ENABLED = os.environ.get("SPECSERVE_CPU_KERNELS") != "0"
+# a build with phase timers (`phase_times`; `specserve bench step`), cached apart from the normal one
+PHASE_TIMES = os.environ.get("SPECSERVE_CPU_PHASE_TIMES") == "1"
+if PHASE_TIMES:
+    FLAGS = [*FLAGS, "-DSPECSERVE_PHASE_TIMES"]
 
 _lib = None          # the loaded library; False once a build failed
 _p = ctypes.c_void_p
@@ -60,6 +64,7 @@ _SIGNATURES = {
     "paged_attention": [_p, _p, _p, _int, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _f,
                         _int],
     "quant_matmul": [_int, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _int],   # returns int
+    "phase_times": [_p],                                                              # returns int
     "decoder_layers": [_p, _i64, _p, _p, _int, _i64, _i64, _i64, _i64, _i64, _i64, _f, _f, _p, _p, _p, _i64, _p, _p, _p,
                        _i64, _i64, _p, _p, _p, _int, _int],   # returns int
     "rope_cache_attention": [_p, _int, _p, _p, _p, _p, _p, _int, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p,
@@ -113,7 +118,7 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, (_int if name in ("quant_matmul", "decoder_layers") else None)
+        fn.argtypes, fn.restype = args, (_int if name in ("quant_matmul", "decoder_layers", "phase_times") else None)
     return lib
 
 

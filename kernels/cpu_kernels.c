@@ -834,8 +834,8 @@ static inline int qmm_tiles(int kind, int M) {
 /* kind 4 (int4 weights, fp32 activations), 8 (int8 weights) or 5 (int4 weights, int8 activations);
  * x [M, K] fp32 (row stride ldx), y [M, N] fp32 (row stride ldy); N a multiple of 16, K of 32
  * (int4). Returns 0, or -1 when scratch memory could not be had. */
-int quant_matmul(int kind, const float *x, int64_t ldx, const void *codes, const void *scales, float *y,
-                 int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+static int quant_matmul_body(int kind, const float *x, int64_t ldx, const void *codes, const void *scales, float *y,
+                             int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t max_rows = kind == 5 ? QMM_MAX_ROWS_A8 : QMM_MAX_ROWS;
     const int64_t tiles = N / 16, blocks = (M + max_rows - 1) / max_rows;
     const int64_t tile_codes = kind == 8 ? K * 16 : K * 8;             /* bytes */
@@ -895,6 +895,42 @@ typedef struct {
     void *k_cache, *v_cache;
 } layer_params;
 
+/* Phase timers (built with -DSPECSERVE_PHASE_TIMES: kernels/cpu.py under SPECSERVE_CPU_PHASE_TIMES=1,
+ * for `specserve bench step`): seconds spent in [0] the layer stack's matmuls, [1] its attention
+ * (RoPE, cache write, attention), [2] the rest of it (norms, SiLU, scratch), [3] matmuls called
+ * alone (the LM head). `phase_times` reads and resets them; all 0 in a normal build. */
+static double phase_seconds[4];
+static int in_layer_stack;
+
+static double now_seconds(void) {
+#ifdef _OPENMP
+    return omp_get_wtime();
+#else
+    return 0.0;
+#endif
+}
+
+int phase_times(double *out) {
+    for (int i = 0; i < 4; i++) { out[i] = phase_seconds[i]; phase_seconds[i] = 0.0; }
+#ifdef SPECSERVE_PHASE_TIMES
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int quant_matmul(int kind, const float *x, int64_t ldx, const void *codes, const void *scales, float *y,
+                 int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+#ifdef SPECSERVE_PHASE_TIMES
+    const double t0 = now_seconds();
+    const int rc = quant_matmul_body(kind, x, ldx, codes, scales, y, ldy, M, N, K, nthreads);
+    phase_seconds[in_layer_stack ? 0 : 3] += now_seconds() - t0;
+    return rc;
+#else
+    return quant_matmul_body(kind, x, ldx, codes, scales, y, ldy, M, N, K, nthreads);
+#endif
+}
+
 int decoder_layers(const layer_params *layers, int64_t num_layers, float *h, float *delta, int has_delta, int64_t T,
                    int64_t hidden, int64_t inter, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
                    const float *cos, const float *sin_signed, const int64_t *slots, int64_t num_seqs,
@@ -907,14 +943,24 @@ int decoder_layers(const layer_params *layers, int64_t num_layers, float *h, flo
     float *qkv = x + T * hidden, *attn = qkv + T * nqkv, *gu = attn + T * H * D, *act = gu + T * 2 * inter;
     float *o = act + T * inter;
     int rc = 0;
+#ifdef SPECSERVE_PHASE_TIMES
+    const double start = now_seconds(), matmuls = phase_seconds[0], attention = phase_seconds[1];
+    in_layer_stack = 1;
+#endif
     for (int64_t l = 0; l < num_layers && rc == 0; l++) {
         const layer_params *p = layers + l;
         if (has_delta) rms_norm(delta, 0, h, h, p->input_norm, x, 0, T, hidden, eps, nthreads);
         else rms_norm(h, 0, NULL, NULL, p->input_norm, x, 0, T, hidden, eps, nthreads);
         rc |= quant_matmul((int)p->kind[0], x, hidden, p->codes[0], p->scales[0], qkv, nqkv, T, nqkv, hidden, nthreads);
+#ifdef SPECSERVE_PHASE_TIMES
+        const double t_attn = now_seconds();
+#endif
         rope_cache_attention(qkv, 0, cos, sin_signed, slots, p->k_cache, p->v_cache, kv_f16, attn, 0, num_seqs, cu_q,
                              context_lens, block_tables, table_width, block_size, mask_offsets, mask_widths,
                              mask_data, H, Hkv, D, scale, nthreads);
+#ifdef SPECSERVE_PHASE_TIMES
+        phase_seconds[1] += now_seconds() - t_attn;
+#endif
         rc |= quant_matmul((int)p->kind[1], attn, H * D, p->codes[1], p->scales[1], o, hidden, T, hidden, H * D,
                            nthreads);
         rms_norm(o, 0, h, h, p->post_norm, x, 0, T, hidden, eps, nthreads);
@@ -926,5 +972,9 @@ int decoder_layers(const layer_params *layers, int64_t num_layers, float *h, flo
         has_delta = 1;
     }
     free(x);
+#ifdef SPECSERVE_PHASE_TIMES
+    in_layer_stack = 0;
+    phase_seconds[2] += now_seconds() - start - (phase_seconds[0] - matmuls) - (phase_seconds[1] - attention);
+#endif
     return rc;
 }

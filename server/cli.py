@@ -459,6 +459,8 @@ BENCHMARKS = {   # name -> (module with main(argv), what it measures)
     "structured": ("specserve.bench.structured", "structured output: constrained decoding by drafter, the grammar "
                                                  "drafter's share, llguidance's mask cost"),
     "forward": ("specserve.bench.forward_cost", "the target forward's cost by step size, prepacked weights or not"),
+    "step": ("specserve.bench.step_anatomy", "where a one-row decode step's time goes on the CPU: matmuls, attention, "
+                                             "the rest of the layers and the host work"),
     "replay": ("specserve.bench.budget_replay", "draft-budget policies replayed offline on recorded decoding (ngram, mag)"),
     "serve": ("specserve.bench.serve_throughput", "server throughput with concurrent streaming clients"),
     "parity": ("specserve.bench.parity", "the papers' orderings (claim, paper, ours, holds) on the shipped drafters"),

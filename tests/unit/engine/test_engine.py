@@ -286,3 +286,21 @@ def test_engine_prepacks_cpu_weights_unless_told_not_to(tiny_llama_dir, prepack)
     out = drain(engine)
     assert out["spec"] == out["plain"] and len(out["spec"][0]) == 16
     assert engine.drafter_stats["draft_model"].num_draft_tokens > 0
+
+
+def test_each_step_samples_with_the_settings_of_the_requests_in_it(tiny_engine):
+    """One row, then one row of another request with other settings: each is sampled with its own
+    (the runner reuses the last step's sampling tensors only for the same requests)."""
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tiny_engine.add_request("s0", [5, 6, 7, 8], sampled)
+    sampled_alone = drain(tiny_engine)["s0"][0]
+    tiny_engine.add_request("g0", [5, 6, 7, 8], greedy)
+    greedy_alone = drain(tiny_engine)["g0"][0]
+    assert sampled_alone != greedy_alone
+    for k in range(2):
+        tiny_engine.add_request(f"s{k + 1}", [5, 6, 7, 8], SamplingParams(temperature=1.0, seed=7, max_tokens=8,
+                                                                         ignore_eos=True))
+        assert drain(tiny_engine)[f"s{k + 1}"][0] == sampled_alone
+        tiny_engine.add_request(f"g{k + 1}", [5, 6, 7, 8], greedy)
+        assert drain(tiny_engine)[f"g{k + 1}"][0] == greedy_alone

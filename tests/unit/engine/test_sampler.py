@@ -339,3 +339,15 @@ def test_sampling_tensors_from_params():
     assert (st.all_greedy, st.any_top_k, st.any_top_p, st.max_logprobs, st.max_top_k) == (False, True, True, 3, 7)
     g = st_of(SamplingParams(temperature=0.0, top_p=0.5))
     assert (g.all_greedy, g.any_top_k, g.any_top_p) == (True, False, False)
+
+
+def test_argmax_is_torchs_argmax_ties_and_nan_included():
+    from specserve.engine.sampler import argmax
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.tensor([[1.0, 3.0, 3.0, 2.0]]), torch.tensor([[math.nan, 1.0, math.nan]]),
+             torch.tensor([[1.0, math.nan]]), torch.full((2, 5), -math.inf),
+             torch.randint(0, 3, (8, 49152), generator=g).float(),            # many ties over a vocabulary
+             torch.randint(0, 3, (3, 7, 1000), generator=g).float().bfloat16()]
+    for x in cases:
+        assert torch.equal(argmax(x), x.argmax(dim=-1))
