@@ -213,6 +213,9 @@ class CascadeDrafter(Drafter):
         for part, d in zip(self.part_names[:-1], self.levels[:-1]):
             if getattr(d, "target_init_width", 1) != 1:
                 raise ValueError(f"cascade level {part!r}: target_init_width does not apply to a reviewing level")
+        # a draft after tokens not yet committed (a grammar's forced ones): each level drafts and
+        # reviews from the extended prefix and keeps none of it (`Drafter.drafts_after_uncommitted`)
+        self.drafts_after_uncommitted = all(getattr(d, "drafts_after_uncommitted", False) for d in self.levels)
         self.max_model_len = ctx.max_model_len
         # batched calls per level since start (reviews: one forward each; mag: one propose each), for
         # the paper's standardized walltime (SWI = tokens / sum of calls x cost coefficient)

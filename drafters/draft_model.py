@@ -9,7 +9,12 @@ the target's. Each step, per sequence:
    gets k_d children, drawn **without replacement** from the draft distribution q at that node
    (Gumbel-top-k, so the residual rule of verification stays exact) — or the top-k_d tokens for
    greedy and seeded requests and with `deterministic=True` (deterministic drafts: one-hot q,
-   lossless under sampling too). A chain (SpS) is the k-configuration (1, 1, ..., 1).
+   lossless under sampling too). A chain (SpS) is the k-configuration (1, 1, ..., 1). A request
+   with penalties, logit_bias, min_tokens or a grammar has its draft logits at each node processed
+   as the target's are at that node, along the node's path (`DraftRequest.processed`), so q is the
+   processed law's counterpart and nothing the request bans is drafted. A pick outside the
+   support (k above the tokens q, or the processed logits, allow) could never be accepted: it and
+   its subtree are cut from the tree.
    All sequences of the batch advance one level per draft forward, each level attending to the
    prefix plus its own ancestors (tree mask over the tree so far);
 3. after verification keep only the accepted path's KV.
@@ -72,7 +77,7 @@ from specserve.engine.kv_cache import PagedDraftKV
 from specserve.engine.loader import load_model
 from specserve.engine.model import LlamaModel
 from specserve.engine.sampler import SamplingTensors, processed_probs
-from specserve.engine.tree import TokenTree, TreeTemplate, num_roots, tree_depths, tree_topology
+from specserve.engine.tree import NO_PARENT, TokenTree, TreeTemplate, num_roots, tree_depths, tree_topology
 
 DEFAULT_DECISION_THRESHOLD = 0.4   # MCSD+'s β
 
@@ -232,6 +237,9 @@ class DraftModelDrafter(Drafter):
         roots = [num_roots(p) for p in parents]
         tokens = [[s.token_ids[-1], *s.extra_roots[:r - 1]] for s, r in zip(seqs, roots)]
         probs: list[list[torch.Tensor | None]] = [[None] * r for r in roots]
+        # per node: whether it can be accepted at all (a pick beyond the support of q, or of the
+        # processed logits, when k exceeds it, cannot: it and its subtree are cut at the end)
+        drawable: list[list[bool]] = [[True] * r for r in roots]
         # top-k children, one-hot q (deterministic drafts) for greedy and seeded requests or when asked
         # for; otherwise children drawn from q without replacement (stochastic drafts). A seeded
         # request's verification accepts a draft x with probability p(x) whatever q: the most likely
@@ -289,20 +297,25 @@ class DraftModelDrafter(Drafter):
                 if not level:
                     continue
                 k = self.k_config[depth - 1]
+                if seq.law is not None:   # drawn (or ranked) from the request's processed law at each node
+                    logits_b = seq.processed(logits_b, [_path(tokens[b], parents[b], f) for f in frontier[b]])
                 if top_k[b]:
                     picks = logits_b.topk(k, dim=-1).indices
                     q = None
+                    possible = logits_b.gather(1, picks) > float("-inf")
                 else:
                     q = processed_probs(logits_b, SamplingTensors.from_params([seq.params] * n_front, self.device))
                     gumbel = torch.empty_like(q).exponential_().clamp_min_(1e-20)
                     picks = (q / gumbel).topk(k, dim=-1).indices   # k draws without replacement from q
-                picks = picks.tolist()
+                    possible = q.gather(1, picks) > 0
+                picks, possible = picks.tolist(), possible.tolist()
                 for node in level:
                     parent = parents[b][node]
                     f = frontier[b].index(parent)
                     rank = templates[b].ranks[node]
                     tokens[b].append(picks[f][rank])
                     probs[b].append(q[f] if q is not None else None)
+                    drawable[b].append(drawable[b][parent] and possible[f][rank])
                     scored.append((b, node, row0 + f))
             # 2b. dynamic MCSD: score the new level; a sequence whose new tokens all score below β stops
             stopped = self._score_level(seqs, depth, depths, scored, frontier_hidden, frontier_logits) \
@@ -329,9 +342,14 @@ class DraftModelDrafter(Drafter):
                 next_roots = 1
                 if self.target_init_width > 1 and not seq_params_exclude(seqs[b].params):
                     next_roots = self.target_init_width
-                trees[i] = TokenTree(tokens[b], parents[b][:len(tokens[b])], dp, next_roots)
+                tree = TokenTree(tokens[b], parents[b][:len(tokens[b])], dp, next_roots)
+                if not all(drawable[b]):   # verification would skip these (q(x) = 0) or never accept them
+                    tree = tree.subtree([j for j, ok in enumerate(drawable[b]) if ok])
+                    if tree.num_nodes == tree.num_roots:
+                        continue
+                trees[i] = tree
                 self.num_trees += 1
-                self.sum_depth += depths[b][len(tokens[b]) - 1]
+                self.sum_depth += max(tree_depths(tree.parents))
         return trees
 
     def _score_level(self, seqs, depth: int, depths, scored, frontier_hidden, frontier_logits) -> set[int]:
@@ -478,3 +496,12 @@ class DraftModelDrafter(Drafter):
         new_lens = self.kv.commit(ids, prefixes, paths)
         for sid, n in zip(ids, new_lens):
             self.state[sid].draft_len = n
+
+
+def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """The tokens on `node`'s path after its root (the root, a committed token, excluded)."""
+    path = []
+    while parents[node] != NO_PARENT:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]

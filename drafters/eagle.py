@@ -57,6 +57,9 @@ from specserve.drafters.nets.eagle import EagleHead, load_head, shipped_checkpoi
 from specserve.engine.model import rope_tables
 from specserve.engine.tree import NO_PARENT, TokenTree, ancestor_mask
 
+MAX_HYPOTHETICAL = 16   # hypothetical tokens (a grammar's forced ones) a draft may follow; more: no draft
+
+
 class _SeqState(FeatureState):
     __slots__ = ("root_feat",)
 
@@ -85,6 +88,7 @@ class EagleDrafter(FeatureDrafter):
 
     name = "eagle"
     State = _SeqState
+    drafts_after_uncommitted = True   # see Drafter; hypothetical tokens become tree rows, never kept
 
     def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, random_init: bool = False,
                  init: str = "random", head: EagleHead | None = None, depth: int = 6, top_k: int = 4, width: int = 4,
@@ -105,9 +109,9 @@ class EagleDrafter(FeatureDrafter):
         # draft tokens come from the checkpoint's most frequent target tokens (see drafters.draft_vocab)
         self.vocab = DraftVocab(target.lm_head_weight, self.head.vocab_rank, draft_vocab, drafter="eagle",
                                 full_logits=target.compute_logits)
-        self.max_rows = ctx.max_model_len + self.depth + 1
+        self.max_rows = ctx.max_model_len + self.depth + MAX_HYPOTHETICAL + 1
         self.rope_cos, self.rope_sin = rope_tables(model_config, self.max_rows, self.device)
-        self.max_tree_rows = self.width * max(0, self.depth - 1)
+        self.max_tree_rows = self.width * max(0, self.depth - 1) + MAX_HYPOTHETICAL
         self.paged_kv(ctx, self.max_tree_rows, block_size, num_blocks)
         self.count_cost(self.head)
 
@@ -126,10 +130,11 @@ class EagleDrafter(FeatureDrafter):
         ready, todo = [], []
         for b, seq in enumerate(seqs):
             st = self.state.setdefault(seq.seq_id, self.State())
-            n_rows = len(seq.token_ids) - 1 - st.kv_len     # rows L .. N-2
-            ok = n_rows >= 0 and self.features.length(seq.seq_id) >= len(seq.token_ids) - 1
-            ok = ok and (n_rows > 0 or st.root_feat is not None) and len(seq.token_ids) - 1 > 0
-            ok = ok and self.grow(seq.seq_id, len(seq.token_ids) - 1 + extra_rows[b])
+            n = seq.num_committed                            # N: hypothetical tokens have no features
+            n_rows = n - 1 - st.kv_len                       # rows L .. N-2
+            ok = n_rows >= 0 and self.features.length(seq.seq_id) >= n - 1
+            ok = ok and (n_rows > 0 or st.root_feat is not None) and n - 1 > 0
+            ok = ok and self.grow(seq.seq_id, n - 1 + extra_rows[b])
             ready.append(ok)
             if ok and n_rows > 0:
                 todo.append((b, n_rows))
@@ -163,20 +168,45 @@ class EagleDrafter(FeatureDrafter):
         depth = [min(self.depth, b) for b in budgets]
         width = [min(self.width, b) for b in budgets]
         top_k = [min(self.top_k, b) for b in budgets]
-        ready = self.catch_up(seqs, [w * max(0, d - 1) for w, d in zip(width, depth)])
-        act = [b for b in range(len(seqs)) if ready[b]]
+        hyp = [list(s.hypothetical) for s in seqs]
+        ready = self.catch_up(seqs, [w * max(0, d - 1) + len(h) for w, d, h in zip(width, depth, hyp)])
+        act = [b for b in range(len(seqs)) if ready[b] and len(hyp[b]) <= MAX_HYPOTHETICAL]
         if not act:
             return trees
         states = [self.state[s.seq_id] for s in seqs]
+        fed: list[list[_Node]] = [[] for _ in seqs]         # expanded nodes = this step's tree rows
+        row_parents: list[list[int]] = [[] for _ in seqs]   # per tree row: its parent's row
+        # the hypothetical tokens (a grammar's forced ones) first, as a chain of tree rows from the
+        # root's f̂: the draft grows under the last of them (`Drafter.drafts_after_uncommitted`)
+        top = {b: states[b].root_feat for b in act}         # f̂ the tree's root children come from
+        for i in range(max(len(hyp[b]) for b in act)):
+            chain = [b for b in act if i < len(hyp[b])]
+            if not chain:
+                break
+            starts, pos, masks = [], [], []
+            for b in chain:
+                node = _Node(hyp[b][i], -1, 0, 0.0, 0)
+                node.row = len(fed[b])
+                fed[b].append(node)
+                row_parents[b].append(node.row - 1 if node.row else NO_PARENT)
+                starts.append(states[b].kv_len + node.row)
+                pos.append(states[b].kv_len + node.row)
+                masks.append(ancestor_mask(row_parents[b], [node.row], len(fed[b])))
+            _, meta = self.kv.metadata([seqs[b].seq_id for b in chain], starts, [1] * len(chain), masks)
+            out = self.head_rows(torch.tensor([hyp[b][i] for b in chain], dtype=torch.int64, device=self.device),
+                                 torch.stack([top[b] for b in chain]),
+                                 torch.tensor(pos, dtype=torch.int64, device=self.device), meta)
+            self.num_runs += len(chain)
+            for r, b in enumerate(chain):
+                top[b] = out[r]
+        tail = {b: len(fed[b]) - 1 if fed[b] else NO_PARENT for b in act}   # the row the tree hangs from
         nodes: list[list[_Node]] = [[] for _ in seqs]       # candidates, in creation order
         kmax = max(top_k[b] for b in act)
-        scores, toks = self._children(torch.stack([states[b].root_feat for b in act]), kmax)
+        scores, toks = self._children(torch.stack([top[b] for b in act]), kmax)
         self.num_runs += len(act)
         for r, b in enumerate(act):
             for rank in range(top_k[b]):
                 nodes[b].append(_Node(toks[r][rank], -1, 1, scores[r][rank], rank))
-        fed: list[list[_Node]] = [[] for _ in seqs]         # expanded nodes = this step's tree rows
-        row_parents: list[list[int]] = [[] for _ in seqs]   # per tree row: its parent's row
         for d in range(1, max(depth[b] for b in act)):
             expand: dict[int, list[int]] = {}
             for b in act:
@@ -201,13 +231,13 @@ class EagleDrafter(FeatureDrafter):
                     node.row = len(fed[b])
                     fed[b].append(node)
                     # rows hang under the real rows; a depth-1 node's row has no parent row
-                    row_parents[b].append(NO_PARENT if node.parent < 0 else nodes[b][node.parent].row)
+                    row_parents[b].append(tail[b] if node.parent < 0 else nodes[b][node.parent].row)
                 starts.append(st.kv_len + n_old)
                 qlens.append(len(new))
                 masks.append(ancestor_mask(row_parents[b], [n.row for n in new], len(fed[b])))
-                pos.extend(st.kv_len - 1 + d for _ in new)
+                pos.extend(st.kv_len - 1 + len(hyp[b]) + d for _ in new)
                 ids.extend(node.token for node in new)
-                feats.extend(st.root_feat if node.parent < 0 else nodes[b][node.parent].feat for node in new)
+                feats.extend(top[b] if node.parent < 0 else nodes[b][node.parent].feat for node in new)
             _, meta = self.kv.metadata([seqs[b].seq_id for b in order], starts, qlens, masks)
             out = self.head_rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.stack(feats),
                              torch.tensor(pos, dtype=torch.int64, device=self.device), meta)

@@ -20,7 +20,7 @@ from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import BlockManager, KVCache, activation_reserve_bytes, kv_pool_bytes
 from specserve.engine.loader import LoadedModel, load_model
 from specserve.engine.grammar import GRAMMAR_PART, Grammars, forced_tree, is_forced_tree, split_forced
-from specserve.engine.logits_processing import needs_processing
+from specserve.engine.logits_processing import DraftLaw, needs_processing
 from specserve.engine.model import LlamaModel, pack_weights_in, quantize_weights_in
 from specserve.engine.model_runner import ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
@@ -663,6 +663,12 @@ class LLMEngine:
                 failed.add(seq.request.request_id)
                 self._fail_request(seq.request, alone, "the forward")
 
+    def _draft_law(self, seq: Sequence) -> DraftLaw | None:
+        """The request's processing for its drafter (`DraftRequest.law`), None when it asks for none."""
+        if seq.grammar is None and not needs_processing(seq.params, self.eos_token_ids):
+            return None
+        return DraftLaw(self.eos_token_ids, seq.grammar)
+
     def _fail_request(self, req: Request, exc: BaseException, where: str) -> None:
         """End every sequence of `req` with finish_reason "error"; its stream gets the error."""
         if req.error is not None or req.request_id not in self.requests:
@@ -701,7 +707,7 @@ class LLMEngine:
             budgets = [batch.draft_budgets[b] - len(after.get(b, ())) for b in idx]
             t0 = time.perf_counter()
             try:
-                views = [DraftRequest.of(seq, after.get(b, ())) for b, seq in zip(idx, seqs)]
+                views = [DraftRequest.of(seq, after.get(b, ()), self._draft_law(seq)) for b, seq in zip(idx, seqs)]
                 proposed = self.drafters[name].propose(views, budgets)
                 if len(proposed) != len(idx):
                     raise ValueError(f"{len(proposed)} trees for {len(idx)} sequences")

@@ -117,14 +117,15 @@ class Grammars:
         return matcher
 
     def state(self, guided: tuple[str, str]) -> "GrammarState":
-        return GrammarState(self.compile(guided).deep_copy())
+        return GrammarState(self.compile(guided).deep_copy(), self._eos)
 
 
 class GrammarState:
     """A sequence's matcher, at the state after its committed output."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, eos_token_ids=()):
         self.matcher = matcher
+        self.eos_token_ids = frozenset(eos_token_ids)
         self._forced: list[int] | None = None
 
     def forced(self) -> list[int]:
@@ -150,6 +151,10 @@ class GrammarState:
 
         def visit(node: int) -> None:             # depth-first: consume, take the mask, recurse, roll back
             for c in children[node]:
+                if tokens[c] in self.eos_token_ids:   # the output ends there: allowed where the mask allows
+                    if allows(masks[node], tokens[c]):    # it (a matcher that has stopped consumes no EOS);
+                        masks[c] = masks[node]            # nothing after it is (its row's mask is never read)
+                    continue
                 if m.try_consume_tokens([tokens[c]]) == 1:
                     masks[c] = self.mask()
                     visit(c)
@@ -158,6 +163,27 @@ class GrammarState:
         visit(0)
         allowed = sorted(masks)
         return np.stack([masks[i] for i in allowed]), allowed
+
+    def masks_after(self, prefix: list[int], paths: list[list[int]]) -> np.ndarray:
+        """[len(paths), words] int32: per path, the tokens allowed after prefix + path (a drafter's
+        hypothetical continuations); a path the grammar forbids, or that ends in EOS, gets an all-ones
+        row (what is drawn after it does not matter). The state is left as it was."""
+        m = self.matcher
+        rows: list[np.ndarray | None] = [None] * len(paths)
+        base = m.try_consume_tokens(list(prefix)) if prefix else 0
+        if base == len(prefix):
+            for i, path in enumerate(paths):
+                if self.eos_token_ids.intersection(path):   # the output has ended on this path
+                    continue
+                n = m.try_consume_tokens(list(path)) if path else 0
+                if n == len(path):
+                    rows[i] = self.mask()
+                if n:
+                    m.rollback(n)
+        if base:
+            m.rollback(base)
+        words = next((r.shape[0] for r in rows if r is not None), 0) or self.mask().shape[0]
+        return np.stack([r if r is not None else np.full(words, -1, dtype=np.int32) for r in rows])
 
     def prune(self, tree, exact: bool):
         """(tree, masks, kept): `tree` without the drafts the grammar forbids, the mask of each node
@@ -222,6 +248,11 @@ def grammar_prefix(tree) -> int:
     while k + 1 < tree.num_nodes and tree.sources[k + 1] == 0 and tree.parents[k + 1] == k:
         k += 1
     return k
+
+
+def allows(mask: np.ndarray, token: int) -> bool:
+    """Whether bit `token` of a [words] int32 mask is set."""
+    return bool((int(mask[token // 32]) >> (token % 32)) & 1)
 
 
 def apply_masks(logits: torch.Tensor, masks: np.ndarray) -> torch.Tensor:

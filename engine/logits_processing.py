@@ -133,3 +133,41 @@ class LogitsProcessing:
         out = torch.where(hit & (rep != 1.0), torch.where(out > 0, out / rep, out * rep), out)
         out = out - self.frequency[:, None, None] * counts - self.presence[:, None, None] * seen.to(out.dtype)
         return out
+
+
+class DraftLaw:
+    """A request's processing for its drafter (`DraftRequest.law`, `DraftRequest.processed`): the
+    penalties, bias and min_tokens above and its grammar's mask, applied to a drafter's own logits
+    at a draft node as verification applies them to the target's at that node, along the node's
+    path after the view's tokens (hypothetical ones included).
+
+    A drafter that draws its drafts from q (the draft model's stochastic trees) then draws from the
+    processed counterpart of the target's law, and one that ranks them (top-k) ranks what the
+    request allows: a token the request bans, or its grammar forbids, is never drafted. Lossless
+    either way (verification accepts x with min(1, p(x) / q(x)) whatever q is); what it buys is
+    acceptance."""
+
+    def __init__(self, eos_token_ids, grammar=None):
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.grammar = grammar     # the sequence's `GrammarState`, at its committed state
+
+    def apply(self, view, logits: torch.Tensor, paths) -> torch.Tensor:
+        """logits [n, V] -> float32 [n, V]: row i processed after view.token_ids + paths[i]."""
+        out = logits.float()
+        n, V = out.shape
+        if needs_processing(view.params, self.eos_token_ids):
+            proc = LogitsProcessing.for_seqs([view], self.eos_token_ids, V, out.device)
+            rows = [i for i, path in enumerate(paths) for _ in path]
+            extra = torch.zeros(1, n, V, dtype=torch.float32, device=out.device)
+            if rows:
+                toks = torch.tensor([t for path in paths for t in path], dtype=torch.int64, device=out.device)
+                extra[0].index_put_((torch.tensor(rows, device=out.device), toks),
+                                    torch.ones(len(rows), device=out.device), accumulate=True)
+            depths = torch.tensor([[len(path) for path in paths]], dtype=torch.int64, device=out.device)
+            out = proc.apply(out[None], extra, depths)[0]
+        if self.grammar is not None:
+            from specserve.engine.grammar import apply_masks
+
+            out = apply_masks(out, self.grammar.masks_after(list(view.hypothetical), [list(p) for p in paths]))
+        dead = torch.isneginf(out).all(dim=-1)   # e.g. a grammar allowing only tokens outside a draft vocabulary
+        return torch.where(dead[:, None], logits.float(), out) if bool(dead.any()) else out

@@ -6,7 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Sequence as Seq
+from typing import Any, Mapping, Sequence as Seq
 
 from specserve.engine.outputs import RequestMetrics, TokenLogprob
 from specserve.engine.sampling_params import SamplingParams
@@ -40,6 +40,10 @@ class DraftRequest:
     options: Mapping | None = None   # None: no options (read as an empty mapping)
     extra_roots: tuple[int, ...] = ()
     num_committed: int = -1          # -1: every token is committed
+    # the request's processing of the target's logits (penalties, bias, min_tokens, grammar) for a
+    # drafter that draws or ranks drafts from its own (`engine.logits_processing.DraftLaw`); None
+    # when the request asks for none, and outside `propose`
+    law: Any = None
 
     def __post_init__(self) -> None:
         if self.options is None:
@@ -50,14 +54,14 @@ class DraftRequest:
             raise ValueError("num_committed exceeds the tokens")
 
     @classmethod
-    def of(cls, seq: "Sequence", hypothetical: Seq[int] = ()) -> "DraftRequest":
+    def of(cls, seq: "Sequence", hypothetical: Seq[int] = (), law: Any = None) -> "DraftRequest":
         """The view of `seq`; with `hypothetical` tokens after its committed prefix (e.g. a grammar's
         forced tokens), the view of that extended prefix (no extra roots then)."""
         if hypothetical:
             return cls(seq.seq_id, (*seq.token_ids, *hypothetical), seq.num_prompt_tokens, seq.params,
-                       seq.sample_key, seq.options or _NO_OPTIONS, (), len(seq.token_ids))
+                       seq.sample_key, seq.options or _NO_OPTIONS, (), len(seq.token_ids), law)
         return cls(seq.seq_id, tuple(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.sample_key,
-                   seq.options or _NO_OPTIONS, tuple(seq.alt_roots) if seq.held_back else ())
+                   seq.options or _NO_OPTIONS, tuple(seq.alt_roots) if seq.held_back else (), -1, law)
 
     @property
     def hypothetical(self) -> tuple[int, ...]:
@@ -76,12 +80,24 @@ class DraftRequest:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        """The output so far, hypothetical tokens included."""
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def processed(self, logits, paths: Seq[Seq[int]]):
+        """logits [n, V] of n draft nodes of this sequence, `paths` each node's tokens after the root
+        (the root excluded) -> the logits the target's law would have there after the request's
+        processing (`law`); unchanged when it has none."""
+        return logits if self.law is None else self.law.apply(self, logits, paths)
+
     def extend(self, tokens: Seq[int]) -> "DraftRequest":
         """The same sequence with `tokens` appended hypothetically (the root becomes tokens[-1])."""
         if not tokens:
             return self
         return DraftRequest(self.seq_id, self.token_ids + tuple(int(t) for t in tokens), self.num_prompt_tokens,
-                            self.params, self.sample_key, self.options, (), self.num_committed)
+                            self.params, self.sample_key, self.options, (), self.num_committed,
+                            self.law)
 
 
 class SeqStatus(enum.Enum):

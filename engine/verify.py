@@ -503,9 +503,11 @@ def keyed_choices(packed: PackedTrees, target_logits: torch.Tensor, sampling: Sa
             break
         node = cur[ix]
         probs = processed_probs(target_logits[rows[ix], node], _rows_of(st, ix))
-        sampled = (probs / keyed_exponentials(keys[ix], base[ix] + depth, V)).argmax(dim=-1)
+        sampled = argmax(probs / keyed_exponentials(keys[ix], base[ix] + depth, V))
         live = alive[ix]
         choice[ix, node] = torch.where(live, sampled, choice[ix, node])
+        if depth == D:                   # no node has children (a batch of roots alone: none at all)
+            break
         kids = packed.children[rows[ix], node]                                  # [k, C], -1: none
         match = (kids >= 0) & (packed.tokens[rows[ix, None], kids.clamp_min(0)] == sampled[:, None])
         found = match.any(dim=-1) & live

@@ -302,3 +302,70 @@ def test_model_runs_count_each_draft_forward_once_per_sequence_served(tiny_llama
     assert drafter.model_runs()["draft_model"][0] == 3 * 2 + 2
     drafter.propose(seqs, [1, 0])
     assert drafter.model_runs()["draft_model"][0] == 3 * 2 + 2 + 1
+
+
+def _recording(engine, strip_law: bool = False) -> list:
+    """Record every (view, tree) the draft model proposes; with `strip_law`, propose as a drafter
+    that ignores the request's processing would (the control)."""
+    import dataclasses
+
+    drafter, seen = engine.drafters["draft_model"], []
+    propose = drafter.propose
+
+    def recorded(views, budgets):
+        views = [dataclasses.replace(v, law=None) for v in views] if strip_law else views
+        trees = propose(views, budgets)
+        seen.extend(zip(views, trees))
+        return trees
+
+    drafter.propose = recorded
+    return seen
+
+
+@pytest.mark.parametrize("strip_law", [False, True])
+def test_sampled_drafts_come_from_the_requests_processed_law(tiny_llama_dir, strip_law):
+    """A sampled request's logit_bias bans half the vocabulary: drafts drawn from the processed law
+    never hold a banned token and are accepted more often; the control (drafts from the raw law)
+    draws banned ones, which verification then rejects."""
+    banned = set(range(3, 160))
+    params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, logit_bias={t: -100 for t in banned})
+    engine = engine_with(tiny_llama_dir, ["draft_model"], {"draft_model": {"draft_layers": 1, "k_config": "2,2,1"}})
+    seen = _recording(engine, strip_law)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    out = run(engine, [torch.randint(3, 320, (n,), generator=g).tolist() for n in (6, 11)], params)
+    assert not banned & {t for toks in out.values() for t in toks}          # the target's law bans them
+    drafted = [t for _, tree in seen if tree is not None for t in tree.tokens[1:]]
+    stats = engine.get_stats().drafters["draft_model"]
+    assert len(drafted) > 50 and stats.num_draft_tokens > 0
+    hits = sum(t in banned for t in drafted)
+    if strip_law:
+        assert hits > len(drafted) // 5
+    else:
+        assert hits == 0 and all(v.law is not None for v, _ in seen)
+
+
+@pytest.mark.parametrize("strip_law", [False, True])
+def test_sampled_drafts_under_a_grammar_stay_inside_it(tiny_llama_dir, strip_law):
+    """Drafts drawn from the masked law are all allowed after their paths; the control (the raw
+    law) drafts tokens the grammar forbids."""
+    pytest.importorskip("llguidance")
+    engine = engine_with(tiny_llama_dir, ["draft_model"], {"draft_model": {"draft_layers": 1, "k_config": "2,2,1"}})
+    seen = _recording(engine, strip_law)
+    guided = ("regex", r"[a-z ]{4,30}")
+    torch.manual_seed(1)
+    run(engine, [[7, 100, 42, 9, 250, 31], [5, 6, 7, 8, 9]],
+        SamplingParams(temperature=1.0, max_tokens=24, guided=guided))
+    trees = [(v, t) for v, t in seen if t is not None]
+    assert len(trees) > 5
+    inside = []
+    for view, tree in trees:
+        state = engine.grammars.state(guided)
+        state.advance(list(view.output_token_ids))
+        _, allowed = state.tree_masks(list(tree.tokens), list(tree.parents))
+        ended: set[int] = set()          # EOS nodes and what follows them: the walk (`tree_masks`) stops there
+        for i in range(1, tree.num_nodes):
+            if tree.tokens[i] in engine.eos_token_ids or tree.parents[i] in ended:
+                ended.add(i)
+        inside.append(set(range(tree.num_nodes)) - ended <= set(allowed))   # every other node allowed after its path
+    assert all(inside) != strip_law

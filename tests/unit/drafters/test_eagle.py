@@ -13,7 +13,7 @@ from helpers import (empirical_first_two_law, exact_first_two_law, make_llm_engi
                      total_variation)
 
 import specserve.drafters.eagle  # noqa: F401  (registers "eagle" until base._import_builtin lists it)
-from specserve.drafters.base import make_drafter
+from specserve.drafters.base import DraftRequest, make_drafter
 from specserve.drafters.eagle import EagleDrafter, _Node
 from specserve.drafters.train.data import label_ranking
 from specserve.drafters.train.eagle import EagleHead, fit_eagle
@@ -167,7 +167,7 @@ def test_kv_holds_only_rows_of_real_features(tiny_llama_dir, prompts_and_plain, 
             feats = hf(torch.tensor([seq.token_ids[:n]]), output_hidden_states=True).hidden_states[-1][0]
         fresh.start(seq)
         fresh.observe([seq], [(0, feats)])
-        view = _Prefix(seq, n + 1)                       # catch up exactly rows 0 .. n-1
+        view = prefix_view(seq, n + 1)                       # catch up exactly rows 0 .. n-1
         assert fresh.catch_up([view]) == [True]
         ours = drafter.cache.kv[:, 0, drafter.blocks.slots(seq.seq_id, 0, n)]
         want = fresh.cache.kv[:, 0, fresh.blocks.slots(seq.seq_id, 0, n)]
@@ -180,11 +180,9 @@ def test_kv_holds_only_rows_of_real_features(tiny_llama_dir, prompts_and_plain, 
     assert compared_tree_rows > 10
 
 
-class _Prefix:
-    """A sequence seen through its first `n` tokens."""
-
-    def __init__(self, seq, n):
-        self.seq_id, self.token_ids = seq.seq_id, seq.token_ids[:n]
+def prefix_view(seq, n) -> DraftRequest:
+    """The view of a sequence through its first `n` tokens."""
+    return DraftRequest(seq.seq_id, tuple(seq.token_ids[:n]), seq.num_prompt_tokens, seq.params)
 
 
 def test_dynamic_trees_fit_the_budget_and_are_level_major(tiny_llama_dir, trained_head):
