@@ -22,6 +22,11 @@ acceptance prior when that file is absent.
 
 All sequences of a step go through one heads matmul and one LM-head matmul.
 
+After hypothetical tokens (a grammar's forced ones, `Drafter.drafts_after_uncommitted`) there is
+no feature for the new root: the heads still read h_t of the committed root's predecessor, and a
+tree after k forced tokens takes its depth d from head k + d (the heads' own positions), cut where
+the heads run out.
+
 Options (`--drafter-option medusa.KEY=VALUE`):
   checkpoint=PATH   a trained checkpoint folder (`specserve train medusa ...`); default: the shipped
                     checkpoint in drafters/checkpoints/ whose target fingerprint matches
@@ -144,6 +149,8 @@ class MedusaDrafter(Drafter):
     def model_runs(self) -> dict[str, tuple[int, float]]:
         return {self.name: (self.num_runs, self.cost)}
 
+    drafts_after_uncommitted = True   # see Drafter and the module docstring; it keeps no per-draft state
+
     # ---- trees --------------------------------------------------------------------------------------------------
 
     def template(self, budget: int) -> tuple[TreeTemplate, list[int], int, int]:
@@ -174,24 +181,27 @@ class MedusaDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
         trees: list[TokenTree | None] = [None] * len(seqs)
-        live, rows, tpls = [], [], []
+        live, rows, tpls, skip = [], [], [], []
         for i, (seq, budget) in enumerate(zip(seqs, budgets)):
             st = self.features.last(seq.seq_id)
-            # the features must be those of the token right before the root
-            if budget <= 0 or st is None or st[0] != len(seq.token_ids) - 2:
+            # the features must be those of the committed token right before the committed root; after
+            # k hypothetical tokens (a grammar's forced ones) the tree's depth d is head k + d's
+            k = len(seq.hypothetical)
+            if budget <= 0 or st is None or st[0] != seq.num_committed - 2 or k >= self.num_heads:
                 continue
             live.append(i)
             rows.append(st[1])
             tpls.append(self.template(budget))
+            skip.append(k)
         if not live:
             return trees
-        depth = max(t[2] for t in tpls)
+        depth = min(self.num_heads, max(t[2] + k for t, k in zip(tpls, skip)))
         width = max(t[3] for t in tpls)
         h = torch.stack(rows).to(self.heads.weight.dtype)                    # [N, H]
         out = self.heads(h, depth)                                           # [N, depth, H]
         self.num_runs += len(live) * depth
         logits = self.vocab.logits(out.reshape(-1, out.shape[-1]))           # [N * depth, draft vocab]
         top = self.vocab.token_ids(logits.topk(width, dim=-1).indices).view(len(live), depth, width).tolist()
-        for j, i in enumerate(live):
-            trees[i] = cartesian_fill(tpls[j][0], seqs[i].token_ids[-1], top[j])
+        for j, i in enumerate(live):   # (cut where the heads run out: a topological prefix)
+            trees[i] = cartesian_fill(tpls[j][0], seqs[i].token_ids[-1], top[j][skip[j]:])
         return trees

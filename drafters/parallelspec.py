@@ -84,6 +84,9 @@ prefix_tree = preference_prefix   # the first `budget` nodes of a preference ord
 @register("parallelspec")
 class ParallelSpecDrafter(FeatureDrafter):
     name = "parallelspec"
+    # see Drafter: after h hypothetical tokens (a grammar's forced ones) the pass runs on the committed
+    # prefix as always and the tree's depth d takes distribution h + d - 1, cut where they run out
+    drafts_after_uncommitted = True
 
     def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, tree=None, random_init: bool = False,
                  k: int = 4, seed: int = 0, module=None, draft_vocab: int | None = None, block_size: int = 16,
@@ -148,7 +151,7 @@ class ParallelSpecDrafter(FeatureDrafter):
         H = mod.cfg.hidden_size
         for i, seq in enumerate(seqs):
             st = self.state.setdefault(seq.seq_id, self.State())
-            n = len(seq.token_ids)
+            n = seq.num_committed                # hypothetical tokens have no features: not fed
             start = min(st.kv_len, n - 1)        # the root is always fed again
             lo = max(start - 1, 0)
             feats = self.features.view(seq.seq_id, lo, n - 1)       # f_{start-1} .. f_{n-2}
@@ -185,7 +188,7 @@ class ParallelSpecDrafter(FeatureDrafter):
         for i in idx:
             seq = seqs[i]
             st = self.state[seq.seq_id]
-            st.kv_len = len(seq.token_ids) - 1
+            st.kv_len = seq.num_committed - 1
         return idx, logits
 
     def draft(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
@@ -195,8 +198,8 @@ class ParallelSpecDrafter(FeatureDrafter):
             return trees
         max_rank = min(MAX_RANK, logits.shape[-1])
         top = self.vocab.token_ids(logits.topk(max_rank, dim=-1).indices).tolist()   # [B, k+1, R]
-        for j, i in enumerate(got):
-            tree = cartesian_fill(self.template(budgets[i]), seqs[i].token_ids[-1], top[j])
+        for j, i in enumerate(got):   # after h hypothetical tokens, depth d takes distribution h + d - 1
+            tree = cartesian_fill(self.template(budgets[i]), seqs[i].token_ids[-1], top[j][len(seqs[i].hypothetical):])
             if tree.num_nodes > 1:
                 trees[i] = tree
         return trees

@@ -73,6 +73,16 @@ def make_llm_engine(model_dir, drafters: Sequence[str] = (), drafter_options: di
     return LLMEngine(EngineConfig(**cfg), loaded)
 
 
+def draft_view(seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int = 1, **kw):
+    """A drafter's view of a sequence (`DraftRequest`), greedy unless `params` is given, for
+    drafters driven without an engine."""
+    from specserve.engine.sampling_params import SamplingParams
+    from specserve.engine.sequence import DraftRequest
+
+    params = kw.pop("params", SamplingParams(temperature=0.0))
+    return DraftRequest(seq_id, tuple(token_ids), num_prompt_tokens, params, **kw)
+
+
 def step_and_collect(engine, got: dict[str, list[int]]) -> None:
     """One engine step; the token ids it produced are appended to `got[request id]`."""
     for out in engine.step():

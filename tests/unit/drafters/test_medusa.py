@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import copy
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests, total_variation
+from helpers import (draft_view, empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
+                     total_variation)
 
 from specserve.drafters import medusa as medusa_module
 from specserve.drafters.base import make_drafter
@@ -53,10 +53,10 @@ def test_tree_tokens_are_the_heads_top_k_by_depth_and_rank(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, drafters=())
     order = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0]]
     d = _drafter(engine.model, engine.model_config, random_init=True, init_std=0.1, tree=str(order))
-    seq = SimpleNamespace(seq_id=7, token_ids=[5, 6, 7, 8, 9])
+    seq = draft_view(7, [5, 6, 7, 8, 9])
     h = torch.randn(4, 64)
     d.observe([seq], [(0, h)])                                   # features of positions 0..3: the root is 4
-    tree, none = d.propose([seq, SimpleNamespace(seq_id=8, token_ids=[1, 2])], [5, 5])
+    tree, none = d.propose([seq, draft_view(8, [1, 2])], [5, 5])
     assert none is None                                          # no features for that sequence
     assert d.model_runs()["medusa"][0] == 2                      # 2 heads read for the one live sequence
     # budget 5: the first five paths of the order, laid out level-major
@@ -70,12 +70,16 @@ def test_tree_tokens_are_the_heads_top_k_by_depth_and_rank(tiny_llama_dir):
         assert tree.tokens[node] == int(top[depths[node] - 1, tpl.ranks[node]])
     # a budget beyond the order is the whole order; a stale feature (not right before the root) gives no tree
     assert d.propose([seq], [50])[0].num_draft_tokens == len(order)
-    seq.token_ids.append(11)
-    assert d.propose([seq], [5]) == [None]
+    assert d.propose([draft_view(7, [5, 6, 7, 8, 9, 11])], [5]) == [None]
+    # after k hypothetical tokens (a grammar's forced ones) depth d is head k + d's, cut where the heads run out
+    after = d.propose([draft_view(7, [5, 6, 7, 8, 9, 40], num_committed=5)], [5])[0]
+    after_depths = build_tree_buffers(after.parents).depths.tolist()
+    assert after.tokens[0] == 40 and after.parents == list(tpl.parents)[:after.num_nodes] and d.num_heads >= 3
+    assert all(after.tokens[n] == int(top[after_depths[n], tpl.ranks[n]]) for n in range(1, after.num_nodes))
     # standardized walltime: the depth-3 tree read 3 more heads; each read costs one head plus the LM head
     runs, cost = d.model_runs()["medusa"]
     hidden, vocab = engine.model_config.hidden_size, engine.model_config.vocab_size
-    assert runs == 2 + 3
+    assert runs == 2 + 3 + 3   # and the tree after one hypothetical token: heads 1..2 for its depth 2, read from 0
     assert cost == pytest.approx((hidden * hidden + hidden + vocab * hidden)
                                  / sum(p.numel() for p in engine.model.parameters()))
 
@@ -92,7 +96,7 @@ def test_draft_vocab_restricts_tree_tokens_to_the_ranked_ones(tiny_llama_dir, tm
     order = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0]]
     d = _drafter(engine.model, engine.model_config, heads=loaded, draft_vocab=20, tree=str(order))
     allowed = heads.vocab_rank[:20]
-    seq = SimpleNamespace(seq_id=1, token_ids=[5, 6, 7, 8, 9])
+    seq = draft_view(1, [5, 6, 7, 8, 9])
     h = torch.randn(4, 64)
     d.observe([seq], [(0, h)])
     tree = d.propose([seq], [6])[0]

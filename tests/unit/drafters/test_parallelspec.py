@@ -6,12 +6,11 @@ checkpoint so that drafts are really accepted (and rejected)."""
 
 from __future__ import annotations
 
-import types
 from functools import partial
 
 import pytest
 import torch
-from helpers import (empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
+from helpers import (draft_view, empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
                      total_variation)
 
 from specserve.drafters import parallelspec as _register  # noqa: F401  (registers "parallelspec")
@@ -198,7 +197,7 @@ def test_features_follow_the_target_kv_across_steps_and_preemption(tiny_llama_di
     assert engine.drafters["parallelspec"].features is engine.features
     d = make_drafter("parallelspec", target=engine.model, model_config=engine.model_config, device="cpu",
                      dtype=torch.float32, max_model_len=64, random_init=True, k=2)
-    seq = types.SimpleNamespace(seq_id=3, token_ids=list(range(20)))
+    seq = draft_view(3, list(range(20)))
     rows = torch.arange(20.0)[:, None].expand(20, engine.model_config.hidden_size)
     d.observe([seq, seq], [(0, rows[0:8]), (8, rows[8:12])])        # prefill chunks
     assert torch.equal(d.features.view(3, 3, 12), rows[3:12])
@@ -210,7 +209,7 @@ def test_features_follow_the_target_kv_across_steps_and_preemption(tiny_llama_di
     assert torch.equal(d.features.view(3, 10, 16), rows[10:16])
     assert d.features.view(3, 10, 17) is None                       # never invents missing positions
     # standardized walltime: one run per sequence the forward serves (not the one missing features)
-    short = types.SimpleNamespace(seq_id=4, token_ids=list(range(5)))
+    short = draft_view(4, list(range(5)))
     d.observe([short], [(0, rows[0:4])])
     assert d.model_runs()["parallelspec"][0] == 0
     assert d.propose([short, seq], [3, 3])[1] is None
