@@ -501,19 +501,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 TRAIN_DEFAULTS = dict(model="default", data="default", epochs=None, lr=None, batch_tokens=8192, max_examples=4000,
                       max_len=512, device="auto", dtype="auto", seed=0, self_distill_max_tokens=256, temperature=0.0,
-                      eval_examples=64, top_k=8, shard_size=256)   # a unit test keeps them equal to the pipeline's
+                      eval_examples=64, top_k=8, shard_size=256, distilled=None)   # equal to the pipeline's (a test)
 
 
 def _add_train(sub) -> None:
     d = TRAIN_DEFAULTS
     p = sub.add_parser(
-        "train", help="train a drafter (medusa, eagle, ..., mcsd-decision) for the target model",
+        "train", help="train a drafter (medusa, eagle, ..., mcsd-decision) for the target model, or answer the "
+                      "prompt pool with it (distill)",
         description="Distil a trained drafter from the target: build (or reuse) teacher shards -- the target's "
                     "hidden states and top-k next tokens over prompt + answer -- from the prompt pool, hold back "
                     "some examples to measure tau, then run the drafter's trainer and write its checkpoint "
                     "(model.safetensors + meta.json) to --out. `mcsd-decision` builds no teacher shards: it runs "
                     "the engine with the draft model's fork, logs every drafted token's verification outcome and "
-                    "trains the early-stop decision models into --out/type1 and --out/type2.")
+                    "trains the early-stop decision models into --out/type1 and --out/type2. `distill` trains "
+                    "nothing: the served target answers the prompt pool into --out, and `--distilled DIR` trains on "
+                    "those answers.")
     p.add_argument("drafter", metavar="DRAFTER", help="the drafter to train (an unknown name lists the available ones)")
     p.add_argument("--model", default=d["model"], help=MODEL_HELP)
     p.add_argument("--data", default=d["data"], metavar="PATH",
@@ -552,13 +555,27 @@ def _add_train(sub) -> None:
     p.add_argument("--top-k", type=int, default=d["top_k"], metavar="K",
                    help="target next-token candidates kept per token for KL distillation (default: %(default)s)")
     p.add_argument("--shard-size", type=int, default=d["shard_size"], metavar="N",
-                   help="examples per teacher shard (default: %(default)s)")
+                   help="examples per teacher shard; with distill, answers per shard (default: %(default)s)")
     p.add_argument("--cache-dir", metavar="DIR",
                    help="where teacher shards and self-distilled answers are cached and resumed "
                         "(default: $SPECSERVE_CACHE/train, else ~/.cache/specserve/train)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the drafter's trainer (repeatable), e.g. num_heads=4; values are parsed as "
                         "int, float, true/false or text")
+    p.add_argument("--distilled", default=d["distilled"], metavar="DIR",
+                   help="train on the target's own answers in a `specserve train distill` folder (the pool they "
+                        "answered must be --data) instead of the pool's reference answers")
+    g = p.add_argument_group("specserve train distill", "the served target answers the prompt pool into --out "
+                             "(compact, resumable shards of token ids; drafters/train/distill.py)")
+    g.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7], metavar="T",
+                   help="one answer per prompt at each temperature, 0 = greedy (default: %(default)s)")
+    g.add_argument("--max-tokens", type=int, default=512, metavar="N", help="longest answer (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=32, metavar="N",
+                   help="streams answered at once (default: %(default)s)")
+    g.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="take no new prompt after this long; the answers in flight are finished and kept")
+    g.add_argument("--max-prompts", type=int, default=None, metavar="N",
+                   help="answer only the first N prompts of the pool's balanced order (default: all)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
     p.set_defaults(func=_cmd_train)
@@ -569,6 +586,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from specserve.engine.errors import ModelNotFoundError, UnsupportedModelError
 
     _setup_logging(args.log_level)
+    if args.drafter == "distill":
+        return _cmd_distill(args)
     try:
         get_trainer(args.drafter)   # before anything heavy is loaded
     except UnknownTrainerError as exc:
@@ -587,6 +606,28 @@ def _cmd_train(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     print(f"checkpoint written to {out}")
+    return 0
+
+
+def _cmd_distill(args: argparse.Namespace) -> int:
+    from specserve.drafters.train.distill import DistillOptions, distill
+    from specserve.engine.errors import ModelNotFoundError, UnsupportedModelError
+
+    options = DistillOptions(out=args.out, model=args.model, data=args.data, temperatures=tuple(args.temperatures),
+                             max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs, shard_size=args.shard_size,
+                             time_limit=args.time_limit, max_prompts=args.max_prompts, seed=args.seed,
+                             device=args.device, progress=args.progress)
+    try:
+        report = distill(options)
+    except (ModelNotFoundError, UnsupportedModelError, FileNotFoundError, ValueError) as exc:
+        print(f"specserve train distill: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nspecserve train distill: interrupted (written shards are kept and continued next time)",
+              file=sys.stderr)
+        return 130
+    print(f"{report['answers']} answers, {report['tokens']} tokens in {report['seconds']} s "
+          f"({report['tok_s']} tok/s on {report['device']}) written to {args.out}")
     return 0
 
 

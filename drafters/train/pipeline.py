@@ -22,8 +22,9 @@ import torch
 from specserve.drafters.base import parse_option_value
 from specserve.drafters.nets.checkpoint import target_fingerprint
 from specserve.drafters.train import TrainData, TrainTarget, get_trainer
-from specserve.drafters.train.data import (ShardDataset, build_teacher_shards, load_prompt_pool,
+from specserve.drafters.train.data import (ShardDataset, balance_by_source, build_teacher_shards, load_prompt_pool,
                                            self_distill_examples)
+from specserve.drafters.train.distill import read_answers
 from specserve.engine.config import EngineConfig, ModelConfig
 from specserve.engine.core import LLMEngine
 from specserve.engine.loader import _cache_root as specserve_cache, load_model
@@ -35,8 +36,10 @@ DEFAULTS: dict[str, Any] = dict(
     model="default", data=None, prompt_field=None, messages_field=None, out=None, epochs=None, lr=None,
     batch_tokens=8192, max_examples=4000, max_len=512,
     device="auto", dtype="auto", seed=0, self_distill=False, self_distill_max_tokens=256, temperature=0.0,
-    eval_examples=64, cache_dir=None, top_k=8, shard_size=256, progress=True,
+    eval_examples=64, cache_dir=None, top_k=8, shard_size=256, progress=True, distilled=None,
 )
+# `specserve train distill`'s own flags: not options of a drafter's training
+DISTILL_FLAGS = ("temperatures", "max_tokens", "max_num_seqs", "time_limit", "max_prompts")
 
 
 def parse_options(items) -> dict[str, Any]:
@@ -83,9 +86,14 @@ def prepare_data(target: TrainTarget, options: Mapping[str, Any]) -> TrainData:
     shards (built or reused), split into train and held-back by example id."""
     o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
     data = o["data"] if o["data"] not in (None, "default") else None
-    examples = load_prompt_pool(data, max_examples=o["max_examples"], seed=o["seed"],
-                                require_output=not o["self_distill"], prompt_field=o["prompt_field"],
-                                messages_field=o["messages_field"])
+    if o["distilled"]:   # the served target's own answers (`specserve train distill`)
+        if o["self_distill"]:
+            raise ValueError("--distilled and --self-distill both name the answers to train on: choose one")
+        examples = balance_by_source(read_answers(o["distilled"], data), o["max_examples"], o["seed"])
+    else:
+        examples = load_prompt_pool(data, max_examples=o["max_examples"], seed=o["seed"],
+                                    require_output=not o["self_distill"], prompt_field=o["prompt_field"],
+                                    messages_field=o["messages_field"])
     if not examples:
         raise ValueError("the prompt pool is empty (no row with a reference answer; try --self-distill)")
     safe_name = re.sub(r"[^\w.-]+", "_", target.name)
@@ -144,7 +152,8 @@ def run_training(drafter: str, options: Mapping[str, Any], *, target: TrainTarge
 
 def options_from_namespace(args) -> dict[str, Any]:
     """`specserve train` arguments as the options dict trainers get (``--option`` entries merged in)."""
-    values = {k: v for k, v in vars(args).items() if k not in ("func", "option", "command", "drafter", "log_level")}
+    values = {k: v for k, v in vars(args).items()
+              if k not in ("func", "option", "command", "drafter", "log_level", *DISTILL_FLAGS)}
     extra = parse_options(getattr(args, "option", None))
     clash = sorted(set(extra) & set(values))
     if clash:

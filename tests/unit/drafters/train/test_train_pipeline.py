@@ -11,6 +11,7 @@ from specserve.drafters.train import (TrainData, TrainTarget, UnknownTrainerErro
                                       register_trainer, unregister_trainer)
 from specserve.drafters.nets.checkpoint import (CheckpointMeta, CheckpointMismatchError, describe_device,
                                                  load_checkpoint, save_checkpoint)
+from specserve.drafters.train import distill
 from specserve.drafters.train.loop import TrainConfig, train
 from specserve.server import cli
 
@@ -126,6 +127,22 @@ def test_train_with_self_distillation(dummy_trainer, tiny_llama_dir, pool_writer
     assert all(ex.output_ids and len(ex.output_ids) <= 5 for ex in data.examples)
     assert len(list((tmp_path / "cache").glob("*/self-distill-*.jsonl"))) == 1
     assert (out / "meta.json").is_file()
+
+
+def test_training_on_distilled_answers(dummy_trainer, tiny_llama_dir, pool_writer, tmp_path):
+    pool = pool_writer(tmp_path / "train_prompts.jsonl", {"a": 6, "b": 4}, with_output=False)
+    answers = tmp_path / "distill"
+    assert cli.main(["train", "distill", "--model", str(tiny_llama_dir), "--data", str(pool), "--out", str(answers),
+                     "--device", "cpu", "--max-tokens", "6", "--temperatures", "0", "--no-progress"]) == 0
+    out = tmp_path / "ckpt"
+    assert cli.main(_argv(tiny_llama_dir, pool, tmp_path, out, "--distilled", str(answers))) == 0
+    options, _, data = dummy_trainer[-1]
+    assert options["distilled"] == str(answers) and "temperatures" not in options
+    assert {ex.id for ex in data.examples} <= {f"{s}-{i}@t0" for s, n in (("a", 6), ("b", 4)) for i in range(n)}
+    assert len(data.examples) == 10 and all(ex.output_ids for ex in data.examples)
+    assert (out / "meta.json").is_file()
+    with pytest.raises(ValueError, match="another prompt pool"):
+        distill.read_answers(answers, str(pool_writer(tmp_path / "other.jsonl", {"a": 3}, with_output=False)))
 
 
 def test_teacher_forcing_needs_reference_answers(dummy_trainer, tiny_llama_dir, pool_writer, tmp_path, capsys):
