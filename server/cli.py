@@ -583,7 +583,6 @@ def _add_train(sub) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from specserve.drafters.train import UnknownTrainerError, get_trainer
-    from specserve.engine.errors import ModelNotFoundError, UnsupportedModelError
 
     _setup_logging(args.log_level)
     if args.drafter == "distill":
@@ -595,40 +594,41 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 2
     from specserve.drafters.train.pipeline import options_from_namespace, run_training
 
-    try:
-        options = options_from_namespace(args)
-        out = run_training(args.drafter, options)
-    except (ModelNotFoundError, UnsupportedModelError, FileNotFoundError, ValueError) as exc:
-        print(f"specserve train: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nspecserve train: interrupted (finished teacher shards are kept and reused next time)",
-              file=sys.stderr)
-        return 130
-    print(f"checkpoint written to {out}")
-    return 0
+    out, code = _train_job("specserve train", lambda: run_training(args.drafter, options_from_namespace(args)),
+                           "finished teacher shards are kept and reused next time")
+    if out is not None:
+        print(f"checkpoint written to {out}")
+    return code
 
 
 def _cmd_distill(args: argparse.Namespace) -> int:
     from specserve.drafters.train.distill import DistillOptions, distill
-    from specserve.engine.errors import ModelNotFoundError, UnsupportedModelError
 
     options = DistillOptions(out=args.out, model=args.model, data=args.data, temperatures=tuple(args.temperatures),
                              max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs, shard_size=args.shard_size,
                              time_limit=args.time_limit, max_prompts=args.max_prompts, seed=args.seed,
                              device=args.device, progress=args.progress)
+    report, code = _train_job("specserve train distill", lambda: distill(options),
+                              "written shards are kept and continued next time")
+    if report is not None:
+        print(f"{report['answers']} answers, {report['tokens']} tokens in {report['seconds']} s "
+              f"({report['tok_s']} tok/s on {report['device']}) written to {args.out}")
+    return code
+
+
+def _train_job(name: str, job, kept: str):
+    """(what `job()` returns, 0), or (None, the exit code) after saying what went wrong; `kept`:
+    what an interrupted run leaves for the next."""
+    from specserve.engine.errors import ModelNotFoundError, UnsupportedModelError
+
     try:
-        report = distill(options)
+        return job(), 0
     except (ModelNotFoundError, UnsupportedModelError, FileNotFoundError, ValueError) as exc:
-        print(f"specserve train distill: error: {exc}", file=sys.stderr)
-        return 1
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return None, 1
     except KeyboardInterrupt:
-        print("\nspecserve train distill: interrupted (written shards are kept and continued next time)",
-              file=sys.stderr)
-        return 130
-    print(f"{report['answers']} answers, {report['tokens']} tokens in {report['seconds']} s "
-          f"({report['tok_s']} tok/s on {report['device']}) written to {args.out}")
-    return 0
+        print(f"\n{name}: interrupted ({kept})", file=sys.stderr)
+        return None, 130
 
 
 # ---- entry point ------------------------------------------------------------------------------

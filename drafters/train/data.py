@@ -390,6 +390,35 @@ def _write_shard(path: Path, group: list[Example], shard_key: str, model, tokeni
 
 # ---- self-distillation ----------------------------------------------------------------------------------------------
 
+def engine_answers(engine, requests: Iterable[tuple[Any, list[int], SamplingParams]], *, max_in_flight: int,
+                   stop=lambda: False) -> Iterator[tuple[Any, list[int]]]:
+    """(key, generated token ids) of each request as it finishes, answered by `engine` (a specserve
+    LLMEngine: continuous batching, plain decoding) with at most `max_in_flight` requests in it.
+    `requests` yields (key, prompt ids, SamplingParams); none is taken once `stop()` is true (the
+    requests in flight still finish)."""
+    pending, in_flight = iter(requests), {}
+    exhausted = False
+    while True:
+        while not exhausted and len(in_flight) < max_in_flight and not stop():
+            item = next(pending, None)
+            if item is None:
+                exhausted = True
+                break
+            key, prompt_ids, params = item
+            request_id = f"answer-{key}"
+            engine.add_request(request_id, prompt_ids, params, drafter="none")
+            in_flight[request_id] = (key, [])
+        if not in_flight:
+            return
+        for out in engine.step():
+            key, ids = in_flight[out.request_id]
+            for delta in out.outputs:
+                ids.extend(delta.token_ids)
+            if out.finished:
+                del in_flight[out.request_id]
+                yield key, ids
+
+
 def self_distill_examples(engine, prompts: Seq[Example], *, max_tokens: int = 256, temperature: float = 0.0,
                           seed: int = 0, max_in_flight: int | None = None, cache_path: str | os.PathLike | None = None,
                           progress: bool = True) -> list[Example]:
@@ -419,7 +448,6 @@ def self_distill_examples(engine, prompts: Seq[Example], *, max_tokens: int = 25
                 if keys.get(row.get("id")) == row.get("key"):
                     done[row["id"]] = Example.from_row(row)
     todo = [(i, ex) for i, ex in enumerate(prompts) if ex.id not in done]
-    max_in_flight = max_in_flight or max(1, engine.config.max_num_seqs * 2)
     writer = None
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -427,37 +455,31 @@ def self_distill_examples(engine, prompts: Seq[Example], *, max_tokens: int = 25
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="self-distill", unit="ex",
                disable=not progress)
     skipped = 0
+
+    def requests():
+        nonlocal skipped
+        for i, ex in todo:
+            prompt_ids = render_prompt(tokenizer, ex.turns)
+            room = engine.max_model_len - len(prompt_ids)
+            if room < 1:
+                skipped += 1
+                bar.update(1)
+                continue
+            yield i, prompt_ids, SamplingParams(temperature=temperature, max_tokens=min(max_tokens, room),
+                                                seed=seed + i if temperature > 0 else None)
+
     try:
-        queue = list(todo)
-        in_flight: dict[str, tuple[Example, list[int]]] = {}
-        while queue or in_flight:
-            while queue and len(in_flight) < max_in_flight:
-                i, ex = queue.pop(0)
-                prompt_ids = render_prompt(tokenizer, ex.turns)
-                room = engine.max_model_len - len(prompt_ids)
-                if room < 1:
-                    skipped += 1
-                    bar.update(1)
-                    continue
-                params = SamplingParams(temperature=temperature, max_tokens=min(max_tokens, room),
-                                        seed=seed + i if temperature > 0 else None)
-                request_id = f"self-distill-{i}"
-                engine.add_request(request_id, prompt_ids, params, drafter="none")
-                in_flight[request_id] = (ex, [])
-            for out in engine.step():
-                ex, ids = in_flight[out.request_id]
-                for delta in out.outputs:
-                    ids.extend(delta.token_ids)
-                if out.finished:
-                    del in_flight[out.request_id]
-                    text = tokenizer.decode([t for t in ids if t not in engine.eos_token_ids], skip_special_tokens=True)
-                    result = Example(id=ex.id, turns=list(ex.turns), output=text, source=ex.source,
-                                     category=ex.category, output_ids=list(ids))
-                    done[ex.id] = result
-                    if writer is not None:
-                        writer.write(json.dumps({**result.to_row(), "key": keys[ex.id]}) + "\n")
-                        writer.flush()
-                    bar.update(1)
+        in_flight = max_in_flight or engine.config.max_num_seqs * 2
+        for i, ids in engine_answers(engine, requests(), max_in_flight=in_flight):
+            ex = prompts[i]
+            text = tokenizer.decode([t for t in ids if t not in engine.eos_token_ids], skip_special_tokens=True)
+            result = Example(id=ex.id, turns=list(ex.turns), output=text, source=ex.source, category=ex.category,
+                             output_ids=list(ids))
+            done[ex.id] = result
+            if writer is not None:
+                writer.write(json.dumps({**result.to_row(), "key": keys[ex.id]}) + "\n")
+                writer.flush()
+            bar.update(1)
     finally:
         bar.close()
         if writer is not None:

@@ -42,7 +42,8 @@ from typing import Any, Sequence as Seq
 
 import numpy as np
 
-from specserve.drafters.train.data import Example, balance_by_source, default_pool_path, read_examples, render_prompt
+from specserve.drafters.train.data import (Example, balance_by_source, default_pool_path, engine_answers,
+                                           read_examples, render_prompt)
 
 logger = logging.getLogger("specserve")
 
@@ -178,39 +179,28 @@ def distill(options: DistillOptions) -> dict[str, Any]:
         todo = [row for row in wanted if row not in done]
         next_shard = len(shards)
         pending: list[tuple[int, list[int]]] = []
-        in_flight: dict[str, tuple[int, list[int]]] = {}
         bar = tqdm(total=len(wanted), initial=len(wanted) - len(todo), desc=f"distill T={temperature:g}",
                    unit="answer", disable=not options.progress)
-        queue = list(todo)
-        while queue or in_flight:
-            while queue and len(in_flight) < 2 * options.max_num_seqs and not _past(deadline):
-                row = queue.pop(0)
+
+        def requests(temperature=temperature, todo=todo):
+            for row in todo:
                 prompt = render_prompt(engine.tokenizer, pool[row].turns)
                 room = engine.max_model_len - len(prompt)
                 if room < 1:
                     report["skipped"] += 1
                     continue
-                params = SamplingParams(temperature=temperature, max_tokens=min(options.max_tokens, room),
-                                        seed=options.seed + row if temperature > 0 else None)
-                engine.add_request(f"distill-{row}", prompt, params, drafter="none")
-                in_flight[f"distill-{row}"] = (row, [])
-            if _past(deadline):
-                queue.clear()
-            if not in_flight:
-                break
-            for res in engine.step():
-                row, ids = in_flight[res.request_id]
-                for delta in res.outputs:
-                    ids.extend(delta.token_ids)
-                if res.finished:
-                    del in_flight[res.request_id]
-                    pending.append((row, ids))
-                    report["answers"] += 1
-                    report["tokens"] += len(ids)
-                    bar.update(1)
-                    if len(pending) >= options.shard_size:
-                        _write_shard(out / _shard_name(temperature, next_shard), pending, temperature)
-                        next_shard, pending = next_shard + 1, []
+                yield row, prompt, SamplingParams(temperature=temperature, max_tokens=min(options.max_tokens, room),
+                                                  seed=options.seed + row if temperature > 0 else None)
+
+        for row, ids in engine_answers(engine, requests(), max_in_flight=2 * options.max_num_seqs,
+                                       stop=lambda: _past(deadline)):
+            pending.append((row, ids))
+            report["answers"] += 1
+            report["tokens"] += len(ids)
+            bar.update(1)
+            if len(pending) >= options.shard_size:
+                _write_shard(out / _shard_name(temperature, next_shard), pending, temperature)
+                next_shard, pending = next_shard + 1, []
         if pending:
             _write_shard(out / _shard_name(temperature, next_shard), pending, temperature)
         bar.close()
