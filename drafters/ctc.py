@@ -191,8 +191,10 @@ def build_trie(root: int, candidates: Seq[Seq[int]], weights: Seq[float], budget
 
 
 def draft_trees(roots: Seq[int], top_logp: torch.Tensor, top_ids: torch.Tensor, budgets: Seq[int],
-                num_candidates: int) -> list[TokenTree | None]:
-    """Per sequence: raw candidates from the slots' top-k, CTC collapse, trie within its budget."""
+                num_candidates: int, after: Seq[Seq[int]] | None = None) -> list[TokenTree | None]:
+    """Per sequence: raw candidates from the slots' top-k, CTC collapse, trie within its budget.
+    `after`: per sequence, tokens drafted before the root (a grammar's forced ones, the root their
+    last): only the candidates that begin with them count, with them cut off."""
     scores, raw = raw_candidates(top_logp, top_ids, num_candidates)
     keep = collapse_keep(raw)
     probs = scores.double().exp().tolist()
@@ -200,7 +202,12 @@ def draft_trees(roots: Seq[int], top_logp: torch.Tensor, top_ids: torch.Tensor, 
     trees = []
     for n, root in enumerate(roots):
         cands = [[t for t, kept in zip(r, kp) if kept] for r, kp in zip(raw_l[n], keep_l[n])]
-        trees.append(build_trie(int(root), cands, probs[n], int(budgets[n])))
+        weights = probs[n]
+        lead = list(after[n]) if after is not None else []
+        if lead:
+            pairs = [(c[len(lead):], w) for c, w in zip(cands, weights) if c[:len(lead)] == lead]
+            cands, weights = [c for c, _ in pairs], [w for _, w in pairs]
+        trees.append(build_trie(int(root), cands, weights, int(budgets[n])))
     return trees
 
 
@@ -231,6 +238,9 @@ class CTCDrafter(FeatureDrafter):
 
     name = "ctc"
     State = _SeqState
+    # see Drafter: after hypothetical tokens (a grammar's forced ones) its slots still start at the
+    # committed root, and the candidates that begin with those tokens give the draft after them
+    drafts_after_uncommitted = True
 
     def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, top_k: int | None = None,
                  candidates: int | None = None, draft_vocab: int | None = None, random_init: bool = False,
@@ -292,7 +302,7 @@ class CTCDrafter(FeatureDrafter):
         ready, todo = [], []
         for seq in seqs:
             st = self.state.setdefault(seq.seq_id, self.State())
-            n = len(seq.token_ids)
+            n = seq.num_committed                            # hypothetical tokens have no features
             missing = n - 1 - st.kv_len                      # rows kv_len .. n-2
             ok = n >= 2 and missing >= 0 and self.features.length(seq.seq_id) >= n - 1
             ok = ok and (missing > 0 or st.last_row is not None)
@@ -342,7 +352,7 @@ class CTCDrafter(FeatureDrafter):
         ids = torch.where(top.indices == blank, torch.full_like(top.indices, BLANK),
                           self.vocab.token_ids(top.indices.clamp(max=blank - 1)))
         drafted = draft_trees([seqs[i].token_ids[-1] for i in act], top.values, ids,
-                              [budgets[i] for i in act], self.num_candidates)
+                              [budgets[i] for i in act], self.num_candidates, [seqs[i].hypothetical for i in act])
         for i, tree in zip(act, drafted):
             trees[i] = tree
         return trees

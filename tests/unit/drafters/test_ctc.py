@@ -120,3 +120,13 @@ def test_draft_trees_collapse_and_deduplicate_the_raw_candidates():
             weights[col[:d]] = weights.get(col[:d], 0.0) + w
     assert weights[(a,)] == pytest.approx(0.88) and weights[(a, b)] == pytest.approx(0.4)
     assert weights[(b,)] == pytest.approx(0.12) and set(weights) == {(a,), (b,), (a, b)}
+
+
+def test_after_forced_tokens_only_the_candidates_that_begin_with_them_count():
+    top_ids = torch.tensor([[[5, 9], [6, 7]]])                       # 1 sequence, 2 slots, top-2 each
+    top_logp = torch.log(torch.tensor([[[0.6, 0.4], [0.7, 0.3]]]))
+    whole = draft_trees([1], top_logp, top_ids, [10], 4)[0]
+    assert sorted(zip(whole.parents, whole.tokens)) == [(-1, 1), (0, 5), (0, 9), (1, 6), (1, 7), (2, 6), (2, 7)]
+    after = draft_trees([5], top_logp, top_ids, [10], 4, after=[[5]])[0]   # the grammar forced 5: the root
+    assert after.tokens == [5, 6, 7] and after.parents == [-1, 0, 0]       # 5's continuations, heaviest first
+    assert draft_trees([8], top_logp, top_ids, [10], 4, after=[[8]]) == [None]   # no candidate begins with 8

@@ -251,7 +251,8 @@ def test_forced_tokens_are_drafted_for_free_and_change_nothing(tiny_llama_dir, e
         assert out[f"g{i}"][0] == hf_constrained_greedy(tiny_llama_dir, engine, p, CASES["json"], 40)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "mag", "draft_model", "eagle", "medusa", "parallelspec", "cascade"])
+@pytest.mark.parametrize("drafter", ["ngram", "mag", "draft_model", "eagle", "medusa", "parallelspec", "ctc",
+                                     "cascade"])
 def test_a_drafter_drafts_after_the_forced_tokens_in_the_same_tree(engine, prompts, plain, drafter):
     """Where the grammar forces tokens, a drafter that can draft from tokens not yet committed
     proposes the rest of the budget after them (its view extended by the forced tokens), in the
