@@ -7,11 +7,11 @@ residual rule that must be caught)."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests, total_variation
+from helpers import (draft_view, empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
+                     total_variation)
 
 from specserve.drafters.base import DrafterContext, DrafterOptionError, make_drafter
 from specserve.drafters.ctc import BLANK, CTCDrafter, draft_trees
@@ -39,7 +39,7 @@ def tiny_engine(tiny_llama_dir):
 def test_propose_respects_budgets_and_needs_the_features_before_the_root(tiny_engine):
     model, cfg = tiny_engine.model, tiny_engine.model_config
     d = _drafter(model, cfg, random_init=True, seed=1, top_k=3, candidates=27)
-    seqs = [SimpleNamespace(seq_id=i, token_ids=[5, 6, 7, 8, 9]) for i in range(4)]
+    seqs = [draft_view(i, [5, 6, 7, 8, 9]) for i in range(4)]
     h = torch.randn(4, 64)
     for s in seqs[:3]:
         d.start(s)
@@ -59,12 +59,12 @@ def test_propose_respects_budgets_and_needs_the_features_before_the_root(tiny_en
     expect = draft_trees([9], top.values, ids, [3], 27)[0]
     assert (trees[2].tokens, trees[2].parents) == (expect.tokens, expect.parents)
     # a stale feature (not right before the root) gives no tree until the features catch up
-    seqs[2].token_ids.append(11)
+    seqs[2] = draft_view(2, [5, 6, 7, 8, 9, 11])
     assert d.propose([seqs[2]], [3]) == [None]
     d.observe([seqs[2]], [(4, torch.randn(1, 64))])
     assert d.propose([seqs[2]], [3])[0] is not None
     # a gap in the features: no draft until they start again from position 0 (a recomputation)
-    seqs[2].token_ids.extend([12, 13])
+    seqs[2] = draft_view(2, [5, 6, 7, 8, 9, 11, 12, 13])
     d.observe([seqs[2]], [(6, torch.randn(1, 64))])
     assert d.propose([seqs[2]], [3]) == [None]
     d.observe([seqs[2]], [(0, torch.randn(7, 64))])
@@ -84,7 +84,7 @@ def test_draft_vocab_restricts_tree_tokens_to_the_ranked_ones(tiny_engine):
     net.set_vocab_rank(torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(3)))
     d = _drafter(model, cfg, net=net, draft_vocab=16, top_k=4, candidates=64)
     allowed = set(net.vocab_rank[:16].tolist())
-    seq = SimpleNamespace(seq_id=1, token_ids=list(range(3, 20)))
+    seq = draft_view(1, list(range(3, 20)))
     d.observe([seq], [(0, torch.randn(16, 64))])
     tree = d.propose([seq], [12])[0]
     assert tree.num_draft_tokens == 12 and set(tree.tokens[1:]) <= allowed
@@ -103,7 +103,7 @@ def test_reads_the_engines_feature_store(tiny_engine):
     own = _drafter(model, cfg, random_init=True, seed=1)
     assert shared.features is store and own.features is not store
     g = torch.Generator().manual_seed(0)
-    seq = SimpleNamespace(seq_id=7, token_ids=list(range(5, 15)))      # root at position 9
+    seq = draft_view(7, list(range(5, 15)))                        # root at position 9
 
     def deliver(start, hidden):
         store.write(seq.seq_id, start, hidden)                         # the engine writes, then tells
@@ -120,7 +120,7 @@ def test_reads_the_engines_feature_store(tiny_engine):
     assert shared.propose([seq], [6]) == [None]                        # features 5..8 still missing
     deliver(5, h[5:9])
     trees()
-    seq.token_ids += [20, 21]
+    seq = draft_view(7, list(range(5, 15)) + [20, 21])                # two tokens more (the closures read `seq`)
     deliver(9, h[9:11])
     before = trees()
     deliver(0, torch.randn(11, 64, generator=g))                       # a recomputation with other features

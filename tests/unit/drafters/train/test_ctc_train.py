@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import draft_view
 
 from specserve.drafters.base import make_drafter
 from specserve.drafters.ctc import ctc_collapse
@@ -80,11 +81,6 @@ def test_accepted_in_tree_and_walk_tau_hand_worked():
     assert walk_tau(rows) == pytest.approx((3 + 1 + 2 + 1) / 4)
 
 
-class _Seq:
-    def __init__(self, seq_id, token_ids):
-        self.seq_id, self.token_ids = seq_id, list(token_ids)
-
-
 def perturbed_net(target, seed: int = 0, scale: float = 0.05, num_slots: int = 4) -> CTCDraftNet:
     net = CTCDraftNet.from_target(target.model_config, target.model, num_slots=num_slots, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -120,7 +116,7 @@ def test_dense_training_forward_is_the_serving_drafters_arithmetic(tiny_target):
                            max_model_len=64, net=net)
     served = []
     for (b, t) in select.nonzero().tolist():
-        seq = _Seq(10 * b + t, seqs[b][:t + 2])                  # the root is x_{t+1}
+        seq = draft_view(10 * b + t, seqs[b][:t + 2])                  # the root is x_{t+1}
         drafter.start(seq)
         drafter.observe([seq], [(0, feats[b][:2])])
         drafter.observe([seq], [(2, feats[b][2:t + 1])])

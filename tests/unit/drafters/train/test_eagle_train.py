@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from helpers import draft_view
 
 from specserve.drafters.base import make_drafter
 from specserve.drafters.nets.checkpoint import CheckpointMismatchError, read_meta
@@ -69,11 +70,6 @@ def test_dense_training_forward_is_the_serving_layer(tiny_target):
         torch.testing.assert_close(head.forward_dense(f, e, cos[:width], sin[:width], select=select), dense[select])
 
 
-class _Seq:
-    def __init__(self, seq_id, token_ids):
-        self.seq_id, self.token_ids = seq_id, list(token_ids)
-
-
 def test_simulated_chains_are_the_serving_drafters_chains(tiny_target):
     """τ simulation (forward_unrolled) and serving (catch-up, then one tree row per level with
     predicted features) draft the same chain after the same prefix."""
@@ -84,7 +80,7 @@ def test_simulated_chains_are_the_serving_drafters_chains(tiny_target):
     prefix = torch.randint(3, cfg.vocab_size, (17,), generator=g).tolist()      # ... root
     drafter = make_drafter("eagle", target=model, model_config=cfg, device=torch.device("cpu"), dtype=torch.float32,
                            max_model_len=64, head=head, depth=steps, top_k=1, width=1, block_size=4)
-    seq = _Seq(0, prefix)
+    seq = draft_view(0, prefix)
     drafter.start(seq)
     feats = target_features(model, [prefix[:-1]])[0]
     drafter.observe([seq], [(0, feats)])

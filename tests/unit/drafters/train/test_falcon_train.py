@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import draft_view
 
 from specserve.drafters.base import make_drafter
 from specserve.drafters.nets.falcon import FalconHead, load_head, shipped_checkpoint
@@ -91,11 +92,6 @@ def test_distill_terms_over_all_candidates_are_the_full_softmax():
     assert full[0] >= 0
 
 
-class _Seq:
-    def __init__(self, seq_id, token_ids):
-        self.seq_id, self.token_ids = seq_id, list(token_ids)
-
-
 @pytest.mark.parametrize("prefix_len", [16, 17])
 def test_simulated_walks_are_the_serving_drafters_chains(tiny_target, prefix_len):
     """The offline walk (sar_ranks: root block from real rows, later blocks from predicted
@@ -107,7 +103,7 @@ def test_simulated_walks_are_the_serving_drafters_chains(tiny_target, prefix_len
     prefix = torch.randint(3, cfg.vocab_size, (prefix_len,), generator=g).tolist()
     drafter = make_drafter("falcon", target=model, model_config=cfg, device=torch.device("cpu"), dtype=torch.float32,
                            max_model_len=64, head=head, tree="chain", depth=depth, block_size=4)
-    seq = _Seq(0, prefix)
+    seq = draft_view(0, prefix)
     drafter.start(seq)
     drafter.observe([seq], [(0, target_features(model, [prefix[:-1]])[0])])
     tree = drafter.propose([seq], [depth])[0]

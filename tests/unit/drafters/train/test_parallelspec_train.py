@@ -4,10 +4,9 @@ and checkpoints that round-trip and refuse another target."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
+from helpers import draft_view
 
 from specserve.drafters.train import parallelspec as ps
 from specserve.drafters.train.parallelspec import (IGNORE, ParallelSpecModule, TrainOptions, build_parallel_layout,
@@ -115,12 +114,12 @@ def test_training_forward_equals_the_serving_forward(tiny_target, tiny_seqs):
     batch = make_batch(model, [seq])
     drafter = make_drafter("parallelspec", target=model, model_config=cfg, device="cpu", dtype=torch.float32,
                                   max_model_len=128, module=mod, block_size=4)
-    fake = types.SimpleNamespace(seq_id=7, token_ids=seq[:10])
+    fake = draft_view(7, seq[:10])
     drafter.start(fake)
     drafter.observe([fake], [(0, batch["hidden"][0, :9])])          # the root (position 9) has none yet
     for n, fed in ((10, None), (14, (9, 4)), (15, (13, 1))):
         if fed:
-            fake.token_ids = seq[:n]
+            fake = draft_view(7, seq[:n])
             drafter.observe([fake], [(fed[0], batch["hidden"][0, fed[0]:fed[0] + fed[1]])])
         got_idx, got = drafter.draft_logits([fake])
         assert got_idx == [0]
