@@ -150,13 +150,22 @@ class DraftLaw:
     def __init__(self, eos_token_ids, grammar=None):
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammar = grammar     # the sequence's `GrammarState`, at its committed state
+        self._processing: tuple | None = None   # (token ids, vocab, LogitsProcessing) of the last view
+
+    def _processing_of(self, view, vocab: int, device) -> LogitsProcessing:
+        """The view's `LogitsProcessing`, built once for all the nodes a drafter expands after it."""
+        last = self._processing
+        if last is None or last[0] != view.token_ids or last[1] != vocab:
+            last = self._processing = (view.token_ids, vocab,
+                                       LogitsProcessing.for_seqs([view], self.eos_token_ids, vocab, device))
+        return last[2]
 
     def apply(self, view, logits: torch.Tensor, paths) -> torch.Tensor:
         """logits [n, V] -> float32 [n, V]: row i processed after view.token_ids + paths[i]."""
         out = logits.float()
         n, V = out.shape
         if needs_processing(view.params, self.eos_token_ids):
-            proc = LogitsProcessing.for_seqs([view], self.eos_token_ids, V, out.device)
+            proc = self._processing_of(view, V, out.device)
             rows = [i for i, path in enumerate(paths) for _ in path]
             extra = torch.zeros(1, n, V, dtype=torch.float32, device=out.device)
             if rows:

@@ -93,6 +93,12 @@ def read_shard(path: Path) -> dict[int, list[int]]:
         return {int(r): tokens[offsets[i]:offsets[i + 1]].astype(np.int64).tolist() for i, r in enumerate(rows)}
 
 
+def _shard_index(path: Path) -> tuple[list[int], int]:
+    """(the pool rows a shard answers, its answer tokens), without decompressing the tokens."""
+    with np.load(path) as z:
+        return z["prompt_index"].tolist(), int(z["offsets"][-1])
+
+
 def _write_shard(path: Path, answers: list[tuple[int, list[int]]], temperature: float) -> None:
     lengths = [len(ids) for _, ids in answers]
     tmp = path.with_suffix(".tmp.npz")
@@ -174,7 +180,7 @@ def distill(options: DistillOptions) -> dict[str, Any]:
     t_start = time.perf_counter()
     for temperature in sorted(options.temperatures):
         shards = _shards(out, temperature)
-        done = {row for shard in shards for row in read_shard(shard)}
+        done = {row for shard in shards for row in _shard_index(shard)[0]}
         wanted = balanced[:options.max_prompts] if options.max_prompts else balanced
         todo = [row for row in wanted if row not in done]
         next_shard = len(shards)
@@ -210,10 +216,9 @@ def distill(options: DistillOptions) -> dict[str, Any]:
     report["seconds"] = round(seconds, 3)
     report["tok_s"] = round(report["tokens"] / seconds, 1) if seconds > 0 else 0.0
     manifest["runs"].append(report)
-    manifest["answers"] = {f"{t:g}": sum(len(read_shard(s)) for s in _shards(out, t))
-                           for t in manifest["temperatures"]}
-    manifest["answer_tokens"] = {f"{t:g}": sum(len(ids) for s in _shards(out, t) for ids in read_shard(s).values())
-                                 for t in manifest["temperatures"]}
+    index = {f"{t:g}": [_shard_index(s) for s in _shards(out, t)] for t in manifest["temperatures"]}
+    manifest["answers"] = {t: sum(len(rows) for rows, _ in shards) for t, shards in index.items()}
+    manifest["answer_tokens"] = {t: sum(n for _, n in shards) for t, shards in index.items()}
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, out / MANIFEST)
