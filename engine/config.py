@@ -55,6 +55,10 @@ class EngineConfig:
     # rows per sequence) buckets (engine/cuda_graphs.py); True runs every step eagerly (as vLLM's
     # --enforce-eager)
     enforce_eager: bool = False
+    # async scheduling (as vLLM's --async-scheduling): a step of plain decodes launches the next one
+    # before the host reads its tokens, so the host's work between steps overlaps the device's
+    # forward (`LLMEngine`); None: on CUDA only (on the CPU the forward is the host's own work)
+    async_scheduling: bool | None = None
     # CPU: the target's layer stack compiled with torch.compile (engine/compiled.py), compiled at
     # start-up (tens of seconds the first time, cached on disk by torch); not with enforce_eager
     compile: bool = False

@@ -22,7 +22,7 @@ from specserve.engine.loader import LoadedModel, load_model
 from specserve.engine.grammar import GRAMMAR_PART, Grammars, forced_tree, is_forced_tree, split_forced
 from specserve.engine.logits_processing import DraftLaw, needs_processing
 from specserve.engine.model import LlamaModel, pack_weights_in, quantize_weights_in
-from specserve.engine.model_runner import ModelRunner, StepResult
+from specserve.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from specserve.engine.outputs import RequestMetrics, RequestOutput, SeqDelta, TokenLogprob
 from specserve.engine.quant import auto_quantization, int8_activations, native_bf16, quantize_model
 from specserve.engine.sampler import sample_key
@@ -107,6 +107,9 @@ class LLMEngine:
                                   eos_token_ids=tuple(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        self._ahead: tuple[ScheduledBatch, LaunchedStep] | None = None   # a step launched, not yet read
         self.stats = EngineStats(num_total_blocks=num_blocks, memory_bytes=self.memory_bytes())
         logger.info("memory: %s", ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in self.stats.memory_bytes.items()))
         if config.compile and self.device.type == "cpu" and not config.enforce_eager:
@@ -454,7 +457,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step. A step that raises is retried sequence by sequence (`_isolate`), so an
-        error fails only the requests that cause it; only an unrecoverable device error escapes."""
+        error fails only the requests that cause it; only an unrecoverable device error escapes.
+        With async scheduling, a step of plain decodes may already have been launched by the last
+        call (`_launch_ahead`): this one reads it (`_step_ahead`)."""
+        if self._ahead is not None:
+            return self._step_ahead()
         batch = self.scheduler.schedule()
         for seq, exc in batch.failed:
             self._fail_request(seq.request, exc, "scheduling")
@@ -477,7 +484,7 @@ class LLMEngine:
             try:
                 trees = self._propose(batch, report)
                 t0 = time.perf_counter()
-                self._run_batch(batch, trees, report)
+                self._run_batch(batch, trees, report, may_run_ahead=True)
                 if any(seq.drafters or seq.grammar is not None for seq in batch.seqs):
                     # timed only where the policy has something to decide: its step cost fit is host
                     # work that a step of plain decoding alone would pay for nothing
@@ -598,8 +605,10 @@ class LLMEngine:
             self.stats.step_cost_tokens = [n for n, _ in estimates]
             self.stats.step_cost_seconds = [s for _, s in estimates]
 
-    def _run_batch(self, batch: ScheduledBatch, trees: dict[int, TokenTree], report: StepReport) -> None:
-        """Run `batch` (with the draft `trees` of some of its sequences) and commit its results.
+    def _run_batch(self, batch: ScheduledBatch, trees: dict[int, TokenTree], report: StepReport,
+                   may_run_ahead: bool = False) -> None:
+        """Run `batch` (with the draft `trees` of some of its sequences) and commit its results;
+        `may_run_ahead`: launch the next step before reading this one where it can (`_launch_ahead`).
 
         Until `runner.execute` returns, nothing a sequence owns has changed but KV slots past its
         committed length (rewritten by its next forward) and blocks reserved for this step, so a
@@ -611,8 +620,16 @@ class LLMEngine:
                             for seq, n in zip(batch.seqs, batch.num_tokens)
                             if seq.num_computed_tokens < seq.num_prompt_tokens)
         masks, cut = self._grammar_masks(batch, trees)
+        ahead: list[LaunchedStep] = []
+
+        def launch_next(launched: LaunchedStep) -> None:
+            nxt = self._launch_ahead(batch, launched)
+            if nxt is not None:
+                ahead.append(nxt)
+
         t0 = time.perf_counter()
-        result = self.runner.execute(batch, trees, feature_idx, masks)
+        result = self.runner.execute(batch, trees, feature_idx, masks,
+                                     on_launch=launch_next if may_run_ahead and self.async_scheduling else None)
         verify_time = time.perf_counter() - t0
         for res in result.results:    # stats and drafters see the tree as drafted, its pruned nodes rejected
             if res.seq.seq_id in cut:
@@ -623,6 +640,79 @@ class LLMEngine:
         if result.features:
             self._deliver_features(batch, result.features, result.layer_features)
         self._process(result, verify_time / max(1, len(trees)), report)
+        if ahead and not all(seq.is_finished for seq in batch.seqs):
+            self._ahead = (batch, ahead[0])
+
+    # ---- async scheduling -----------------------------------------------------------------
+
+    def _launch_ahead(self, batch: ScheduledBatch, launched: LaunchedStep) -> LaunchedStep | None:
+        """Launch the step after `launched` (in flight, not read) where it is sure to be the step
+        the scheduler would make next but for the sequences that `launched` ends: the same batch of
+        plain decodes, one token further, decoding from `launched`'s sampled tokens on the device.
+        So the host reads and commits `launched`'s tokens while the device runs this one; the rows
+        of sequences that `launched`'s token finished are dropped unread (`_step_ahead`).
+
+        Only where nothing about the next step depends on `launched`'s tokens on the host: no
+        request waiting (it is admitted first), no drafter or grammar, no logits processing (its
+        counts include the last token), no sequence whose token in flight is its last
+        (max_tokens, context), and room in the pool for every sequence's next KV slot without
+        preempting. Returns None where it does not launch."""
+        if launched.sampled is None or self.scheduler.waiting or batch.preempted:
+            return None
+        need = 0
+        for seq, n, budget in zip(batch.seqs, batch.num_tokens, batch.draft_budgets):
+            last = ((seq.params.max_tokens is not None and seq.num_output_tokens + 1 >= seq.params.max_tokens)
+                    or len(seq.token_ids) + 1 >= self.max_model_len)
+            if (seq.is_finished or n != 1 or budget or seq.num_computed_tokens + 1 != len(seq.token_ids) or last
+                    or seq.drafters or seq.grammar is not None or needs_processing(seq.params, self.eos_token_ids)):
+                return None
+            need += self.blocks.blocks_needed(seq.seq_id, len(seq.token_ids) + 1)
+        if need > self.blocks.num_free_blocks:
+            return None
+        for seq in batch.seqs:
+            self.blocks.grow(seq.seq_id, len(seq.token_ids) + 1)
+        try:
+            return self.runner.launch(batch, {}, ahead=launched.sampled)
+        except Exception as exc:
+            if is_unrecoverable(exc):
+                raise
+            logger.warning("launching a step ahead failed (%s: %s); the next step is scheduled as usual",
+                           type(exc).__name__, exc)
+            return None
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Read the step `_launch_ahead` launched (after launching the one after it, where it can)
+        and commit its tokens; the rows of sequences that ended since it was launched are dropped.
+        A read that fails changes nothing: the next step schedules those sequences again."""
+        batch, launched = self._ahead
+        self._ahead = None
+        report = StepReport(granted={})
+        nxt = self._launch_ahead(batch, launched)
+        t0 = time.perf_counter()
+        try:
+            result = launched.collect()
+        except Exception as exc:
+            if is_unrecoverable(exc):
+                raise
+            self.stats.num_step_failures_total += 1
+            logger.error("a step launched ahead failed (%s: %s); its sequences are scheduled again",
+                         type(exc).__name__, exc, exc_info=exc)
+            return self._collect()
+        verify_time = time.perf_counter() - t0
+        if any(seq.is_finished for seq in batch.seqs):   # ended by the last step's token, or aborted
+            keep = [b for b, seq in enumerate(batch.seqs) if not seq.is_finished]
+            batch = ScheduledBatch([batch.seqs[b] for b in keep], [batch.num_tokens[b] for b in keep],
+                                   [batch.draft_budgets[b] for b in keep])
+            result.num_computed = [result.num_computed[b] for b in keep]
+            result.results = [r for r in result.results if not r.seq.is_finished]
+        self.scheduler.postprocess(batch, result)
+        self._process(result, verify_time, report)
+        if nxt is not None and not all(seq.is_finished for seq in batch.seqs):
+            self._ahead = (batch, nxt)
+        self.scheduler.observe(report)
+        self.stats.num_steps_total += 1
+        self.stats.num_async_steps_total += 1
+        return self._collect()
 
     def _grammar_masks(self, batch: ScheduledBatch, trees: dict[int, TokenTree]) -> tuple[dict, dict]:
         """The grammar masks of the constrained sequences (`engine.grammar.GrammarState.prune`): a

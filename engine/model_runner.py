@@ -24,6 +24,7 @@ ancestor mask. Policy lives in the scheduler, stop handling in the engine core.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,25 +90,35 @@ class StepInputs:
     graph_tensors: list[torch.Tensor] = field(default_factory=list)   # the plan's lists on the device
 
 
+class LaunchedStep:
+    """A step queued on the device (`ModelRunner.launch`). `sampled`: its sampled tokens on the
+    device, in batch order, when every entry is a plain row (what a step launched ahead of this
+    one's reading decodes from); `collect()` waits for the step and reads its `StepResult` (once)."""
+
+    def __init__(self, sampled: torch.Tensor | None, read: Callable[[], StepResult]):
+        self.sampled = sampled
+        self._read = read
+
+    def collect(self) -> StepResult:
+        return self._read()
+
+
 class _Staging:
-    """A growing host buffer (pinned when the device is CUDA) that carries one step's integer
-    inputs to the device in a single copy. On the CPU the host tensor is used as is."""
+    """A host buffer (pinned when the device is CUDA) that carries one step's integer inputs to the
+    device in a single copy. On the CPU the host tensor is used as is."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.pinned = device.type == "cuda"
-        self.host = torch.empty(0, dtype=torch.int64)
 
     def upload(self, values: list[int]) -> torch.Tensor:
-        n = len(values)
         if self.device.type == "cpu":
             return torch.tensor(values, dtype=torch.int64)
-        if self.host.numel() < n:
-            self.host = torch.empty(max(n, 2 * self.host.numel()), dtype=torch.int64, pin_memory=self.pinned)
-        # a copy still in flight from the previous step must not see its source change
-        torch.cuda.current_stream(self.device).synchronize() if self.pinned else None
-        self.host[:n] = torch.from_numpy(np.asarray(values, dtype=np.int64))
-        return self.host[:n].to(self.device, non_blocking=True)
+        # a fresh pinned buffer from torch's caching host allocator, which keeps it from reuse until
+        # this copy has run: no wait for the stream, so a step can be staged while the last one runs
+        host = torch.empty(len(values), dtype=torch.int64, pin_memory=self.pinned)
+        host.numpy()[:] = values
+        return host.to(self.device, non_blocking=True)
 
 
 class ModelRunner:
@@ -134,13 +145,17 @@ class ModelRunner:
 
     # ---- inputs ---------------------------------------------------------------------------
 
-    def prepare(self, batch: ScheduledBatch, trees: dict[int, TokenTree]) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, trees: dict[int, TokenTree], ahead: bool = False) -> StepInputs:
         """Flatten the batch: each entry's new tokens (a prefill chunk, one decode token, or a
         tree's nodes), their positions, the rows needing logits, and the packed trees. A step that
         a captured graph can run (`self.graphs`: decode rows and trees only) also
-        gets its `GraphPlan`, the padding onto its bucket (engine/cuda_graphs.py)."""
-        starts = [seq.num_computed_tokens for seq in batch.seqs]
-        bucket = self._graph_bucket(batch, trees, starts)
+        gets its `GraphPlan`, the padding onto its bucket (engine/cuda_graphs.py).
+
+        `ahead`: a step of plain decodes one token past each sequence's host state (`launch`): its
+        input token is the one the step in flight samples, at position len(token_ids); its id here
+        is a placeholder."""
+        starts = [len(seq.token_ids) if ahead else seq.num_computed_tokens for seq in batch.seqs]
+        bucket = self._graph_bucket(batch, trees, starts, int(ahead))
         tree_idx = [b for b in range(len(batch.seqs)) if b in trees]
         packed = pack_trees([trees[b] for b in tree_idx], self.device) if tree_idx else None
         ids: list[int] = []
@@ -160,11 +175,11 @@ class ModelRunner:
                 qlens.append(tree.num_nodes)
                 masks.append(packed.mask[t, :tree.num_nodes, :tree.num_nodes])
                 continue
-            ids.extend(seq.token_ids[start:start + n])
+            ids.extend(seq.token_ids[start:start + n] if not ahead else [0])
             positions.extend(range(start, start + n))
             qlens.append(n)
             masks.append(None)
-            if start + n == len(seq.token_ids):   # this chunk reaches the end: the next token is due
+            if start + n == len(seq.token_ids) + ahead:   # this chunk reaches the end: the next token is due
                 plain.append(b)
                 plain_rows.append(len(ids) - 1)
         logit_rows = plain_rows + [r0 + i for r0, b in zip(tree_rows, tree_idx) for i in range(trees[b].num_nodes)]
@@ -201,9 +216,11 @@ class ModelRunner:
             inputs.tree_block_tables = meta.block_tables.index_select(0, tree_batch_idx)
         return inputs
 
-    def _graph_bucket(self, batch: ScheduledBatch, trees: dict, starts: list[int]) -> tuple[int, int] | None:
+    def _graph_bucket(self, batch: ScheduledBatch, trees: dict, starts: list[int], ahead: int = 0
+                      ) -> tuple[int, int] | None:
         """The captured (batch, nodes) bucket of a step made of decode rows (one new token per
-        sequence, at its end) and draft trees, or None: the step runs eagerly."""
+        sequence, at its end: `ahead` tokens past its host state) and draft trees, or None: the step
+        runs eagerly."""
         if self.graphs is None:
             return None
         nodes = 1
@@ -211,7 +228,7 @@ class ModelRunner:
             tree = trees.get(b)
             if tree is not None:
                 nodes = max(nodes, tree.num_nodes)
-            elif n != 1 or start + 1 != len(seq.token_ids):
+            elif n != 1 or start + 1 != len(seq.token_ids) + ahead:
                 return None
         width = max(len(self.blocks.block_tables[seq.seq_id]) for seq in batch.seqs)
         if width > self.graphs.block_tables.shape[1]:
@@ -220,22 +237,40 @@ class ModelRunner:
 
     # ---- the step -------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, trees: dict[int, TokenTree] | None = None,
                 feature_idx: set[int] | frozenset = frozenset(),
-                grammar_masks: dict[int, np.ndarray] | None = None) -> StepResult:
-        """Run one step. `trees` maps a batch index to the draft tree of that (decode) sequence;
+                grammar_masks: dict[int, np.ndarray] | None = None,
+                on_launch: Callable[[LaunchedStep], None] | None = None) -> StepResult:
+        """Run one step: `launch` it, call `on_launch` with it (while the device runs it: the engine
+        launches the next step there, `LLMEngine` async scheduling), and read its result."""
+        launched = self.launch(batch, trees, feature_idx, grammar_masks)
+        if on_launch is not None:
+            on_launch(launched)
+        return launched.collect()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, trees: dict[int, TokenTree] | None = None,
+               feature_idx: set[int] | frozenset = frozenset(),
+               grammar_masks: dict[int, np.ndarray] | None = None,
+               ahead: torch.Tensor | None = None) -> LaunchedStep:
+        """Queue one step on the device; `LaunchedStep.collect` waits for it and reads its result. `trees` maps a batch index to the draft tree of that (decode) sequence;
         its KV blocks must already hold committed length + tree size tokens. For the batch
         indices in `feature_idx` the result carries the hidden states of the tokens that entered
         the KV cache (prefill chunk, decoded token, or the tree's root + accepted path).
         `grammar_masks`: per batch index of a constrained sequence, its allowed tokens (int32 words,
         engine/grammar.py): [words] for a plain row, [num_nodes, words] for a tree.
 
+        `ahead`: the device tokens [len(batch)] that the step in flight samples for the same batch of
+        plain decodes, in its order; this step decodes each sequence one token past its host state,
+        from them (`prepare`). No host sync here: its one transfer is queued, and read by `collect`.
+
         Nothing a sequence or the block manager owns changes here: the result carries each entry's
         computed length after the step (`StepResult.num_computed`), which the scheduler applies."""
         trees = trees or {}
         want_layers = bool(self.capture_layers and feature_idx)
-        inp = self.prepare(batch, trees)
+        inp = self.prepare(batch, trees, ahead is not None)
+        if ahead is not None:
+            inp.input_ids = ahead
         layers = None
         if inp.graph is not None:     # the graphs write the capture layers too (engine/cuda_graphs.py)
             hidden, layers = self.graphs.forward(inp.input_ids, inp.positions, inp.meta, inp.graph, inp.graph_tensors,
@@ -250,11 +285,13 @@ class ModelRunner:
 
         plain_seqs = [batch.seqs[b] for b in inp.plain]
         plain_lp = None
+        sampled = None
         if plain_seqs:
             st = self._sampling("plain", plain_seqs)
             plain_logits = self._masked(self._processed(logits[:num_plain], plain_seqs), inp.plain, grammar_masks)
-            out = sample(plain_logits, st, [s.num_output_tokens for s in plain_seqs])
+            out = sample(plain_logits, st, [s.num_output_tokens + (ahead is not None) for s in plain_seqs])
             device_out.append(out.token_ids)
+            sampled = out.token_ids
             if out.logprobs is not None:
                 plain_lp = (out.logprobs, out.top_ids, out.top_logprobs)
 
@@ -282,8 +319,29 @@ class ModelRunner:
                 chosen, top_ids, top_lps = lp
                 device_out += [top_ids.reshape(-1), _float_bits(chosen), _float_bits(top_lps)]
 
-        host = torch.cat(device_out).tolist() if device_out else []   # the one device-to-host transfer
-        result = StepResult(num_transfers=1 if device_out else 0)
+        # the one device-to-host transfer, queued: into pinned memory on CUDA, read by `collect`
+        flat = torch.cat(device_out) if device_out else None
+        done = None
+        if flat is not None and self.device.type == "cuda":
+            flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+
+        @torch.inference_mode()
+        def read() -> StepResult:
+            if done is not None:
+                done.synchronize()
+            host = flat.tolist() if flat is not None else []
+            return self._read(host, batch, trees, inp, feature_idx, hidden, layers, plain_seqs, plain_lp,
+                              verified, tree_lp, tree_seqs, stacked if verified is not None else None)
+
+        return LaunchedStep(sampled if len(inp.plain) == len(batch.seqs) and not trees else None, read)
+
+    def _read(self, host: list[int], batch, trees, inp: StepInputs, feature_idx, hidden, layers, plain_seqs,
+              plain_lp, verified, tree_lp, tree_seqs, stacked) -> StepResult:
+        """The step's result from its one transfer (`host`, as `launch` laid it out)."""
+        num_plain = len(inp.plain)
+        result = StepResult(num_transfers=1 if host else 0)
         reader = _Reader(host)
 
         tokens = reader.ints(num_plain)

@@ -228,8 +228,10 @@ def race_noise(st: SamplingTensors, vocab: int, positions, device: torch.device)
     read for keyed rows), the others' from the global RNG in one batched draw."""
     noise = torch.empty((st.temperature.shape[0], vocab), dtype=torch.float32, device=device).exponential_()
     if st.keyed_rows:
-        pos = torch.tensor([int(positions[i]) for i in st.keyed_rows], dtype=torch.int64, device=device)
-        rows = torch.tensor(st.keyed_rows, dtype=torch.int64, device=device)
+        # one non-blocking copy from pinned memory on CUDA: a pageable one waits for the stream, and this
+        # may run while the step before is still on the device (async scheduling)
+        host = torch.tensor([int(positions[i]) for i in st.keyed_rows] + list(st.keyed_rows), dtype=torch.int64)
+        pos, rows = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True).chunk(2)
         noise.index_copy_(0, rows, keyed_exponentials(st.keys, pos, vocab))
     return noise.clamp_min_(_TINY)
 

@@ -49,6 +49,7 @@ class EngineStats:
     num_generation_tokens_total: int = 0  # tokens generated
     num_steps_total: int = 0
     num_step_failures_total: int = 0      # steps that raised and were retried sequence by sequence
+    num_async_steps_total: int = 0        # steps launched before the last step's tokens were read
     num_failed_requests_total: int = 0    # requests the engine failed (a step, scheduling or a drafter raised)
     drafters: dict[str, "DrafterStats"] = field(default_factory=dict)   # copies, by drafter name
     # the goodput draft budget's step cost model: estimated seconds of a step of step_cost_tokens[i]

@@ -34,7 +34,8 @@ ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seq
                        gpu_memory_utilization=None,
                        max_queue_len=256, seed=0, drafters=(), num_speculative_tokens=8,
                        max_draft_tokens_per_step=64, draft_budget="goodput",
-                       prepack_weights=True, enforce_eager=False, compile=False, quantization="auto",
+                       prepack_weights=True, enforce_eager=False, async_scheduling=None, compile=False,
+                       quantization="auto",
                        quantize_lm_head=True, quantized_activations="float", quantize_drafters=True, kv_cache_dtype="auto",
                        grammar_drafts=True)
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config.DRAFT_BUDGETS (a unit test keeps them equal)
@@ -60,6 +61,7 @@ ENV_VARS = {
     "gpu_memory_utilization": "SPECSERVE_GPU_MEMORY_UTILIZATION",
     "max_queue_len": "SPECSERVE_MAX_QUEUE_LEN", "seed": "SPECSERVE_SEED",
     "prepack_weights": "SPECSERVE_PREPACK_WEIGHTS", "enforce_eager": "SPECSERVE_ENFORCE_EAGER",
+    "async_scheduling": "SPECSERVE_ASYNC_SCHEDULING",
     "compile": "SPECSERVE_COMPILE",
     "quantization": "SPECSERVE_QUANTIZATION", "quantize_lm_head": "SPECSERVE_QUANTIZE_LM_HEAD",
     "quantized_activations": "SPECSERVE_QUANTIZED_ACTIVATIONS", "quantize_drafters": "SPECSERVE_QUANTIZE_DRAFTERS",
@@ -116,6 +118,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
                    help="run every step eagerly: on CUDA no replay of the decode and verification steps' CUDA "
                         "graphs captured at start-up, on the CPU no --compile (default: off)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d["async_scheduling"],
+                   help="launch each step of plain decodes before the host has read the last one's tokens, so "
+                        "that the host's work overlaps the device's (as vLLM's --async-scheduling; steps with "
+                        "a drafter, a grammar or penalties stay synchronous); outputs are the same "
+                        "(default: on CUDA only)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d["compile"],
                    help="on the CPU, compile the target's layer stack with torch.compile at start-up (the "
                         "operations between two matmuls become one generated loop; attention stays eager): "

@@ -210,6 +210,9 @@ class _EngineStatsCollector(Collector):
             CounterMetricFamily("specserve_engine_step_failures", "Engine steps that raised and were retried "
                                 "sequence by sequence to isolate the requests causing it.",
                                 value=value("num_step_failures_total")),
+            CounterMetricFamily("specserve_engine_async_steps", "Engine steps launched before the previous "
+                                "step's tokens were read (async scheduling of plain decodes).",
+                                value=value("num_async_steps_total")),
             CounterMetricFamily("specserve_engine_failed_requests", "Requests the engine failed because a step, "
                                 "scheduling or token processing raised for them (the server stayed up).",
                                 value=value("num_failed_requests_total")),
