@@ -59,6 +59,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf(loaded.hf_config)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
+        # what the process held on the device before this engine: --gpu-memory-utilization counts the
+        # engine's own memory (another engine's in the same process is not this one's weights)
+        self._device_bytes_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         mc = self.model_config
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > mc.max_position_embeddings:
@@ -358,8 +361,8 @@ class LLMEngine:
             total = torch.cuda.get_device_properties(self.device).total_memory
             step_tokens = cfg.max_num_batched_tokens + cfg.max_draft_tokens_per_step
             reserve = activation_reserve_bytes(step_tokens, mc.hidden_size, mc.intermediate_size, mc.vocab_size)
-            cap_bytes = kv_pool_bytes(total, cfg.gpu_memory_utilization, torch.cuda.memory_allocated(self.device),
-                                      reserve)
+            used = torch.cuda.memory_allocated(self.device) - self._device_bytes_before
+            cap_bytes = kv_pool_bytes(total, cfg.gpu_memory_utilization, used, reserve)
             logger.info("--gpu-memory-utilization %.2f: %.2f GiB of %.2f GiB for the KV pool",
                         cfg.gpu_memory_utilization, cap_bytes / 2**30, total / 2**30)
         elif cfg.gpu_memory_utilization is not None:
