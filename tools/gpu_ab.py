@@ -6,6 +6,7 @@ there).
     python tools/gpu_ab.py pack --old REV        # here: .device/ab (both trees, the model's config, prompts)
     python tools/gpu_ab.py run --out DIR         # there, carrying .device/ab: old, new, old, new
     python tools/gpu_ab.py run --out DIR --dry-run   # the same on the CPU, a 2-layer model, 8 tokens
+    python tools/gpu_ab.py profile --out DIR     # there: where the new tree's decode step goes
 
 On the GPU machine the command runs in the working tree's root, so `--ab` keeps its default there.
 
@@ -13,6 +14,11 @@ Each variant runs in a child process with only its own tree on PYTHONPATH (`ab/<
 plain decoding at batch 1 (prompts one at a time) and at batch 32 (one closed batch), greedy, exactly
 --max-tokens each, and the n-gram drafter at batch 1. Interleaving the variants twice shows the
 run-to-run noise beside the difference. Writes DIR/ab.json and prints a table.
+
+`profile` runs the new tree alone, in a child likewise: plain decoding at batch 1, 8, 32 and 64 with
+async scheduling off and on (alternately, twice), then torch.profiler over decode steps at batch 1 and
+32, replayed as CUDA graphs and eagerly: each kernel's device time per step, the step's kernel count
+and device time against its wall time. Writes DIR/profile.json and DIR/profile.txt.
 """
 
 from __future__ import annotations
@@ -128,6 +134,125 @@ def measure(model_dir: str, data_dir: str, max_tokens: int, dry: bool) -> dict:
     return out
 
 
+def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path: str) -> dict:
+    """In a child: the new tree's decode step, timed and profiled (see the module's docstring)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from specserve.bench.common import chat_ids
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.core import LLMEngine
+    from specserve.engine.sampling_params import SamplingParams
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = []
+    for name in ("mt_bench", "humaneval", "gsm8k"):
+        for line in (Path(data_dir) / f"{name}.jsonl").read_text().splitlines()[:22]:
+            prompts.append(chat_ids(tok, json.loads(line)["turns"][0])[:256])
+    cuda = not dry
+    sizes = [1, 2] if dry else [1, 8, 32, 64]
+    eng = LLMEngine(EngineConfig(model=model_dir, device="cuda" if cuda else "cpu",
+                                 dtype="bfloat16" if cuda else "float32", max_num_seqs=max(sizes), max_model_len=512,
+                                 max_num_batched_tokens=4096, num_kv_blocks=max(sizes) * 32 + 64, drafters=("none",),
+                                 quantization="none"))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    def decode(group, tag, steps_hook=None):
+        for i, p in enumerate(group):
+            eng.add_request(f"{tag}-{i}", p, params)
+        while eng.num_requests and any(s.num_computed_tokens < len(s.token_ids) - 1
+                                       for r in eng.requests.values() for s in r.seqs):
+            eng.step()                                   # the prefill, not timed
+        sync()
+        walls, t0 = [], time.perf_counter()
+        while eng.has_unfinished_requests():
+            s0 = time.perf_counter()
+            eng.step()
+            walls.append(time.perf_counter() - s0)
+        sync()
+        return len(walls), time.perf_counter() - t0, walls
+
+    decode(prompts[:1], "warm")
+    decode(prompts[:max(sizes)], "warm-b")
+    sweep: dict[str, dict] = {}
+    for rnd in range(2):
+        for b in sizes:
+            for on in (False, True):
+                eng.async_scheduling = on
+                n, secs, walls = decode(prompts[:b], f"s{rnd}-{b}-{on}")
+                row = sweep.setdefault(f"b{b}_{'async' if on else 'sync'}", {"tok_s": [], "median_step_ms": []})
+                row["tok_s"].append(b * max_tokens / secs)
+                row["median_step_ms"].append(statistics.median(walls) * 1e3)
+    eng.async_scheduling = eng.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    kernels: dict[str, dict] = {}
+    lines = []
+    graphs = eng.runner.graphs
+    for label, b, graphed in (("b1_graphs", 1, True), ("b32_graphs", sizes[-2] if not dry else 2, True),
+                              ("b1_eager", 1, False)):
+        eng.runner.graphs = graphs if graphed else None
+        for i, p in enumerate(prompts[:b]):
+            eng.add_request(f"p-{label}-{i}", p, params)
+        for _ in range(4):                                # the prefill and a few steps, not profiled
+            eng.step()
+        sync()
+        steps, t0 = 0, time.perf_counter()
+        with torch_profile(activities=acts) as prof:
+            while eng.has_unfinished_requests() and steps < 32:
+                eng.step()
+                steps += 1
+            sync()
+        wall = time.perf_counter() - t0
+        while eng.has_unfinished_requests():
+            eng.step()
+        rows = []
+        for e in prof.key_averages():
+            dev = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) or 0
+            if dev > 0:
+                rows.append({"name": e.key[:120], "calls_per_step": e.count / steps, "us_per_step": dev / steps})
+        rows.sort(key=lambda r: -r["us_per_step"])
+        kernels[label] = {"steps": steps, "wall_ms_per_step": wall / steps * 1e3,
+                          "device_ms_per_step": sum(r["us_per_step"] for r in rows) / 1e3,
+                          "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:30]}
+        lines.append(f"==== {label}: {steps} steps, wall {wall / steps * 1e3:.3f} ms/step, device "
+                     f"{kernels[label]['device_ms_per_step']:.3f} ms/step, {kernels[label]['kernels_per_step']:.0f} "
+                     f"kernels/step")
+        lines.append(prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                               row_limit=40, max_name_column_width=90))
+    eng.runner.graphs = graphs
+    Path(text_path).write_text("\n".join(lines) + "\n")
+    return {"sweep": sweep, "kernels": kernels, "max_tokens": max_tokens,
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+
+
+def run_profile(out: Path, max_tokens: int, dry: bool) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = out / "model" if dry else Path("/tmp/specserve-ab-model")
+    if not (model_dir / "model.safetensors").is_file():
+        shutil.rmtree(model_dir, ignore_errors=True)
+        shutil.copytree(AB / "model", model_dir)
+        draw_weights(model_dir, dry)
+    env = {**os.environ, "PYTHONPATH": str(AB / "new")}
+    proc = subprocess.run([sys.executable, __file__, "profile-child", str(model_dir), str(AB / "data"), str(max_tokens),
+                           str(out / "profile.txt")] + (["--dry-run"] if dry else []),
+                          env=env, capture_output=True, text=True, cwd="/")
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        return 1
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    (out / "profile.json").write_text(json.dumps(r, indent=2) + "\n")
+    for k, v in r["sweep"].items():
+        print(f"{k}: " + ", ".join(f"{t:.0f} tok/s ({m:.2f} ms/step)" for t, m in zip(v["tok_s"], v["median_step_ms"])))
+    for k, v in r["kernels"].items():
+        print(f"{k}: wall {v['wall_ms_per_step']:.3f} ms/step, device {v['device_ms_per_step']:.3f} ms/step, "
+              f"{v['kernels_per_step']:.0f} kernels/step; top: " + "; ".join(
+                  f"{t['name'][:40]} {t['us_per_step']:.0f} us" for t in v["top"][:6]))
+    return 0
+
+
 def run(out: Path, max_tokens: int, dry: bool, rounds: int) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = out / "model" if dry else Path("/tmp/specserve-ab-model")
@@ -169,6 +294,17 @@ def main() -> int:
     r.add_argument("--dry-run", action="store_true")
     for parser in (p, r):
         parser.add_argument("--ab", type=Path, default=AB, help=f"the packed folder (default: {AB})")
+    f = sub.add_parser("profile")
+    f.add_argument("--out", type=Path, required=True)
+    f.add_argument("--max-tokens", type=int, default=128)
+    f.add_argument("--dry-run", action="store_true")
+    f.add_argument("--ab", type=Path, default=AB, help=f"the packed folder (default: {AB})")
+    c = sub.add_parser("profile-child")
+    for name in ("model_dir", "data_dir"):
+        c.add_argument(name)
+    c.add_argument("max_tokens", type=int)
+    c.add_argument("text_path")
+    c.add_argument("--dry-run", action="store_true")
     m = sub.add_parser("measure")
     m.add_argument("model_dir")
     m.add_argument("data_dir")
@@ -181,6 +317,11 @@ def main() -> int:
         return 0
     if args.cmd == "run":
         return run(args.out, 8 if args.dry_run else args.max_tokens, args.dry_run, args.rounds)
+    if args.cmd == "profile":
+        return run_profile(args.out, 8 if args.dry_run else args.max_tokens, args.dry_run)
+    if args.cmd == "profile-child":
+        print(json.dumps(profile(args.model_dir, args.data_dir, args.max_tokens, args.dry_run, args.text_path)))
+        return 0
     print(json.dumps(measure(args.model_dir, args.data_dir, args.max_tokens, args.dry_run)))
     return 0
 

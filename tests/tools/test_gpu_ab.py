@@ -31,3 +31,20 @@ def test_the_dry_run_measures_both_trees(tmp_path, tiny_llama_dir):
     for r in results:     # each child imported its own tree
         assert r["tree"] == str(ab / r["variant"] / "specserve")
         assert all(r[k]["tok_s"] > 0 for k in ("plain_b1", "ngram_b1", "plain_b32"))
+
+
+def test_the_profile_dry_run_sweeps_batches_with_and_without_async_scheduling(tmp_path, tiny_llama_dir):
+    env = {**os.environ, "SPECSERVE_DATA": str(write_prompts(tmp_path / "data"))}
+    ab, out = tmp_path / "ab", tmp_path / "out"
+    tool = [sys.executable, str(ROOT / "tools" / "gpu_ab.py")]
+    subprocess.run(tool + ["pack", "--old", "HEAD", "--model-dir", str(tiny_llama_dir), "--ab", str(ab)],
+                   cwd=ROOT, env=env, check=True, capture_output=True, timeout=120)
+    proc = subprocess.run(tool + ["profile", "--ab", str(ab), "--out", str(out), "--dry-run"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((out / "profile.json").read_text())
+    assert set(r["sweep"]) == {f"b{b}_{mode}" for b in (1, 2) for mode in ("sync", "async")}
+    assert all(min(v["tok_s"]) > 0 and len(v["median_step_ms"]) == 2 for v in r["sweep"].values())
+    assert set(r["kernels"]) == {"b1_graphs", "b32_graphs", "b1_eager"}
+    assert all(v["steps"] > 0 and v["wall_ms_per_step"] > 0 for v in r["kernels"].values())
+    assert "==== b1_eager" in (out / "profile.txt").read_text()
