@@ -110,7 +110,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, through oneDNN for 2-D inputs on the CPU in the dtypes it supports here (see
     `_onednn_linear`, `onednn_linear_dtypes`), on the weight's prepacked copy when it has one
     (`pack_linear_weight`), or with its quantized copy when it has one (`engine/quant.py`; CPU
-    kernels, or Triton's on CUDA).
+    kernels, or Triton's on CUDA); on CUDA a product of a few bf16/fp16 rows through
+    `kernels/skinny_gemm.py` where it is switched on.
     Neither has a backward: where a gradient is wanted, F.linear on the weight itself."""
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
@@ -127,7 +128,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if compiling:   # opaque to torch.compile, which cannot lower a prepacked weight it did not pack
             return torch.ops.specserve.onednn_linear(x, use, bias, weight.shape[0])
         return _ONEDNN_LINEAR(x, use, bias, "none", [], "")
+    if x.is_cuda and not grad:
+        skinny = _skinny_gemm()
+        if skinny is not None and skinny.usable(x, weight):
+            return skinny.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+_SKINNY = None   # kernels.skinny_gemm once imported; False where triton is missing
+
+
+def _skinny_gemm():
+    """`kernels.skinny_gemm` where it is switched on (SPECSERVE_SKINNY_GEMM=1) and triton imports."""
+    global _SKINNY
+    if _SKINNY is None:
+        try:
+            from specserve.kernels import skinny_gemm
+            _SKINNY = skinny_gemm
+        except ImportError:
+            _SKINNY = False
+    return _SKINNY if _SKINNY and _SKINNY.ENABLED else None
 
 
 if _ONEDNN_LINEAR is not None:
@@ -363,13 +383,8 @@ class DecoderLayer(nn.Module):
             return h + delta
         fused = fused_kernels(h) if self.fusable else None
         if fused is not None:
-            x = fused.rms_norm(h, self.input_norm, self.eps)
-            qkv = linear(x, self.qkv.weight, self.qkv.bias)
-            q = fused.rope_and_cache(qkv, rope.cos, rope.sin_signed, meta.slot_mapping, k_cache, v_cache,
-                                     self.num_heads, self.num_kv_heads, self.head_dim)
-            attn = linear(paged_attention(q, k_cache, v_cache, meta, self.scale), self.o.weight)
-            x, h = fused.add_rms_norm(attn, h, self.post_attn_norm, self.eps)
-            return h + linear(fused.silu_mul(linear(x, self.gate_up.weight)), self.down.weight)
+            h, delta = self.forward_fused(fused, h, None, rope, k_cache, v_cache, meta)
+            return h + delta
         return self.forward_with(h, rope, lambda q, k, v: write_and_attend(q, k, v, k_cache, v_cache, meta,
                                                                           self.scale))
 
@@ -392,6 +407,21 @@ class DecoderLayer(nn.Module):
         x, h = native.add_rms_norm(_project(attn, self.o.weight, o_q), h, self.post_attn_norm, self.eps, gu_act)
         gate_up = _project(x, self.gate_up.weight, gu_q)
         return h, _project(native.silu_mul(gate_up, down_act), self.down.weight, down_q)
+
+    def forward_fused(self, fused, h, delta, rope: RopeRows, k_cache, v_cache, meta: AttnMetadata):
+        """`forward` through the fused kernels (`kernels/fused.py`) with the residual stream before and
+        after the layer being h + delta (delta None: h alone), as `forward_native`: the residual add
+        of one layer's output joins the next layer's input norm in one kernel. Returns (h, delta)."""
+        if delta is None:
+            x = fused.rms_norm(h, self.input_norm, self.eps)
+        else:
+            x, h = fused.add_rms_norm(delta, h, self.input_norm, self.eps)
+        qkv = linear(x, self.qkv.weight, self.qkv.bias)
+        q = fused.rope_and_cache(qkv, rope.cos, rope.sin_signed, meta.slot_mapping, k_cache, v_cache,
+                                 self.num_heads, self.num_kv_heads, self.head_dim)
+        attn = linear(paged_attention(q, k_cache, v_cache, meta, self.scale), self.o.weight)
+        x, h = fused.add_rms_norm(attn, h, self.post_attn_norm, self.eps)
+        return h, linear(fused.silu_mul(linear(x, self.gate_up.weight)), self.down.weight)
 
     def forward_with(self, h, rope: RopeRows, attend):
         """The layer with its attention given: `attend(q [T, heads, D], k, v [T, kv_heads, D])` ->
@@ -472,13 +502,18 @@ class LlamaModel(nn.Module):
         layers. An empty `capture_layers` costs nothing."""
         native = cpu_kernels(self.norm)
         if native is not None and native.usable(self.norm, kv_cache.layer(0)[0], attn_metadata):
-            return self._forward_native(native, input_ids, positions, kv_cache, attn_metadata, capture_layers)
+            return self._forward_deferred(native, input_ids, positions, kv_cache, attn_metadata, capture_layers)
+        fused = fused_kernels(self.norm) if self.layers[0].fusable else None
+        if fused is not None:
+            return self._forward_deferred(fused, input_ids, positions, kv_cache, attn_metadata, capture_layers)
         return self.run_layers(input_ids, positions, capture_layers,
                                lambda i, layer, h, rope: layer(h, rope, *kv_cache.layer(i), attn_metadata))
 
-    def _forward_native(self, native, input_ids, positions, kv_cache, meta: AttnMetadata, capture_layers):
-        """`forward` through the CPU's native kernels (`DecoderLayer.forward_native`): each layer's
-        output residual add joins the next layer's input norm, the last one the final norm."""
+    def _forward_deferred(self, kernels, input_ids, positions, kv_cache, meta: AttnMetadata, capture_layers):
+        """`forward` through the CPU's native kernels (`DecoderLayer.forward_native`) or CUDA's fused
+        ones (`DecoderLayer.forward_fused`): each layer's output residual add joins the next layer's
+        input norm, the last one the final norm (one kernel fewer per layer)."""
+        native = kernels if kernels is native_cpu else None
         h = self.embed(input_ids)
         rope = rope_at(self.rope_cos, self.rope_sin, positions, h.dtype)
         if capture_layers:
@@ -488,7 +523,7 @@ class LlamaModel(nn.Module):
         if 0 in slots:
             captured[:, slots[0]] = h
         delta = None
-        stack = self._native_stack(native, kv_cache)
+        stack = self._native_stack(native, kv_cache) if native is not None else None
         if stack is not None:       # every layer's projections native: runs of layers in one call each
             first = self.layers[0]
             h, delta, prev = h.contiguous(), torch.empty_like(h), 0
@@ -501,12 +536,13 @@ class LlamaModel(nn.Module):
                     captured[:, slots[end]] = h + delta
                 prev = end
         else:
+            run = DecoderLayer.forward_native if native is not None else DecoderLayer.forward_fused
             for i, layer in enumerate(self.layers):
-                h, delta = layer.forward_native(native, h, delta, rope, *kv_cache.layer(i), meta)
+                h, delta = run(layer, kernels, h, delta, rope, *kv_cache.layer(i), meta)
                 if i + 1 in slots:
-                    captured[:, slots[i + 1]] = h + delta     # the add the next norm makes, in the same fp32
-        out = native.rms_norm(h, self.norm, self.cfg.rms_norm_eps) if delta is None else \
-            native.add_rms_norm(delta, h, self.norm, self.cfg.rms_norm_eps)[0]
+                    captured[:, slots[i + 1]] = h + delta     # the add the next norm makes, rounded alike
+        out = kernels.rms_norm(h, self.norm, self.cfg.rms_norm_eps) if delta is None else \
+            kernels.add_rms_norm(delta, h, self.norm, self.cfg.rms_norm_eps)[0]
         return out if not capture_layers else (out, captured)
 
     def runs_natively(self) -> bool:

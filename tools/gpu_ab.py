@@ -121,7 +121,8 @@ def measure(model_dir: str, data_dir: str, max_tokens: int, dry: bool) -> dict:
     decode(prompts[:1], "none", "warm")
     decode(prompts[:batch], "none", "warm-b")
     decode(prompts[:1], "ngram", "warm-n")
-    out = {"tree": str(Path(engine_pkg.__file__).parents[1])}
+    out = {"tree": str(Path(engine_pkg.__file__).parents[1]),
+           "env": {k: v for k, v in os.environ.items() if k.startswith("SPECSERVE_")}}
     for label, drafter, groups in (("plain_b1", "none", [[p] for p in prompts[:3]]),
                                    ("ngram_b1", "ngram", [[p] for p in prompts[:3]]),
                                    ("plain_b32", "none", [prompts[:batch]])):
@@ -224,8 +225,35 @@ def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path
                                                row_limit=40, max_name_column_width=90))
     eng.runner.graphs = graphs
     Path(text_path).write_text("\n".join(lines) + "\n")
-    return {"sweep": sweep, "kernels": kernels, "max_tokens": max_tokens,
+    return {"sweep": sweep, "kernels": kernels, "max_tokens": max_tokens, "skinny_gemm": skinny_table(cuda),
             "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+
+
+def skinny_table(cuda: bool) -> dict:
+    """Per product shape the skinny kernel tuned (SPECSERVE_SKINNY_GEMM=1): µs of each tile config
+    and of cuBLAS (F.linear) on the same shape, each over 20 launches."""
+    import torch
+
+    try:
+        from specserve.kernels import skinny_gemm as sg
+    except ImportError:
+        return {}
+    table = {}
+    for key, chosen in sg.tuned.items():
+        n, k, m, dtype = key
+        row = {"chosen": list(chosen), "us": {"x".join(map(str, c)): t for c, t in sg.timings.get(key, {}).items()}}
+        if cuda:
+            x, w = torch.randn(m, k, device="cuda", dtype=dtype), torch.randn(n, k, device="cuda", dtype=dtype)
+            torch.nn.functional.linear(x, w)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                torch.nn.functional.linear(x, w)
+            end.record()
+            end.synchronize()
+            row["cublas_us"] = start.elapsed_time(end) * 1e3 / 20
+        table[f"m{m} n{n} k{k} {str(dtype).removeprefix('torch.')}"] = row
+    return table
 
 
 def run_profile(out: Path, max_tokens: int, dry: bool) -> int:
@@ -246,6 +274,9 @@ def run_profile(out: Path, max_tokens: int, dry: bool) -> int:
     (out / "profile.json").write_text(json.dumps(r, indent=2) + "\n")
     for k, v in r["sweep"].items():
         print(f"{k}: " + ", ".join(f"{t:.0f} tok/s ({m:.2f} ms/step)" for t, m in zip(v["tok_s"], v["median_step_ms"])))
+    for k, v in r["skinny_gemm"].items():
+        best = min(v["us"].values()) if v["us"] else float("nan")
+        print(f"skinny {k}: best tile {v['chosen']} {best:.2f} us, cuBLAS {v.get('cublas_us', float('nan')):.2f} us")
     for k, v in r["kernels"].items():
         print(f"{k}: wall {v['wall_ms_per_step']:.3f} ms/step, device {v['device_ms_per_step']:.3f} ms/step, "
               f"{v['kernels_per_step']:.0f} kernels/step; top: " + "; ".join(
@@ -253,15 +284,16 @@ def run_profile(out: Path, max_tokens: int, dry: bool) -> int:
     return 0
 
 
-def run(out: Path, max_tokens: int, dry: bool, rounds: int) -> int:
+def run(out: Path, max_tokens: int, dry: bool, rounds: int, variants: list[str] = ("old", "new")) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = out / "model" if dry else Path("/tmp/specserve-ab-model")
     shutil.rmtree(model_dir, ignore_errors=True)
     shutil.copytree(AB / "model", model_dir)
     draw_weights(model_dir, dry)
     results = []
-    for variant in ("old", "new") * rounds:
-        env = {**os.environ, "PYTHONPATH": str(AB / variant)}
+    for variant in list(variants) * rounds:
+        tree, *assignments = variant.split("+")   # "new+NAME=VALUE": the new tree with NAME=VALUE set
+        env = {**os.environ, "PYTHONPATH": str(AB / tree), **dict(a.split("=", 1) for a in assignments)}
         proc = subprocess.run([sys.executable, __file__, "measure", str(model_dir), str(AB / "data"), str(max_tokens)]
                               + (["--dry-run"] if dry else []), env=env, capture_output=True, text=True, cwd="/")
         if proc.returncode != 0:
@@ -272,7 +304,7 @@ def run(out: Path, max_tokens: int, dry: bool, rounds: int) -> int:
         r["variant"] = variant
         results.append(r)
         print(f"{variant}: " + "  ".join(f"{k} {v['tok_s']:.0f} tok/s ({v['median_step_ms']:.2f} ms/step)"
-                                          for k, v in r.items() if isinstance(v, dict)), flush=True)
+                                          for k, v in r.items() if isinstance(v, dict) and "tok_s" in v), flush=True)
     old_rev = (AB / "old.txt").read_text().strip() if (AB / "old.txt").is_file() else None
     (out / "ab.json").write_text(json.dumps({"old": old_rev, "max_tokens": max_tokens, "dry_run": dry,
                                              "results": results}, indent=2) + "\n")
@@ -290,7 +322,9 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--max-tokens", type=int, default=128)
-    r.add_argument("--rounds", type=int, default=2, help="old, new repeated this many times (default: 2)")
+    r.add_argument("--rounds", type=int, default=2, help="the variants repeated this many times (default: 2)")
+    r.add_argument("--variants", default="old,new", help="comma-separated: old, new, or either with environment "
+                   "settings of its own, as new+NAME=VALUE[+NAME=VALUE] (default: %(default)s)")
     r.add_argument("--dry-run", action="store_true")
     for parser in (p, r):
         parser.add_argument("--ab", type=Path, default=AB, help=f"the packed folder (default: {AB})")
@@ -316,7 +350,8 @@ def main() -> int:
         pack(args.old, args.model_dir)
         return 0
     if args.cmd == "run":
-        return run(args.out, 8 if args.dry_run else args.max_tokens, args.dry_run, args.rounds)
+        return run(args.out, 8 if args.dry_run else args.max_tokens, args.dry_run, args.rounds,
+                   args.variants.split(","))
     if args.cmd == "profile":
         return run_profile(args.out, 8 if args.dry_run else args.max_tokens, args.dry_run)
     if args.cmd == "profile-child":

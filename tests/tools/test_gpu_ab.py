@@ -23,14 +23,16 @@ def test_the_dry_run_measures_both_trees(tmp_path, tiny_llama_dir):
                    cwd=ROOT, env=env, check=True, capture_output=True, timeout=120)
     assert (ab / "old" / "specserve" / "engine" / "core.py").is_file()
     assert (ab / "new" / "specserve" / "engine" / "core.py").is_file() and not (ab / "model" / "model.safetensors").exists()
-    proc = subprocess.run(tool + ["run", "--ab", str(ab), "--out", str(out), "--dry-run", "--rounds", "1"],
+    proc = subprocess.run(tool + ["run", "--ab", str(ab), "--out", str(out), "--dry-run", "--rounds", "1",
+                                  "--variants", "old,new,new+SPECSERVE_X=1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "ab.json").read_text())["results"]
-    assert [r["variant"] for r in results] == ["old", "new"]
+    assert [r["variant"] for r in results] == ["old", "new", "new+SPECSERVE_X=1"]
     for r in results:     # each child imported its own tree
-        assert r["tree"] == str(ab / r["variant"] / "specserve")
+        assert r["tree"] == str(ab / r["variant"].split("+")[0] / "specserve")
         assert all(r[k]["tok_s"] > 0 for k in ("plain_b1", "ngram_b1", "plain_b32"))
+    assert results[2]["env"]["SPECSERVE_X"] == "1" and "SPECSERVE_X" not in results[1]["env"]
 
 
 def test_the_profile_dry_run_sweeps_batches_with_and_without_async_scheduling(tmp_path, tiny_llama_dir):

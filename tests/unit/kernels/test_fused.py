@@ -29,7 +29,8 @@ def check_kernels(device: str, dtype: torch.dtype) -> None:
 
 
 def check_layer(device: str) -> None:
-    """One decode step of a 2-layer Llama, fused (SPECSERVE_FUSED=1 or CUDA) against unfused, fp32."""
+    """One step of a 2-layer Llama, fused (SPECSERVE_FUSED=1 or CUDA) against unfused, fp32: hidden states,
+    KV cache and the captured residual stream of each layer (EAGLE-3's features)."""
     from specserve.engine import model as model_mod
     from specserve.engine.attention import build_attn_metadata
     from specserve.engine.config import ModelConfig
@@ -50,12 +51,18 @@ def check_layer(device: str) -> None:
         cache = KVCache(2, 4, 4, 2, 16, torch.float32, torch.device(device))
         pos, meta = build_attn_metadata([[0, 1], [2, 3]], 4, [0, 0], [5, 3], None, torch.device(device))
         ids = torch.tensor([1, 5, 9, 2, 7, 3, 3, 8], device=device)
-        outs.append((model(ids, pos, cache, meta), cache.kv.clone()))
+        hidden = model(ids, pos, cache, meta)
+        kv = cache.kv.clone()
+        # the residual stream after 1 and 2 layers, captured where the fused stack defers each layer's add
+        again, captured = model(ids, pos, KVCache(2, 4, 4, 2, 16, torch.float32, torch.device(device)), meta, (1, 2))
+        torch.testing.assert_close(again, hidden, rtol=0, atol=0)
+        outs.append((hidden, kv, captured))
         assert (model_mod.fused_kernels(ids) is not None) == (enabled and (device == "cuda" or
                                                                            os.environ.get("SPECSERVE_FUSED") == "1"))
     fused.ENABLED = True
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][2], outs[1][2], rtol=1e-5, atol=1e-5)
 
 
 def run_interpreted() -> dict[str, str | None]:
@@ -68,7 +75,9 @@ def run_interpreted() -> dict[str, str | None]:
 @pytest.fixture(scope="module")
 def interpreted():
     from helpers import run_interpreted_child   # (not at the top: this file also runs as a script)
-    return run_interpreted_child(__file__, env={"SPECSERVE_FUSED": "1", "SPECSERVE_ATTENTION": "triton"})
+    # the native CPU kernels off: the layer runs the fused kernels, not the CPU's own
+    return run_interpreted_child(__file__, env={"SPECSERVE_FUSED": "1", "SPECSERVE_ATTENTION": "triton",
+                                                "SPECSERVE_CPU_KERNELS": "0"})
 
 
 @needs_triton
