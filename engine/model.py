@@ -110,8 +110,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, through oneDNN for 2-D inputs on the CPU in the dtypes it supports here (see
     `_onednn_linear`, `onednn_linear_dtypes`), on the weight's prepacked copy when it has one
     (`pack_linear_weight`), or with its quantized copy when it has one (`engine/quant.py`; CPU
-    kernels, or Triton's on CUDA); on CUDA a product of a few bf16/fp16 rows through
-    `kernels/skinny_gemm.py` where it is switched on.
+    kernels, or Triton's on CUDA).
     Neither has a backward: where a gradient is wanted, F.linear on the weight itself."""
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
@@ -128,26 +127,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if compiling:   # opaque to torch.compile, which cannot lower a prepacked weight it did not pack
             return torch.ops.specserve.onednn_linear(x, use, bias, weight.shape[0])
         return _ONEDNN_LINEAR(x, use, bias, "none", [], "")
-    if x.is_cuda and not grad:
-        skinny = _skinny_gemm()
-        if skinny is not None and skinny.usable(x, weight):
-            return skinny.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-_SKINNY = None   # kernels.skinny_gemm once imported; False where triton is missing
-
-
-def _skinny_gemm():
-    """`kernels.skinny_gemm` where it is switched on (SPECSERVE_SKINNY_GEMM=1) and triton imports."""
-    global _SKINNY
-    if _SKINNY is None:
-        try:
-            from specserve.kernels import skinny_gemm
-            _SKINNY = skinny_gemm
-        except ImportError:
-            _SKINNY = False
-    return _SKINNY if _SKINNY and _SKINNY.ENABLED else None
 
 
 if _ONEDNN_LINEAR is not None:

@@ -225,35 +225,8 @@ def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path
                                                row_limit=40, max_name_column_width=90))
     eng.runner.graphs = graphs
     Path(text_path).write_text("\n".join(lines) + "\n")
-    return {"sweep": sweep, "kernels": kernels, "max_tokens": max_tokens, "skinny_gemm": skinny_table(cuda),
+    return {"sweep": sweep, "kernels": kernels, "max_tokens": max_tokens,
             "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
-
-
-def skinny_table(cuda: bool) -> dict:
-    """Per product shape the skinny kernel tuned (SPECSERVE_SKINNY_GEMM=1): µs of each tile config
-    and of cuBLAS (F.linear) on the same shape, each over 20 launches."""
-    import torch
-
-    try:
-        from specserve.kernels import skinny_gemm as sg
-    except ImportError:
-        return {}
-    table = {}
-    for key, chosen in sg.tuned.items():
-        n, k, m, dtype = key
-        row = {"chosen": list(chosen), "us": {"x".join(map(str, c)): t for c, t in sg.timings.get(key, {}).items()}}
-        if cuda:
-            x, w = torch.randn(m, k, device="cuda", dtype=dtype), torch.randn(n, k, device="cuda", dtype=dtype)
-            torch.nn.functional.linear(x, w)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                torch.nn.functional.linear(x, w)
-            end.record()
-            end.synchronize()
-            row["cublas_us"] = start.elapsed_time(end) * 1e3 / 20
-        table[f"m{m} n{n} k{k} {str(dtype).removeprefix('torch.')}"] = row
-    return table
 
 
 def run_profile(out: Path, max_tokens: int, dry: bool) -> int:
@@ -274,9 +247,6 @@ def run_profile(out: Path, max_tokens: int, dry: bool) -> int:
     (out / "profile.json").write_text(json.dumps(r, indent=2) + "\n")
     for k, v in r["sweep"].items():
         print(f"{k}: " + ", ".join(f"{t:.0f} tok/s ({m:.2f} ms/step)" for t, m in zip(v["tok_s"], v["median_step_ms"])))
-    for k, v in r["skinny_gemm"].items():
-        best = min(v["us"].values()) if v["us"] else float("nan")
-        print(f"skinny {k}: best tile {v['chosen']} {best:.2f} us, cuBLAS {v.get('cublas_us', float('nan')):.2f} us")
     for k, v in r["kernels"].items():
         print(f"{k}: wall {v['wall_ms_per_step']:.3f} ms/step, device {v['device_ms_per_step']:.3f} ms/step, "
               f"{v['kernels_per_step']:.0f} kernels/step; top: " + "; ".join(
