@@ -212,7 +212,7 @@ def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path
         rows = []
         for e in prof.key_averages():
             dev = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) or 0
-            if dev > 0:
+            if dev > 0 and not e.self_cpu_time_total:   # a kernel or copy on the device, not the op launching it
                 rows.append({"name": e.key[:120], "calls_per_step": e.count / steps, "us_per_step": dev / steps})
         rows.sort(key=lambda r: -r["us_per_step"])
         kernels[label] = {"steps": steps, "wall_ms_per_step": wall / steps * 1e3,
