@@ -29,6 +29,13 @@ Each step, per sequence whose committed tokens are x_0 .. x_{N-1} (x_{N-1} the t
 Drafts are deterministic (top-ranked children, one-hot q: `draft_probs=None`), which verification
 accepts losslessly for greedy and sampling requests alike.
 
+After h hypothetical tokens (a grammar's forced ones, `Drafter.drafts_after_uncommitted`) the step
+plans the tree under a chain of h rank-0 nodes whose tokens are the hypothetical ones: the root
+block's distributions give the depths after them that lie in its block (unconditioned on them, as
+within any block), expansions read the hypothetical tokens of their path like drafted ones, and
+the tree returned is the part under the last hypothetical token. Its rows are tree rows, dropped
+like any tree's: nothing of them is kept.
+
 The tree (`tree` option) is a set of rank paths plus a *preference order* of its nodes in which
 every prefix is a tree: the scheduler's per-sequence budget takes the first `budget` nodes.
 * a trees.json name (`falcon_kmask2_8layer_tree`, the paper's LLaMA2-Chat tree, the default, or
@@ -78,6 +85,8 @@ from specserve.drafters.nets.falcon import (DEFAULT_K, FalconHead, head_for, loa
 from specserve.engine.data_dir import data_dir
 from specserve.engine.model import rope_tables
 from specserve.engine.tree import NO_PARENT, TokenTree, TreeTemplate, ancestor_mask, tree_depths
+
+MAX_HYPOTHETICAL = 16   # hypothetical tokens (a grammar's forced ones) a draft may follow; more: no draft
 
 logger = logging.getLogger("specserve")
 
@@ -325,6 +334,7 @@ class FalconDrafter(FeatureDrafter):
 
     name = "falcon"
     State = _SeqState
+    drafts_after_uncommitted = True   # see Drafter and the module docstring; the chain's rows are tree rows
 
     def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, tree=None, top_k: int = 2,
                  depth: int = 8, draft_vocab: int | None = None, random_init: bool = False, init: str = "identity",
@@ -344,8 +354,8 @@ class FalconDrafter(FeatureDrafter):
         self.vocab = DraftVocab(target.lm_head_weight, self.head.vocab_rank, draft_vocab, drafter="falcon",
                                 full_logits=target.compute_logits)
         self.tree_name, self.order = self._tree(tree, int(top_k), int(depth))
-        self._plans: dict[int, SarPlan] = {}
-        full = self.plan(len(self.order))
+        self._plans: dict[tuple[int, int], SarPlan] = {}
+        full = self.plan(len(self.order), MAX_HYPOTHETICAL)
         self.max_tree_rows = full.num_tree_rows
         max_depth = max(full.depths)
         self.rope_cos, self.rope_sin = rope_tables(model_config, ctx.max_model_len + max_depth + self.k + 1,
@@ -393,12 +403,15 @@ class FalconDrafter(FeatureDrafter):
             raise ValueError("falcon: the tree has no path")
         return paths if is_prefix_closed(paths) else order_within(paths, prior_probability)
 
-    def plan(self, budget: int) -> SarPlan:
-        """The step plan of the tree cut to `budget` nodes (cached)."""
+    def plan(self, budget: int, after: int = 0) -> SarPlan:
+        """The step plan of the tree cut to `budget` nodes (cached), under a chain of `after` rank-0
+        nodes (the hypothetical tokens': nodes 1 .. after)."""
         budget = min(int(budget), len(self.order))
-        plan = self._plans.get(budget)
+        plan = self._plans.get((budget, after))
         if plan is None:
-            plan = self._plans[budget] = SarPlan.build(self.order[:budget], self.k)
+            chain = [[0] * d for d in range(1, after + 1)]
+            plan = self._plans[(budget, after)] = SarPlan.build(chain + [[0] * after + list(p)
+                                                                         for p in self.order[:budget]], self.k)
         return plan
 
     # ---- protocol -----------------------------------------------------------------------------------------------
@@ -423,7 +436,7 @@ class FalconDrafter(FeatureDrafter):
         ready, todo = [], []
         for b, seq in enumerate(seqs):
             st = self.state.setdefault(seq.seq_id, self.State())
-            n = len(seq.token_ids)
+            n = seq.num_committed                                # hypothetical tokens have no features
             if st.root_n == n and st.root_out is not None:
                 ok = self.kv.grow(seq.seq_id, n - 1 + extra_rows[b])
                 ready.append(ok)
@@ -439,7 +452,7 @@ class FalconDrafter(FeatureDrafter):
         starts, qlens, masks, ids, feats = [], [], [], [], []
         for b, first in todo:
             seq = seqs[b]
-            n = len(seq.token_ids)
+            n = seq.num_committed
             starts.append(first)
             qlens.append(n - 1 - first)
             masks.append(root_block_mask(n - 1 - first, k, self.device))
@@ -451,8 +464,8 @@ class FalconDrafter(FeatureDrafter):
         for (b, _), end in zip(todo, meta.cu_query_lens[1:]):
             seq = seqs[b]
             st = self.state[seq.seq_id]
-            st.kv_len = len(seq.token_ids) - 1
-            st.root_out, st.root_n = out[end - k:end].clone(), len(seq.token_ids)
+            st.kv_len = seq.num_committed - 1
+            st.root_out, st.root_n = out[end - k:end].clone(), seq.num_committed
         return ready
 
     def _topk(self, feats: torch.Tensor, r: int) -> list[list[int]]:
@@ -462,14 +475,17 @@ class FalconDrafter(FeatureDrafter):
 
     def draft(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
         trees: list[TokenTree | None] = [None] * len(seqs)
-        plans = [self.plan(b) for b in budgets]
+        hyp = [tuple(s.hypothetical) for s in seqs]
+        plans = [self.plan(b, min(len(h), MAX_HYPOTHETICAL)) for b, h in zip(budgets, hyp)]
         ready = self.catch_up(seqs, [p.num_tree_rows for p in plans])
-        act = [b for b in range(len(seqs)) if ready[b]]
+        act = [b for b in range(len(seqs)) if ready[b] and len(hyp[b]) <= MAX_HYPOTHETICAL]
         if not act:
             return trees
         k = self.k
         states = [self.state[s.seq_id] for s in seqs]
-        tokens = {b: [seqs[b].token_ids[-1]] + [0] * (plans[b].num_nodes - 1) for b in act}
+        # the root (the last committed token), then the hypothetical tokens as nodes 1 .. h
+        tokens = {b: [seqs[b].token_ids[seqs[b].num_committed - 1], *hyp[b]]
+                  + [0] * (plans[b].num_nodes - 1 - len(hyp[b])) for b in act}
         outs: dict[tuple[int, int], torch.Tensor] = {(b, 0): states[b].root_out for b in act}   # (seq, exp) -> [k, H]
         self.num_runs += len(act)          # the root block's forward (in the catch-up)
         for level in range(max(plans[b].num_levels for b in act)):
@@ -513,9 +529,12 @@ class FalconDrafter(FeatureDrafter):
             for b in act:
                 plan = plans[b]
                 for i in plan.level_nodes(level):
-                    tokens[b][i] = top[index[(b, plan.node_exp[i], plan.node_row[i])]][plan.template.ranks[i]]
+                    if i > len(hyp[b]):   # nodes 1 .. h are the hypothetical tokens
+                        tokens[b][i] = top[index[(b, plan.node_exp[i], plan.node_row[i])]][plan.template.ranks[i]]
         for b in act:
-            trees[b] = TokenTree(tokens[b], list(plans[b].template.parents))
+            h, parents = len(hyp[b]), plans[b].template.parents
+            # the tree under the last hypothetical token (node h), which becomes its root
+            trees[b] = TokenTree(tokens[b][h:], [NO_PARENT] + [p - h for p in parents[h + 1:]])
         return trees
 
 

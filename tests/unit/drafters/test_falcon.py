@@ -9,7 +9,7 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import (empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
+from helpers import (draft_view, empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
                      total_variation)
 
 from specserve.drafters.base import DrafterContext
@@ -34,11 +34,6 @@ def _tiny(model_dir):
 
     t = prepare_target(str(model_dir), device="cpu", dtype="float32", max_positions=256)
     return t.model_config, t.model
-
-
-class _Seq:
-    def __init__(self, seq_id, token_ids):
-        self.seq_id, self.token_ids = seq_id, list(token_ids)
 
 
 def teacher_batch(model, seqs: list[list[int]], answer_from: list[int], k: int = 4) -> dict[str, torch.Tensor]:
@@ -170,7 +165,7 @@ def test_kv_holds_only_rows_of_real_features(tiny_llama_dir, prompts_and_plain, 
             feats = hf(torch.tensor([seq.token_ids[:n]]), output_hidden_states=True).hidden_states[-1][0]
         fresh.start(seq)
         fresh.observe([seq], [(0, feats)])
-        assert fresh.catch_up([_Seq(seq.seq_id, seq.token_ids[:n + 1])]) == [True]   # rows 0 .. n-1
+        assert fresh.catch_up([draft_view(seq.seq_id, seq.token_ids[:n + 1])]) == [True]   # rows 0 .. n-1
         ours = drafter.cache.kv[:, 0, drafter.blocks.slots(seq.seq_id, 0, n)]
         want = fresh.cache.kv[:, 0, fresh.blocks.slots(seq.seq_id, 0, n)]
         torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)

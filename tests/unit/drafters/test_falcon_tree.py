@@ -11,6 +11,8 @@ import json
 import pytest
 import torch
 
+from helpers import draft_view
+
 from specserve.drafters.base import DrafterContext, make_drafter
 from specserve.drafters.falcon import (SarPlan, chain_tree, closed_paths, dedup_paths, empirical_probability,
                                        is_prefix_closed, load_tree, order_within, topk_tree)
@@ -168,14 +170,12 @@ def test_options_are_declared_keywords(tiny_llama_dir):
 
 # ---- the served tree is the training forward's ------------------------------------------------------------------
 
-class _Seq:
-    def __init__(self, seq_id, token_ids):
-        self.seq_id, self.token_ids = seq_id, list(token_ids)
-
-
-def dense_tree_tokens(head: FalconHead, model, prefix: list[int], paths: list[list[int]]) -> dict:
+def dense_tree_tokens(head: FalconHead, model, prefix: list[int], paths: list[list[int]],
+                      forced: dict[tuple[int, ...], int] | None = None) -> dict:
     """The token of every path computed with the training forward (`forward_dense`, relaxed mask
-    aligned so that the root block is the last k real rows), block by block along each path."""
+    aligned so that the root block is the last k real rows), block by block along each path; the
+    paths in `forced` carry the token given there instead."""
+    forced, prefix = forced or {}, list(prefix)
     k = head.k
     n = len(prefix)
     real = target_features(model, [prefix[:-1]])[0]                       # f_0 .. f_{N-2}
@@ -205,7 +205,7 @@ def dense_tree_tokens(head: FalconHead, model, prefix: list[int], paths: list[li
             outs[anchor] = block_out(feats, toks)
         with torch.no_grad():
             logits = model.compute_logits(outs[anchor][row:row + 1])[0]
-        tokens[tuple(path)] = int(logits.topk(path[-1] + 1).indices[-1])
+        tokens[tuple(path)] = forced.get(tuple(path), int(logits.topk(path[-1] + 1).indices[-1]))
     return tokens
 
 
@@ -232,7 +232,7 @@ def test_served_tree_is_the_training_forwards_tree(tiny_llama_dir, prefix_len, s
 
     g = torch.Generator().manual_seed(prefix_len)
     prefix = torch.randint(3, cfg.vocab_size, (prefix_len,), generator=g).tolist()
-    seq = _Seq(0, prefix)
+    seq = draft_view(0, prefix)
     drafter.start(seq)
     # features in two deliveries (a prefill in chunks), then one more token: the root block moves
     deliver(0, target_features(model, [prefix[:4]])[0])
@@ -252,7 +252,7 @@ def test_served_tree_is_the_training_forwards_tree(tiny_llama_dir, prefix_len, s
     drafter.accept([seq], [None])
     assert drafter.blocks.block_tables[0] and drafter.state[0].kv_len == prefix_len - 1
     # the bonus of a step that accepted nothing: one new real row, the root block is rows N-3, N-2
-    seq.token_ids.append(int(torch.randint(3, cfg.vocab_size, (1,), generator=g)))
+    seq = draft_view(0, [*prefix, int(torch.randint(3, cfg.vocab_size, (1,), generator=g))])
     deliver(prefix_len - 1, target_features(model, [seq.token_ids[:-1]])[0][-1:])
     tree = drafter.propose([seq], [len(paths)])[0]
     want = dense_tree_tokens(head, model, seq.token_ids, paths)
@@ -261,7 +261,7 @@ def test_served_tree_is_the_training_forwards_tree(tiny_llama_dir, prefix_len, s
     drafter.accept([seq], [None])
     # features again from position 0 (a recomputation, here of a prefix that differs in its first
     # token): every row is redone, none of the old ones is read
-    seq.token_ids[0] = 3 + (seq.token_ids[0] - 2) % (cfg.vocab_size - 3)
+    seq = draft_view(0, [3 + (seq.token_ids[0] - 2) % (cfg.vocab_size - 3), *seq.token_ids[1:]])
     deliver(0, target_features(model, [seq.token_ids[:-1]])[0])
     assert drafter.state[0].kv_len == 0
     tree = drafter.propose([seq], [len(paths)])[0]
@@ -269,3 +269,39 @@ def test_served_tree_is_the_training_forwards_tree(tiny_llama_dir, prefix_len, s
     assert [tree.tokens[i] for i in range(1, tree.num_nodes)] == [want[tuple(p)] for p in closed_paths(paths)]
     drafter.finish(seq)
     assert not drafter.state and drafter.blocks.num_free_blocks == drafter.blocks.num_blocks
+
+
+@pytest.mark.parametrize("num_hypothetical", [1, 2, 3])   # inside the root block, at its end, past it (k = 2)
+def test_the_tree_after_hypothetical_tokens_is_the_training_forwards_tree(tiny_llama_dir, num_hypothetical):
+    """After h hypothetical tokens (a grammar's forced ones) the tree is the one the training forward
+    gives for the paths under a chain of h rank-0 nodes carrying those tokens: the root block's
+    distributions for the depths after them, expansions reading them; returned under the last one,
+    and nothing of it kept (the committed prefix drafts its old tree again)."""
+    cfg, model = _tiny(tiny_llama_dir)
+    head = FalconHead.from_target(cfg, model, k=2, init="random", seed=4)
+    paths = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
+    drafter = make_drafter("falcon", DrafterContext(target=model, model_config=cfg, max_model_len=64),
+                           head=head, tree=json.dumps(paths), block_size=4)
+    g = torch.Generator().manual_seed(num_hypothetical)
+    prefix = torch.randint(3, cfg.vocab_size, (11,), generator=g).tolist()
+    hyp = torch.randint(3, cfg.vocab_size, (num_hypothetical,), generator=g).tolist()
+    seq = draft_view(0, prefix)
+    drafter.start(seq)
+    drafter.observe([seq], [(0, target_features(model, [prefix[:-1]])[0])])
+    before = drafter.propose([seq], [len(paths)])[0]
+    drafter.accept([seq], [None])
+    tree = drafter.propose([seq.extend(hyp)], [len(paths)])[0]
+    h = num_hypothetical
+    chain = {(0,) * d: hyp[d - 1] for d in range(1, h + 1)}
+    want = dense_tree_tokens(head, model, prefix, [list(p) for p in chain] + [[0] * h + p for p in paths], chain)
+    plan = drafter.plan(len(paths), h)
+    assert tree.tokens[0] == hyp[-1] and tree.num_nodes == len(paths) + 1
+    for i in range(1, tree.num_nodes):
+        j, path = i + h, []
+        while j:
+            path.append(plan.template.ranks[j])
+            j = plan.template.parents[j]
+        assert tree.tokens[i] == want[tuple(reversed(path))], i
+    assert tree_depths(tree.parents)[1:] == [len(p) for p in closed_paths(paths)]
+    assert drafter.state[0].kv_len == len(prefix) - 1
+    assert drafter.propose([seq], [len(paths)])[0].tokens == before.tokens

@@ -252,7 +252,7 @@ def test_forced_tokens_are_drafted_for_free_and_change_nothing(tiny_llama_dir, e
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "mag", "draft_model", "eagle", "medusa", "parallelspec", "ctc",
-                                     "cascade"])
+                                     "falcon", "cascade"])
 def test_a_drafter_drafts_after_the_forced_tokens_in_the_same_tree(engine, prompts, plain, drafter):
     """Where the grammar forces tokens, a drafter that can draft from tokens not yet committed
     proposes the rest of the budget after them (its view extended by the forced tokens), in the
