@@ -63,6 +63,8 @@ A draft vocabulary does not lower c (the paper's MS cost counts a model's parame
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -288,6 +290,7 @@ class DraftModelDrafter(Drafter):
             row = 0
             new_nodes: list[list[int]] = []
             scored: list[tuple[int, int, int]] = []   # (sequence, node, frontier row of its parent)
+            parts: list[tuple[int, int, torch.Tensor]] = []   # (sequence, its first frontier row, its rows' logits)
             for b, seq in enumerate(seqs):
                 level = [i for i in range(len(parents[b])) if depths[b][i] == depth] if frontier[b] else []
                 new_nodes.append(level)
@@ -296,27 +299,22 @@ class DraftModelDrafter(Drafter):
                 row0, row = row, row + n_front
                 if not level:
                     continue
-                k = self.k_config[depth - 1]
                 if seq.law is not None:   # drawn (or ranked) from the request's processed law at each node
                     logits_b = seq.processed(logits_b, [_path(tokens[b], parents[b], f) for f in frontier[b]])
-                if top_k[b]:
-                    picks = logits_b.topk(k, dim=-1).indices
-                    q = None
-                    possible = logits_b.gather(1, picks) > float("-inf")
-                else:
-                    q = processed_probs(logits_b, SamplingTensors.from_params([seq.params] * n_front, self.device))
-                    gumbel = torch.empty_like(q).exponential_().clamp_min_(1e-20)
-                    picks = (q / gumbel).topk(k, dim=-1).indices   # k draws without replacement from q
-                    possible = q.gather(1, picks) > 0
-                picks, possible = picks.tolist(), possible.tolist()
-                for node in level:
-                    parent = parents[b][node]
-                    f = frontier[b].index(parent)
-                    rank = templates[b].ranks[node]
-                    tokens[b].append(picks[f][rank])
-                    probs[b].append(q[f] if q is not None else None)
-                    drawable[b].append(drawable[b][parent] and possible[f][rank])
-                    scored.append((b, node, row0 + f))
+                parts.append((b, row0, logits_b))
+            if parts:
+                picks, possible, q_rows = self._pick(seqs, parts, top_k, self.k_config[depth - 1])
+                j = 0                     # each sequence's first row among the picks
+                for b, row0, logits_b in parts:
+                    for node in new_nodes[b]:
+                        parent = parents[b][node]
+                        f = frontier[b].index(parent)
+                        rank = templates[b].ranks[node]
+                        tokens[b].append(picks[j + f][rank])
+                        probs[b].append(q_rows[j + f] if not top_k[b] else None)
+                        drawable[b].append(drawable[b][parent] and possible[j + f][rank])
+                        scored.append((b, node, row0 + f))
+                    j += logits_b.shape[0]
             # 2b. dynamic MCSD: score the new level; a sequence whose new tokens all score below β stops
             stopped = self._score_level(seqs, depth, depths, scored, frontier_hidden, frontier_logits) \
                 if scoring and scored else set()
@@ -397,7 +395,7 @@ class DraftModelDrafter(Drafter):
         out: list[tuple[int, int]] = []
         if not seqs:
             return out
-        log_l = float(torch.log(torch.tensor(float(leniency))))
+        log_l = math.log(float(leniency))
         states = [self.state.setdefault(s.seq_id, _SeqState()) for s in seqs]
         starts, chunks = [], []
         for s, st, prop in zip(seqs, states, proposals):
@@ -421,7 +419,8 @@ class DraftModelDrafter(Drafter):
         proposed = torch.tensor([int(t) for p in proposals for t in (*p, 0)], device=self.device)
         index = self._draft_index(proposed)                          # -1: outside the draft vocabulary
         ok = (logits.gather(1, index.clamp_min(0)[:, None])[:, 0] >= best - log_l) & (index >= 0)
-        ok, arg = ok.tolist(), self.vocab.token_ids(arg).tolist()  # last row of each: its ok unused
+        # one transfer; the last row of each: its ok unused
+        ok, arg = torch.stack([ok.to(torch.int64), self.vocab.token_ids(arg).to(torch.int64)]).tolist()
         r = 0
         for s, st, prop in zip(seqs, states, proposals):
             m = len(prop)
@@ -440,6 +439,34 @@ class DraftModelDrafter(Drafter):
             inv = torch.full((self.vocab_size,), -1, dtype=torch.int64, device=self.vocab.ids.device)
             self._vocab_index = inv.index_copy_(0, self.vocab.ids, torch.arange(len(self.vocab.ids), device=inv.device))
         return self._vocab_index[token_ids.to(self._vocab_index.device)].to(token_ids.device)
+
+    def _pick(self, seqs, parts, top_k: list[bool], k: int):
+        """The k children of every frontier row of `parts` ((sequence, first row, logits [n, V])), all
+        sequences at once with one host transfer: the top-k of the (processed) logits for a sequence
+        drafting deterministically (`top_k`), else k draws without replacement from its q (the
+        processed law). Returns (picks [rows][k] token ids, possible [rows][k]: the pick has
+        support, q [rows, V] (rows of deterministic sequences: unused))."""
+        logits = torch.cat([lb.float() for _, _, lb in parts])                      # [R, V]
+        owner = [b for b, _, lb in parts for _ in range(lb.shape[0])]
+        scores, q = logits, None
+        sampled = [r for r, b in enumerate(owner) if not top_k[b]]
+        if sampled:
+            idx = torch.tensor(sampled, dtype=torch.int64, device=logits.device)
+            q = torch.zeros_like(logits)
+            q_s = processed_probs(logits.index_select(0, idx),
+                                  SamplingTensors.from_params([seqs[owner[r]].params for r in sampled], self.device))
+            q.index_copy_(0, idx, q_s)
+            gumbel = torch.empty_like(q_s).exponential_().clamp_min_(1e-20)
+            scores = logits.index_copy(0, idx, q_s / gumbel)      # k draws without replacement from q
+        picks = scores.topk(k, dim=-1).indices
+        if q is None:
+            possible = logits.gather(1, picks) > float("-inf")
+        else:
+            is_sampled = torch.zeros(len(owner), 1, dtype=torch.bool, device=logits.device)
+            is_sampled[idx] = True
+            possible = torch.where(is_sampled, q.gather(1, picks) > 0, logits.gather(1, picks) > float("-inf"))
+        both = torch.cat([picks, possible.to(picks.dtype)], dim=1).tolist()        # the one transfer
+        return [r[:k] for r in both], [[bool(x) for x in r[k:]] for r in both], q
 
     def _feed(self, seqs, states, templates, depths, tokens,
               feed: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -161,7 +161,9 @@ class EagleDrafter(FeatureDrafter):
     def _children(self, feats: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
         """Top-k (log-probability, token) of the draft distribution after each feature row."""
         top = self.vocab.logits(feats).log_softmax(-1).topk(k, dim=-1)
-        return top.values.tolist(), self.vocab.token_ids(top.indices).tolist()
+        ids = self.vocab.token_ids(top.indices).float()       # exact in float32: ids < 2^24
+        both = torch.cat([top.values.float(), ids], dim=1).tolist()   # one transfer
+        return [r[:k] for r in both], [[int(t) for t in r[k:]] for r in both]
 
     def draft(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
         trees: list[TokenTree | None] = [None] * len(seqs)
