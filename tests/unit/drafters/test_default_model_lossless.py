@@ -1,8 +1,9 @@
 """Greedy losslessness of every built-in drafter (the trained ones with their shipped checkpoints)
 on the embedded SmolLM2-135M as served (`--quantization auto`: the GGUF's int4 weights): a batch of
 chat prompts of different lengths, arriving at different steps, decodes exactly the tokens plain
-decoding gives, with one engine serving all drafters side by side (per-request choice); and the
-same under a JSON schema (structured output), where the output also parses and validates."""
+decoding gives, with one engine serving all drafters side by side (per-request choice); the same
+under a JSON schema (structured output), where the output also parses and validates; and under the
+logits processors (penalties, logit_bias) and the other grammar kinds (regex, choice, EBNF)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLeng
 
 
 def run_staggered(engine: LLMEngine, prompts: list[list[int]], drafter: str, max_tokens: int = 24,
-                  guided=None) -> list[list[int]]:
+                  guided=None, **processing) -> list[list[int]]:
     """Greedy requests drafted by `drafter`, one added every third step; outputs in prompt order."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, guided=guided)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, guided=guided, **processing)
     got = run_requests(engine, prompts, params, every=3, prefix=f"{drafter}-", drafter=drafter)
     return [got[f"{drafter}-{i}"] for i in range(len(prompts))]
 
@@ -82,4 +83,35 @@ def test_every_drafter_reproduces_plain_decoding_under_a_json_schema(engine, pro
         assert run_staggered(engine, prompts, name, max_tokens=48, guided=guided) == plain, name
         assert engine.drafter_stats[name].num_fallbacks == 0, name
     assert engine.drafter_stats["grammar"].num_accepted_tokens > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+# penalties and a bias that bans the plain output's most common token and favours another; the
+# grammar kinds besides JSON schemas (test_grammar.py has their validity on the tiny target)
+KINDS = {"processors": dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3),
+         "regex": dict(guided=("regex", r"(Yes|No), because [a-z ]{5,40}\.")),
+         "choice": dict(guided=("choice", json.dumps(["Paris", "London", "Berlin", "Madrid"]))),
+         "ebnf": dict(guided=("grammar", 'root ::= "The answer is " [0-9]+ "."'))}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_drafter_reproduces_plain_decoding_under_processors_and_grammars(engine, prompts, kind):
+    options = dict(KINDS[kind])
+    if kind == "processors":   # ban the token plain greedy decoding emits most, favour a common word
+        plain_ids = [t for p in run_staggered(engine, prompts, "none") for t in p]
+        top = max(set(plain_ids), key=plain_ids.count)
+        favoured = engine.tokenizer.encode(" the", add_special_tokens=False)[0]
+        options["logit_bias"] = {top: -100.0, favoured: 2.0}
+    plain = run_staggered(engine, prompts, "none", max_tokens=32, **options)
+    if kind == "processors":
+        assert top not in {t for p in plain for t in p}
+    else:
+        texts = [engine.tokenizer.decode(t[:-1] if t[-1] in engine.eos_token_ids else t) for t in plain]
+        assert any(t[-1] in engine.eos_token_ids for t in plain), texts
+        if kind == "choice":
+            assert all(t in ("Paris", "London", "Berlin", "Madrid") for t, p in zip(texts, plain)
+                       if p[-1] in engine.eos_token_ids), texts
+    for name in DRAFTERS:
+        assert run_staggered(engine, prompts, name, max_tokens=32, **options) == plain, (kind, name)
+        assert engine.drafter_stats[name].num_fallbacks == 0, name
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
