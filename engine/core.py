@@ -491,7 +491,7 @@ class LLMEngine:
                 if any(seq.drafters or seq.grammar is not None for seq in batch.seqs):
                     # timed only where the policy has something to decide: its step cost fit is host
                     # work that a step of plain decoding alone would pay for nothing
-                    report.seconds = time.perf_counter() - t0
+                    report.seconds = time.perf_counter() - t0 - report.ahead_seconds
                 report.num_tokens = batch.total_tokens + sum(t.num_draft_tokens for t in trees.values())
                 report.num_trees = len(trees)
             except Exception as exc:
@@ -626,9 +626,11 @@ class LLMEngine:
         ahead: list[LaunchedStep] = []
 
         def launch_next(launched: LaunchedStep) -> None:
-            nxt = self._launch_ahead(batch, launched)
+            t = time.perf_counter()
+            nxt = self._launch_ahead(batch, launched, scheduled=True)
             if nxt is not None:
                 ahead.append(nxt)
+            report.ahead_seconds = time.perf_counter() - t   # the next step's launch: not this step's cost
 
         t0 = time.perf_counter()
         result = self.runner.execute(batch, trees, feature_idx, masks,
@@ -648,18 +650,21 @@ class LLMEngine:
 
     # ---- async scheduling -----------------------------------------------------------------
 
-    def _launch_ahead(self, batch: ScheduledBatch, launched: LaunchedStep) -> LaunchedStep | None:
-        """Launch the step after `launched` (in flight, not read) where it is sure to be the step
-        the scheduler would make next but for the sequences that `launched` ends: the same batch of
-        plain decodes, one token further, decoding from `launched`'s sampled tokens on the device.
-        So the host reads and commits `launched`'s tokens while the device runs this one; the rows
-        of sequences that `launched`'s token finished are dropped unread (`_step_ahead`).
+    def _launch_ahead(self, batch: ScheduledBatch, launched: LaunchedStep,
+                      scheduled: bool = False) -> LaunchedStep | None:
+        """Launch the step after `launched` (in flight, not read): the same batch of plain decodes,
+        one token further, decoding from `launched`'s sampled tokens on the device. So the host
+        reads and commits `launched`'s tokens while the device runs this one; the rows of sequences
+        that `launched`'s token finished are dropped unread (`_step_ahead`).
 
         Only where nothing about the next step depends on `launched`'s tokens on the host: no
-        request waiting (it is admitted first), no drafter or grammar, no logits processing (its
-        counts include the last token), no sequence whose token in flight is its last
-        (max_tokens, context), and room in the pool for every sequence's next KV slot without
-        preempting. Returns None where it does not launch."""
+        request waiting (it is admitted first), no grammar, no logits processing (its counts include
+        the last token), no sequence whose token in flight is its last (max_tokens, context), and
+        room in the pool for every sequence's next KV slot without preempting. Sequences with a
+        drafter ride along only behind a `scheduled` step whose draft policy granted them nothing:
+        the step ahead is the policy's decision one step late, and the step after it is scheduled
+        again, so the policy decides at least every other step (the drafters that read features
+        get those of the step ahead, `_step_ahead`). Returns None where it does not launch."""
         if launched.sampled is None or self.scheduler.waiting or batch.preempted:
             return None
         need = 0
@@ -667,15 +672,18 @@ class LLMEngine:
             last = ((seq.params.max_tokens is not None and seq.num_output_tokens + 1 >= seq.params.max_tokens)
                     or len(seq.token_ids) + 1 >= self.max_model_len)
             if (seq.is_finished or n != 1 or budget or seq.num_computed_tokens + 1 != len(seq.token_ids) or last
-                    or seq.drafters or seq.grammar is not None or needs_processing(seq.params, self.eos_token_ids)):
+                    or (seq.drafters and not scheduled) or seq.grammar is not None
+                    or needs_processing(seq.params, self.eos_token_ids)):
                 return None
             need += self.blocks.blocks_needed(seq.seq_id, len(seq.token_ids) + 1)
         if need > self.blocks.num_free_blocks:
             return None
         for seq in batch.seqs:
             self.blocks.grow(seq.seq_id, len(seq.token_ids) + 1)
+        feature_idx = {b for b, seq in enumerate(batch.seqs)
+                       if any(self.drafters[name].needs_features for name in seq.drafters)}
         try:
-            return self.runner.launch(batch, {}, ahead=launched.sampled)
+            return self.runner.launch(batch, {}, feature_idx, ahead=launched.sampled)
         except Exception as exc:
             if is_unrecoverable(exc):
                 raise
@@ -702,13 +710,18 @@ class LLMEngine:
                          type(exc).__name__, exc, exc_info=exc)
             return self._collect()
         verify_time = time.perf_counter() - t0
+        features, layer_features = result.features, result.layer_features
         if any(seq.is_finished for seq in batch.seqs):   # ended by the last step's token, or aborted
             keep = [b for b, seq in enumerate(batch.seqs) if not seq.is_finished]
             batch = ScheduledBatch([batch.seqs[b] for b in keep], [batch.num_tokens[b] for b in keep],
                                    [batch.draft_budgets[b] for b in keep])
             result.num_computed = [result.num_computed[b] for b in keep]
             result.results = [r for r in result.results if not r.seq.is_finished]
+            features = {k: features[b] for k, b in enumerate(keep) if b in features}
+            layer_features = {k: layer_features[b] for k, b in enumerate(keep) if b in layer_features}
         self.scheduler.postprocess(batch, result)
+        if features:
+            self._deliver_features(batch, features, layer_features)
         self._process(result, verify_time, report)
         if nxt is not None and not all(seq.is_finished for seq in batch.seqs):
             self._ahead = (batch, nxt)

@@ -120,8 +120,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "graphs captured at start-up, on the CPU no --compile (default: off)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d["async_scheduling"],
                    help="launch each step of plain decodes before the host has read the last one's tokens, so "
-                        "that the host's work overlaps the device's (as vLLM's --async-scheduling; steps with "
-                        "a drafter, a grammar or penalties stay synchronous); outputs are the same "
+                        "that the host's work overlaps the device's (as vLLM's --async-scheduling; steps that "
+                        "draft, or with a grammar or penalties, stay synchronous); outputs are the same "
                         "(default: on CUDA only)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=d["compile"],
                    help="on the CPU, compile the target's layer stack with torch.compile at start-up (the "

@@ -12,7 +12,7 @@ On the GPU machine the command runs in the working tree's root, so `--ab` keeps 
 
 Each variant runs in a child process with only its own tree on PYTHONPATH (`ab/<variant>/specserve`):
 plain decoding at batch 1 (prompts one at a time) and at batch 32 (one closed batch), greedy, exactly
---max-tokens each, and the n-gram drafter at batch 1. Interleaving the variants twice shows the
+--max-tokens each, and the n-gram drafter (the goodput policy) at both. Interleaving the variants twice shows the
 run-to-run noise beside the difference. Writes DIR/ab.json and prints a table.
 
 `profile` runs the new tree alone, in a child likewise: plain decoding at batch 1, 8, 32 and 64 with
@@ -125,7 +125,8 @@ def measure(model_dir: str, data_dir: str, max_tokens: int, dry: bool) -> dict:
            "env": {k: v for k, v in os.environ.items() if k.startswith("SPECSERVE_")}}
     for label, drafter, groups in (("plain_b1", "none", [[p] for p in prompts[:3]]),
                                    ("ngram_b1", "ngram", [[p] for p in prompts[:3]]),
-                                   ("plain_b32", "none", [prompts[:batch]])):
+                                   ("plain_b32", "none", [prompts[:batch]]),
+                                   ("ngram_b32", "ngram", [prompts[:batch]])):
         n = secs = 0.0
         walls = []
         for g in groups:

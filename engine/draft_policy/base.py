@@ -78,6 +78,7 @@ class StepReport:
     num_tokens: int = 0        # tokens the step's forward carried, draft nodes included
     num_trees: int = 0
     seconds: float = 0.0       # forward + verification + commit (not drafting); 0 when not timed
+    ahead_seconds: float = 0.0  # of which launching the next step ahead (async scheduling): left out of `seconds`
     finished: list[int] = field(default_factory=list)       # seq_ids that left since the last report
 
 

@@ -222,3 +222,29 @@ def test_on_cuda_steps_ahead_replay_graphs_without_a_sync_and_match(tiny_llama_d
     assert not synced, synced[:1]
     assert got == sync
     assert engine.get_stats().num_async_steps_total > 30
+
+
+def test_drafter_sequences_ride_along_behind_a_step_that_drafts_nothing(tiny_llama_dir):
+    """A step whose draft policy grants no draft (here: no draft tokens allowed per step) is plain for
+    its drafters' sequences too: the step after it runs ahead with them, every other step, and the
+    drafters that read features get those of the steps ahead (the feature store as the synchronous
+    engine's); outputs unchanged."""
+    config = dict(drafters=("eagle", "ngram"), drafter_options={"eagle": {"random_init": True}},
+                  max_draft_tokens_per_step=0)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engines = [make_llm_engine(tiny_llama_dir, async_scheduling=on, **config) for on in (False, True)]
+    for engine in engines:
+        engine.add_request("e", PROMPTS[0], params, drafter="eagle")
+        engine.add_request("n", PROMPTS[2], params, drafter="ngram")
+        for _ in range(12):
+            engine.step()
+    seqs = [engine.requests["e"].seqs[0] for engine in engines]
+    assert seqs[0].token_ids == seqs[1].token_ids
+    stores = [engine.features for engine in engines]
+    n = stores[0].length(seqs[0].seq_id)
+    assert n == stores[1].length(seqs[1].seq_id) == seqs[0].num_computed_tokens > len(PROMPTS[0])
+    torch.testing.assert_close(stores[1].view(seqs[1].seq_id, 0, n), stores[0].view(seqs[0].seq_id, 0, n))
+    got = [drain(engine) for engine in engines]
+    assert got[0] == got[1]
+    steps = engines[1].get_stats()
+    assert 0.3 * steps.num_steps_total <= steps.num_async_steps_total <= 0.5 * steps.num_steps_total + 1
