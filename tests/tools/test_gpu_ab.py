@@ -15,12 +15,19 @@ from test_gpu_check import write_prompts
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_dry_run_measures_both_trees(tmp_path, tiny_llama_dir):
+def packed(tmp_path, model_dir):
+    """(the tool's command, its environment, the packed folder, an output folder): HEAD against this
+    tree over `model_dir`'s config, a few prompts of each benchmark set."""
     env = {**os.environ, "SPECSERVE_DATA": str(write_prompts(tmp_path / "data"))}
     ab, out = tmp_path / "ab", tmp_path / "out"
     tool = [sys.executable, str(ROOT / "tools" / "gpu_ab.py")]
-    subprocess.run(tool + ["pack", "--old", "HEAD", "--model-dir", str(tiny_llama_dir), "--ab", str(ab)],
+    subprocess.run(tool + ["pack", "--old", "HEAD", "--model-dir", str(model_dir), "--ab", str(ab)],
                    cwd=ROOT, env=env, check=True, capture_output=True, timeout=120)
+    return tool, env, ab, out
+
+
+def test_the_dry_run_measures_both_trees(tmp_path, tiny_llama_dir):
+    tool, env, ab, out = packed(tmp_path, tiny_llama_dir)
     assert (ab / "old" / "specserve" / "engine" / "core.py").is_file()
     assert (ab / "new" / "specserve" / "engine" / "core.py").is_file() and not (ab / "model" / "model.safetensors").exists()
     proc = subprocess.run(tool + ["run", "--ab", str(ab), "--out", str(out), "--dry-run", "--rounds", "1",
@@ -36,11 +43,7 @@ def test_the_dry_run_measures_both_trees(tmp_path, tiny_llama_dir):
 
 
 def test_the_profile_dry_run_sweeps_batches_with_and_without_async_scheduling(tmp_path, tiny_llama_dir):
-    env = {**os.environ, "SPECSERVE_DATA": str(write_prompts(tmp_path / "data"))}
-    ab, out = tmp_path / "ab", tmp_path / "out"
-    tool = [sys.executable, str(ROOT / "tools" / "gpu_ab.py")]
-    subprocess.run(tool + ["pack", "--old", "HEAD", "--model-dir", str(tiny_llama_dir), "--ab", str(ab)],
-                   cwd=ROOT, env=env, check=True, capture_output=True, timeout=120)
+    tool, env, ab, out = packed(tmp_path, tiny_llama_dir)
     proc = subprocess.run(tool + ["profile", "--ab", str(ab), "--out", str(out), "--dry-run"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
