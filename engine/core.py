@@ -617,8 +617,7 @@ class LLMEngine:
         committed length (rewritten by its next forward) and blocks reserved for this step, so a
         batch that raises here can be run again. After that, each sequence's tokens are processed
         on their own (`_process`): an error there fails that request alone."""
-        feature_idx = {b for b, seq in enumerate(batch.seqs)
-                       if any(self.drafters[name].needs_features for name in seq.drafters)}
+        feature_idx = self._feature_idx(batch)
         prompt_tokens = sum(min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
                             for seq, n in zip(batch.seqs, batch.num_tokens)
                             if seq.num_computed_tokens < seq.num_prompt_tokens)
@@ -647,6 +646,11 @@ class LLMEngine:
         self._process(result, verify_time / max(1, len(trees)), report)
         if ahead and not all(seq.is_finished for seq in batch.seqs):
             self._ahead = (batch, ahead[0])
+
+    def _feature_idx(self, batch: ScheduledBatch) -> set[int]:
+        """The batch indices whose drafters read the target's features (`needs_features`)."""
+        return {b for b, seq in enumerate(batch.seqs)
+                if any(self.drafters[name].needs_features for name in seq.drafters)}
 
     # ---- async scheduling -----------------------------------------------------------------
 
@@ -680,8 +684,7 @@ class LLMEngine:
             return None
         for seq in batch.seqs:
             self.blocks.grow(seq.seq_id, len(seq.token_ids) + 1)
-        feature_idx = {b for b, seq in enumerate(batch.seqs)
-                       if any(self.drafters[name].needs_features for name in seq.drafters)}
+        feature_idx = self._feature_idx(batch)
         try:
             return self.runner.launch(batch, {}, feature_idx, ahead=launched.sampled)
         except Exception as exc:

@@ -103,22 +103,16 @@ class LaunchedStep:
         return self._read()
 
 
-class _Staging:
-    """A host buffer (pinned when the device is CUDA) that carries one step's integer inputs to the
-    device in a single copy. On the CPU the host tensor is used as is."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.pinned = device.type == "cuda"
-
-    def upload(self, values: list[int]) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return torch.tensor(values, dtype=torch.int64)
-        # a fresh pinned buffer from torch's caching host allocator, which keeps it from reuse until
-        # this copy has run: no wait for the stream, so a step can be staged while the last one runs
-        host = torch.empty(len(values), dtype=torch.int64, pin_memory=self.pinned)
-        host.numpy()[:] = values
-        return host.to(self.device, non_blocking=True)
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """One step's integer inputs as an int64 tensor on `device`, in a single copy. On CUDA from a
+    fresh pinned buffer of torch's caching host allocator, which keeps it from reuse until this copy
+    has run: no wait for the stream, so a step can be staged while the last one runs. On the CPU the
+    host tensor is used as is."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=torch.int64)
+    host = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
+    host.numpy()[:] = values
+    return host.to(device, non_blocking=True)
 
 
 class ModelRunner:
@@ -134,7 +128,6 @@ class ModelRunner:
         self.blocks = blocks
         self.device = device
         self.block_size = blocks.block_size
-        self._staging = _Staging(device)
         self.capture_layers = tuple(capture_layers)
         if self.capture_layers:
             model.check_capture_layers(self.capture_layers)
@@ -155,7 +148,7 @@ class ModelRunner:
         input token is the one the step in flight samples, at position len(token_ids); its id here
         is a placeholder."""
         starts = [len(seq.token_ids) if ahead else seq.num_computed_tokens for seq in batch.seqs]
-        bucket = self._graph_bucket(batch, trees, starts, int(ahead))
+        bucket = self._graph_bucket(batch, trees, starts, ahead)
         tree_idx = [b for b in range(len(batch.seqs)) if b in trees]
         packed = pack_trees([trees[b] for b in tree_idx], self.device) if tree_idx else None
         ids: list[int] = []
@@ -199,7 +192,8 @@ class ModelRunner:
         extra = [v for part in (plan.gather, plan.seqs, plan.context_lens, plan.scatter, plan.mask) for v in part] \
             if plan is not None else []
         n_tok, n_logit = len(ids), len(logit_rows)
-        staged = self._staging.upload(ids + positions + logit_rows + pad_index + tree_start_list + tree_idx + extra)
+        staged = _upload(ids + positions + logit_rows + pad_index + tree_start_list + tree_idx + extra,
+                         self.device)
         input_ids, pos, rows, rest, graph = staged.split([n_tok, n_tok, n_logit, len(pad_index) + 3 * len(tree_idx),
                                                           len(extra)])
         # a graph step reads its masks from the plan: the eager metadata's would be packed for nothing
@@ -216,11 +210,11 @@ class ModelRunner:
             inputs.tree_block_tables = meta.block_tables.index_select(0, tree_batch_idx)
         return inputs
 
-    def _graph_bucket(self, batch: ScheduledBatch, trees: dict, starts: list[int], ahead: int = 0
+    def _graph_bucket(self, batch: ScheduledBatch, trees: dict, starts: list[int], ahead: bool = False
                       ) -> tuple[int, int] | None:
         """The captured (batch, nodes) bucket of a step made of decode rows (one new token per
-        sequence, at its end: `ahead` tokens past its host state) and draft trees, or None: the step
-        runs eagerly."""
+        sequence, at its end; one past its host state when `ahead`) and draft trees, or None: the
+        step runs eagerly."""
         if self.graphs is None:
             return None
         nodes = 1
@@ -253,10 +247,11 @@ class ModelRunner:
                feature_idx: set[int] | frozenset = frozenset(),
                grammar_masks: dict[int, np.ndarray] | None = None,
                ahead: torch.Tensor | None = None) -> LaunchedStep:
-        """Queue one step on the device; `LaunchedStep.collect` waits for it and reads its result. `trees` maps a batch index to the draft tree of that (decode) sequence;
-        its KV blocks must already hold committed length + tree size tokens. For the batch
-        indices in `feature_idx` the result carries the hidden states of the tokens that entered
-        the KV cache (prefill chunk, decoded token, or the tree's root + accepted path).
+        """Queue one step on the device; `LaunchedStep.collect` waits for it and reads its result.
+        `trees` maps a batch index to the draft tree of that (decode) sequence; its KV blocks must
+        already hold committed length + tree size tokens. For the batch indices in `feature_idx` the
+        result carries the hidden states of the tokens that entered the KV cache (prefill chunk,
+        decoded token, or the tree's root + accepted path).
         `grammar_masks`: per batch index of a constrained sequence, its allowed tokens (int32 words,
         engine/grammar.py): [words] for a plain row, [num_nodes, words] for a tree.
 
@@ -332,36 +327,27 @@ class ModelRunner:
             if done is not None:
                 done.synchronize()
             host = flat.tolist() if flat is not None else []
-            return self._read(host, batch, trees, inp, feature_idx, hidden, layers, plain_seqs, plain_lp,
-                              verified, tree_lp, tree_seqs, stacked if verified is not None else None)
+            result = StepResult(num_transfers=1 if host else 0)
+            reader = _Reader(host)
+            tokens = reader.ints(num_plain)
+            vrs: list[VerifyResult] = []
+            if verified is not None:
+                T, width = verified.tokens.shape
+                values, cols = reader.ints(stacked.numel()), stacked.shape[1]
+                vrs = verify_results_from_stacked([values[t * cols:(t + 1) * cols] for t in range(T)], width - 1)
+            plain_lps = (_read_logprobs(reader, plain_seqs, [[t] for t in tokens], 1, plain_lp[1].shape[-1])
+                         if plain_lp else None)
+            tree_lps = (_read_logprobs(reader, tree_seqs, [v.tokens for v in vrs], width, tree_lp[1].shape[-1])
+                        if tree_lp else None)
+            for k, seq in enumerate(plain_seqs):
+                result.results.append(SeqResult(seq, [tokens[k]], plain_lps[k] if plain_lps else None))
+            for t, (b, seq, v) in enumerate(zip(inp.tree_idx, tree_seqs, vrs)):
+                result.results.append(SeqResult(seq, v.tokens, tree_lps[t] if tree_lps else None, trees[b], v))
+            self._collect_features(result, batch, inp, hidden, feature_idx, layers)
+            self._computed_lengths(batch, inp, result)
+            return result
 
-        return LaunchedStep(sampled if len(inp.plain) == len(batch.seqs) and not trees else None, read)
-
-    def _read(self, host: list[int], batch, trees, inp: StepInputs, feature_idx, hidden, layers, plain_seqs,
-              plain_lp, verified, tree_lp, tree_seqs, stacked) -> StepResult:
-        """The step's result from its one transfer (`host`, as `launch` laid it out)."""
-        num_plain = len(inp.plain)
-        result = StepResult(num_transfers=1 if host else 0)
-        reader = _Reader(host)
-
-        tokens = reader.ints(num_plain)
-        vrs: list[VerifyResult] = []
-        if verified is not None:
-            T, width = verified.tokens.shape
-            flat, cols = reader.ints(stacked.numel()), stacked.shape[1]
-            vrs = verify_results_from_stacked([flat[t * cols:(t + 1) * cols] for t in range(T)], width - 1)
-        plain_lps = (_read_logprobs(reader, plain_seqs, [[t] for t in tokens], 1, plain_lp[1].shape[-1])
-                     if plain_lp else None)
-        tree_lps = (_read_logprobs(reader, tree_seqs, [v.tokens for v in vrs], width, tree_lp[1].shape[-1])
-                    if tree_lp else None)
-        for k, seq in enumerate(plain_seqs):
-            result.results.append(SeqResult(seq, [tokens[k]], plain_lps[k] if plain_lps else None))
-        for t, (b, seq, v) in enumerate(zip(inp.tree_idx, tree_seqs, vrs)):
-            result.results.append(SeqResult(seq, v.tokens, tree_lps[t] if tree_lps else None, trees[b], v))
-
-        self._collect_features(result, batch, inp, hidden, feature_idx, layers)
-        self._computed_lengths(batch, inp, result)
-        return result
+        return LaunchedStep(sampled if num_plain == len(batch.seqs) and not trees else None, read)
 
     def _sampling(self, part: str, seqs: list[Sequence]) -> SamplingTensors:
         """The `SamplingTensors` of `seqs`' rows (`part`: the plain rows or the trees); the last

@@ -80,24 +80,37 @@ def draw_weights(model_dir: Path, dry: bool) -> None:
     model.save_pretrained(model_dir)
 
 
+def chat_prompts(model_dir: str, data_dir: str, per_set: int) -> list[list[int]]:
+    """The first `per_set` prompts of each benchmark set, as chat token ids (at most 256)."""
+    from transformers import AutoTokenizer
+
+    from specserve.bench.common import chat_ids
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [chat_ids(tok, json.loads(line)["turns"][0])[:256]
+            for name in ("mt_bench", "humaneval", "gsm8k")
+            for line in (Path(data_dir) / f"{name}.jsonl").read_text().splitlines()[:per_set]]
+
+
+def drawn_model(out: Path, dry: bool) -> Path:
+    """A copy of the packed model's folder with its weights drawn (seeded: the same each time)."""
+    model_dir = out / "model" if dry else Path("/tmp/specserve-ab-model")
+    shutil.rmtree(model_dir, ignore_errors=True)
+    shutil.copytree(AB / "model", model_dir)
+    draw_weights(model_dir, dry)
+    return model_dir
+
+
 def measure(model_dir: str, data_dir: str, max_tokens: int, dry: bool) -> dict:
-    """In a child: this tree's engine, plain decoding at b1 and b32 and ngram at b1."""
+    """In a child: this tree's engine, plain decoding and ngram at b1 and b32."""
     import torch
 
     import specserve.engine as engine_pkg
-    from specserve.bench.common import chat_ids
     from specserve.engine.config import EngineConfig
     from specserve.engine.core import LLMEngine
     from specserve.engine.sampling_params import SamplingParams
 
-    tok_dir = Path(model_dir)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    prompts = []
-    for name in ("mt_bench", "humaneval", "gsm8k"):
-        for line in (Path(data_dir) / f"{name}.jsonl").read_text().splitlines()[:16]:
-            text = json.loads(line)["turns"][0]
-            prompts.append(chat_ids(tok, text)[:256])
+    prompts = chat_prompts(model_dir, data_dir, 16)
     device = "cpu" if dry else "cuda"
     batch = 2 if dry else 32
     eng = LLMEngine(EngineConfig(model=model_dir, device=device, dtype="float32" if dry else "bfloat16",
@@ -142,17 +155,11 @@ def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from specserve.bench.common import chat_ids
     from specserve.engine.config import EngineConfig
     from specserve.engine.core import LLMEngine
     from specserve.engine.sampling_params import SamplingParams
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = []
-    for name in ("mt_bench", "humaneval", "gsm8k"):
-        for line in (Path(data_dir) / f"{name}.jsonl").read_text().splitlines()[:22]:
-            prompts.append(chat_ids(tok, json.loads(line)["turns"][0])[:256])
+    prompts = chat_prompts(model_dir, data_dir, 22)
     cuda = not dry
     sizes = [1, 2] if dry else [1, 8, 32, 64]
     eng = LLMEngine(EngineConfig(model=model_dir, device="cuda" if cuda else "cpu",
@@ -232,11 +239,7 @@ def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path
 
 def run_profile(out: Path, max_tokens: int, dry: bool) -> int:
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = out / "model" if dry else Path("/tmp/specserve-ab-model")
-    if not (model_dir / "model.safetensors").is_file():
-        shutil.rmtree(model_dir, ignore_errors=True)
-        shutil.copytree(AB / "model", model_dir)
-        draw_weights(model_dir, dry)
+    model_dir = drawn_model(out, dry)
     env = {**os.environ, "PYTHONPATH": str(AB / "new")}
     proc = subprocess.run([sys.executable, __file__, "profile-child", str(model_dir), str(AB / "data"), str(max_tokens),
                            str(out / "profile.txt")] + (["--dry-run"] if dry else []),
@@ -257,10 +260,7 @@ def run_profile(out: Path, max_tokens: int, dry: bool) -> int:
 
 def run(out: Path, max_tokens: int, dry: bool, rounds: int, variants: list[str] = ("old", "new")) -> int:
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = out / "model" if dry else Path("/tmp/specserve-ab-model")
-    shutil.rmtree(model_dir, ignore_errors=True)
-    shutil.copytree(AB / "model", model_dir)
-    draw_weights(model_dir, dry)
+    model_dir = drawn_model(out, dry)
     results = []
     for variant in list(variants) * rounds:
         tree, *assignments = variant.split("+")   # "new+NAME=VALUE": the new tree with NAME=VALUE set
