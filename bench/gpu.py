@@ -31,6 +31,11 @@ on; the JSON is rewritten after every step, so a run cut short keeps what it mea
 6. `hf_tok_s`: transformers `generate` on the batch-1 prompts, eager, then with a static cache and
    `torch.compile` when the budget allows (`hf_mode` says which figure is reported).
 
+Throughout, `triton_compiles` counts Triton's JIT compiles per step above ({step: {kernel: n}}, with
+the argument types of the first few): a compile after the engine's start-up warm-up is a served
+step that waited for a compiler. The fixed-budget pass also records each drafter's host time per
+draft step in proposing (`draft_ms_fixed`) and in verifying (`verify_ms_fixed`).
+
 Writes OUT/gpu_<device>.md and OUT/gpu_summary.json. `--dry-run`: the same sequence on the CPU
 with tiny sizes (fp32, two drafters, 8 tokens), so that the script is exercised where no GPU is;
 under TRITON_INTERPRET=1 the decode steps replay through the graphs' eager stand-in.
@@ -138,6 +143,54 @@ def time_us(fn, device, repeats: int = 20) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
+
+
+class TritonCompiles:
+    """Triton's JIT compiles while installed, by phase: `counts` {phase: {kernel: n}} and `samples`
+    {kernel: [argument types of its first compiles]}, so that a compile in a served step can be
+    traced to the argument whose value changed its specialisation. Records nothing where Triton has
+    no runtime hook (the interpreter, versions without `triton.knobs`)."""
+
+    MAX_SAMPLES = 4
+
+    def __init__(self):
+        self.phase = "start"
+        self.counts: dict[str, dict[str, int]] = {}
+        self.samples: dict[str, list[str]] = {}
+        self._runtime = self._previous = None
+
+    def install(self) -> "TritonCompiles":
+        try:
+            from triton import knobs
+            runtime = knobs.runtime
+            self._previous = runtime.jit_cache_hook
+        except (ImportError, AttributeError):
+            return self
+        runtime.jit_cache_hook, self._runtime = self._hook, runtime
+        return self
+
+    @property
+    def active(self) -> bool:
+        """Whether Triton calls the hook (False: this Triton has no `knobs.runtime.jit_cache_hook`)."""
+        return self._runtime is not None
+
+    def uninstall(self) -> None:
+        if self._runtime is not None:
+            self._runtime.jit_cache_hook, self._runtime = self._previous, None
+
+    def _hook(self, **kwargs):
+        """Triton calls it before compiling a kernel for a key it has not seen; None lets it compile."""
+        fn = kwargs.get("fn")
+        name = getattr(fn, "name", None) or str(fn)
+        by_kernel = self.counts.setdefault(self.phase, {})
+        by_kernel[name] = by_kernel.get(name, 0) + 1
+        seen = self.samples.setdefault(name, [])
+        if len(seen) < self.MAX_SAMPLES:
+            seen.append(str(kwargs.get("repr", ""))[:600])
+        return self._previous(**kwargs) if self._previous else None
+
+    def summary(self) -> dict:
+        return {"counts": self.counts, "samples": self.samples}
 
 
 def measure_floor(model, device) -> dict:
@@ -333,12 +386,14 @@ def measure_plain(engine, pool, batch_sizes, max_tokens: int, budget: Budget, mi
 
 
 def _draft_counts(engine, drafter: str) -> dict[str, int]:
-    """Draft steps, drafted and accepted tokens so far of `drafter` (for auto: of the drafters it
-    chooses among, each counting the trees it proposed)."""
+    """Draft steps, drafted and accepted tokens, and the host seconds spent proposing and verifying
+    so far of `drafter` (for auto: of the drafters it chooses among, each counting the trees it
+    proposed)."""
     names = engine.auto_drafters if drafter == "auto" else (drafter,)
     stats = [engine.drafter_stats[n] for n in names]
     return {"draft_steps": sum(s.num_steps for s in stats), "draft_tokens": sum(s.num_draft_tokens for s in stats),
-            "accepted_tokens": sum(s.num_accepted_tokens for s in stats)}
+            "accepted_tokens": sum(s.num_accepted_tokens for s in stats),
+            "draft_s": sum(s.draft_time_s for s in stats), "verify_s": sum(s.verify_time_s for s in stats)}
 
 
 def measure_drafters(engine, drafters, batches, max_tokens: int, anchor_every: int, budget: Budget,
@@ -389,6 +444,12 @@ def measure_drafters(engine, drafters, batches, max_tokens: int, anchor_every: i
         settle()
     results[PLAIN] = {"tok_s": statistics.mean(anchors), "anchors": anchors}
     return results
+
+
+def _per_step_ms(result: dict, key: str) -> float | None:
+    """Milliseconds of `key` (seconds summed over the run) per draft step; None without draft steps."""
+    steps = result.get("draft_steps")
+    return result[key] / steps * 1e3 if steps and key in result else None
 
 
 def measure_hf(loaded, prompts, max_tokens: int, device, dtype, compile_ok: bool, budget: Budget) -> dict:
@@ -453,10 +514,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         "meta": {"machine": machine_info(device), "torch": torch.__version__, "transformers": transformers.__version__,
                  "invocation": shlex.join(["specserve", "bench", "gpu", *argv]), "max_tokens": args.max_tokens,
                  "budget_s": args.budget},
-        "errors": [], "seconds": {},
+        "errors": [], "seconds": {}, "triton_compiles": {},
     }
+    compiles = TritonCompiles().install()
 
     def save():
+        summary["triton_compiles"] = compiles.summary()
         summary["meta"]["elapsed_s"] = round(time.perf_counter() - budget.t0, 1)
         json_path.write_text(json.dumps(summary, indent=2) + "\n")
         md_path.write_text(markdown(summary))
@@ -467,6 +530,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             save()
             return None
         t0 = time.perf_counter()
+        compiles.phase = label
         print(f"bench gpu: {label} ...", file=sys.stderr, flush=True)
         try:
             return fn()
@@ -481,6 +545,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     loaded = load_model(args.model)
     drafters = args.drafters or [*available_drafters(), "auto"]   # auto: the server's default choice among them
     options = {d: o for d, o in DRAFTER_OPTIONS.items() if d in drafters}
+    if "draft_model" in options:          # a truncated target: fewer layers than the target has
+        layers = loaded.hf_config.num_hidden_layers
+        options["draft_model"] = {"draft_layers": min(options["draft_model"]["draft_layers"], max(1, layers - 1))}
     pools = {ds: [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, 32)] for ds in DATASETS}
     mixed = [p for group in zip(*pools.values()) for p in group]      # mt_bench, humaneval, gsm8k, ...
     at_1 = [p for ps in pools.values() for p in ps[:args.prompts_at_1]]
@@ -524,6 +591,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         drafters = [d for d in drafters if step(f"load {d} alone", lambda d=d: engine([d], eager=True)) is not None]
         main_engine = step("load engine, loadable drafters", lambda: engine(drafters, eager=True))
     if main_engine is None:
+        compiles.uninstall()
         return 1
     if args.dry_run and os.environ.get("TRITON_INTERPRET") == "1":   # the graph path, through the CPU stand-in
         from specserve.engine.cuda_graphs import EagerReplay
@@ -573,7 +641,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 else:
                     for key, value in (("speedup", r["speedup"]), ("drafter_tok_s", r["tok_s"]), ("tau", r["tau"]),
                                        ("greedy_mismatch_rate", r["mismatch_rate"]),
-                                       ("draft_steps", r.get("draft_steps"))):
+                                       ("draft_steps", r.get("draft_steps")),
+                                       ("draft_ms", _per_step_ms(r, "draft_s")),
+                                       ("verify_ms", _per_step_ms(r, "verify_s"))):
                         summary.setdefault(key + suffix, {}).setdefault(d, {})[str(b)] = value
             save()
     del fixed_engine
@@ -586,6 +656,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             summary["hf_mode"] = "static cache + torch.compile" if best else "eager"
             summary["hf_tok_s"] = {"1": best or hf["eager_tok_s"]}
     save()
+    compiles.uninstall()
     print(markdown(summary))
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)
     return 0
@@ -660,14 +731,18 @@ def markdown(s: dict) -> str:
     fixed = s.get("speedup_fixed") or {}
     if fixed:
         sizes_f = sorted({b for v in fixed.values() for b in v}, key=int)
-        lines += ["With the fixed draft budget (every sequence drafts its full tree every step):", "",
-                  "| drafter | " + " | ".join(f"speedup b{b} | τ b{b}" for b in sizes_f) + " |",
-                  "|---|" + "---:|" * (2 * len(sizes_f))]
+        lines += ["With the fixed draft budget (every sequence drafts its full tree every step; host ms per draft "
+                  "step proposing and verifying):", "",
+                  "| drafter | " + " | ".join(f"speedup b{b} | τ b{b} | draft ms b{b} | verify ms b{b}"
+                                             for b in sizes_f) + " |",
+                  "|---|" + "---:|" * (4 * len(sizes_f))]
         for d in sorted(fixed, key=lambda d: -max(fixed[d].values())):
             cells = []
             for b in sizes_f:
                 cells += [_f(fixed[d].get(b), ".2f") + "×" if b in fixed[d] else "–",
-                          _f(s["tau_fixed"][d].get(b), ".2f")]
+                          _f(s["tau_fixed"][d].get(b), ".2f"),
+                          _f(s.get("draft_ms_fixed", {}).get(d, {}).get(b), ".2f"),
+                          _f(s.get("verify_ms_fixed", {}).get(d, {}).get(b), ".2f")]
             lines.append(f"| {d} | " + " | ".join(cells) + " |")
         lines.append("")
     if s["kernel_us"]:
@@ -676,6 +751,10 @@ def markdown(s: dict) -> str:
         for shape, v in s["kernel_us"].items():
             lines.append(f"| {shape} | {_f(v['triton_us'])} | {_f(v['reference_us'])} |")
         lines.append("")
+    counts = (s.get("triton_compiles") or {}).get("counts") or {}
+    if counts:
+        lines += ["Triton compiles per step of this run: " + "; ".join(
+            f"{phase}: " + ", ".join(f"{k} {n}" for k, n in sorted(by.items())) for phase, by in counts.items()) + ".", ""]
     if s["errors"]:
         lines += ["Errors and skipped steps:", ""] + [f"- {e}" for e in s["errors"]] + [""]
     return "\n".join(lines)

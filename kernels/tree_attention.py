@@ -45,7 +45,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# the batch's shapes (sequences, block-table width) are not specialised on: one compiled variant per
+# (dtype, block configuration) serves every eager step, instead of a compile whenever one turns 1 or
+# a multiple of 16 mid-serving
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     block_tables_ptr, cu_q_ptr, context_lens_ptr, mask_offsets_ptr, mask_widths_ptr, mask_ptr,

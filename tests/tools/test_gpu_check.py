@@ -28,7 +28,7 @@ def test_the_dry_run_measures_every_figure_and_prints_the_table(tmp_path, tiny_l
     env = {**os.environ, "SPECSERVE_DATA": str(write_prompts(tmp_path / "data")), "PYTHON": sys.executable}
     proc = subprocess.run(
         [str(ROOT / "tools" / "gpu-check"), "--dry-run", "--out", str(out),
-         "--bench-args", f"--model {tiny_llama_dir} --drafters ngram auto"],
+         "--bench-args", f"--model {tiny_llama_dir} --drafters ngram auto draft_model"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
     s = json.loads((out / "gpu_summary.json").read_text())
@@ -42,10 +42,15 @@ def test_the_dry_run_measures_every_figure_and_prints_the_table(tmp_path, tiny_l
     # fp32 on the CPU: speculation is lossless, token for token
     assert s["greedy_mismatch_rate"]["ngram"] == {"1": 0.0, "2": 0.0}
     assert s["greedy_mismatch_rate"]["auto"] == {"1": 0.0, "2": 0.0}   # the server's default, measured too
-    assert set(s["draft_steps"]) == {"ngram", "auto"}
+    assert set(s["draft_steps"]) == {"ngram", "auto", "draft_model"}
+    # the fixed budget drafts every step: the host's milliseconds per draft step, proposing and verifying
+    assert s["draft_steps_fixed"]["draft_model"]["1"] > 0
+    assert s["draft_ms_fixed"]["draft_model"]["1"] > 0 and s["verify_ms_fixed"]["draft_model"]["1"] > 0
+    assert set(s["triton_compiles"]) == {"counts", "samples"}     # none under the interpreter
     assert s["hf_tok_s"]["1"] > 0 and s["hf_mode"] == "eager"
     assert s["floor_ms_per_token"] > 0 and all(v["triton_us"] > 0 for v in s["kernel_us"].values())
     assert (out / "gpu_dry-run.md").read_text().startswith("## GPU bring-up")
     assert "pytest exit 0" in (out / "gpu-check.log").read_text()
     lines = proc.stdout.strip().splitlines()     # the short table comes last: plain, then each drafter
-    assert lines[-3].startswith("plain tok/s") and sorted(line.split()[0] for line in lines[-2:]) == ["auto", "ngram"]
+    assert lines[-4].startswith("plain tok/s")
+    assert sorted(line.split()[0] for line in lines[-3:]) == ["auto", "draft_model", "ngram"]

@@ -15,6 +15,7 @@ checks by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -320,6 +321,40 @@ def test_flat_commit_on_cuda(case, monkeypatch):
         got = kv.clone()
         impl(got, src, dst)
         assert torch.equal(got, want), impl.__name__
+
+
+def with_path_width(b: Batch, width: int) -> Batch:
+    """`b` with its paths padded (or cut) to `width` columns; width >= its longest path."""
+    paths = torch.full((b.paths.shape[0], width), -1, dtype=b.paths.dtype, device=b.paths.device)
+    keep = min(width, b.paths.shape[1])
+    paths[:, :keep] = b.paths[:, :keep]
+    return dataclasses.replace(b, paths=paths)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_other_batch_shapes_compile_nothing_on_cuda(monkeypatch):
+    """Compiled once, the tree commit serves batches of any number of sequences, path width and
+    block-table width (1, a multiple of 16, neither) without compiling again: the accepted paths
+    change length every step, and a compile mid-serving is a step that waits for the compiler."""
+    from specserve.bench.gpu import TritonCompiles
+
+    monkeypatch.delenv(kv_compact.BACKEND_ENV, raising=False)
+    model = dict(num_layers=30, num_kv_heads=3, head_dim=64, int32_tables=True)
+    batches = [make_batch(40, 16, torch.bfloat16, "cuda", num_seqs=3, max_nodes=6, max_prefix=40, **model),
+               with_path_width(make_batch(41, 16, torch.bfloat16, "cuda", num_seqs=1, max_nodes=1, max_prefix=0,
+                                          **model), 1),
+               with_path_width(make_batch(42, 16, torch.bfloat16, "cuda", num_seqs=16, max_nodes=12,
+                                          max_prefix=230, **model), 16),
+               make_batch(43, 16, torch.bfloat16, "cuda", num_seqs=5, max_nodes=31, max_prefix=700, **model)]
+    check_tree_impl(compact_tree_kv, batches[0])
+    compiles = TritonCompiles().install()
+    try:
+        for b in batches[1:]:
+            check_tree_impl(compact_tree_kv, b)
+    finally:
+        compiles.uninstall()
+    assert compiles.active and compiles.counts == {}, compiles.samples
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:

@@ -195,6 +195,30 @@ def test_metadata_on_cuda_equals_cpu(masks_on):
         assert torch.equal(getattr(cuda, name).cpu(), getattr(cpu, name)), name
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_other_batch_shapes_compile_nothing_on_cuda():
+    """Compiled once for a (dtype, block configuration), the kernel serves decode batches of any
+    number of sequences and any block-table width (1, a multiple of 16, neither) without compiling
+    again: a compile mid-serving is a step that waits a second for the compiler."""
+    from specserve.bench.gpu import TritonCompiles
+    from specserve.kernels.tree_attention import tree_attention
+
+    # (sequences, start): tables 3, 1, 16 and 44 blocks wide
+    batches = [make_batch([(start, 1, None)] * n, 16, 3, 3, 64, torch.bfloat16, seed=i, device="cuda")
+               for i, (n, start) in enumerate([(2, 40), (1, 10), (16, 255), (5, 700)])]
+    tree_attention(*batches[0][:3], batches[0][3], 0.125)
+    torch.cuda.synchronize()
+    compiles = TritonCompiles().install()
+    try:
+        for q, k_cache, v_cache, meta in batches[1:]:
+            tree_attention(q, k_cache, v_cache, meta, 0.125)
+        torch.cuda.synchronize()
+    finally:
+        compiles.uninstall()
+    assert compiles.active and compiles.counts == {}, compiles.samples
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # tests/, for helpers
     print(json.dumps(run_interpreted()))
