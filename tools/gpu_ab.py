@@ -18,7 +18,10 @@ run-to-run noise beside the difference. Writes DIR/ab.json and prints a table.
 `profile` runs the new tree alone, in a child likewise: plain decoding at batch 1, 8, 32 and 64 with
 async scheduling off and on (alternately, twice), then torch.profiler over decode steps at batch 1 and
 32, replayed as CUDA graphs and eagerly: each kernel's device time per step, the step's kernel count
-and device time against its wall time. Writes DIR/profile.json and DIR/profile.txt.
+and device time against its wall time. `--parts drafters` adds (or, alone, runs only) the draft steps
+of ngram, eagle (a random head) and draft_model under the fixed budget at batch 1: the same per step,
+the host's own time per op, and the milliseconds proposing and verifying. Writes DIR/profile.json and
+DIR/profile.txt.
 """
 
 from __future__ import annotations
@@ -149,7 +152,30 @@ def measure(model_dir: str, data_dir: str, max_tokens: int, dry: bool) -> dict:
     return out
 
 
-def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path: str) -> dict:
+PROFILE_PARTS = ("sweep", "kernels", "drafters")
+# drafters whose steps `profile --parts drafters` takes apart, with what they need on drawn weights
+PROFILED_DRAFTERS = {"ngram": {}, "eagle": {"random_init": True}, "draft_model": {"draft_layers": 4}}
+
+
+def _device_rows(prof, steps: int) -> list[dict]:
+    """Kernels and copies on the device (not the ops launching them), by device time per step."""
+    rows = []
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) or 0
+        if dev > 0 and not e.self_cpu_time_total:
+            rows.append({"name": e.key[:120], "calls_per_step": e.count / steps, "us_per_step": dev / steps})
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def _host_rows(prof, steps: int) -> list[dict]:
+    """Host ops by their own CPU time per step (what the Python side pays per launch)."""
+    rows = [{"name": e.key[:120], "calls_per_step": e.count / steps, "us_per_step": e.self_cpu_time_total / steps}
+            for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path: str,
+            parts: tuple[str, ...] = ("sweep", "kernels")) -> dict:
     """In a child: the new tree's decode step, timed and profiled (see the module's docstring)."""
     import torch
     from torch.profiler import ProfilerActivity
@@ -162,12 +188,20 @@ def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path
     prompts = chat_prompts(model_dir, data_dir, 22)
     cuda = not dry
     sizes = [1, 2] if dry else [1, 8, 32, 64]
-    eng = LLMEngine(EngineConfig(model=model_dir, device="cuda" if cuda else "cpu",
-                                 dtype="bfloat16" if cuda else "float32", max_num_seqs=max(sizes), max_model_len=512,
-                                 max_num_batched_tokens=4096, num_kv_blocks=max(sizes) * 32 + 64, drafters=("none",),
-                                 quantization="none"))
+
+    def engine(**kw):
+        return LLMEngine(EngineConfig(model=model_dir, device="cuda" if cuda else "cpu",
+                                      dtype="bfloat16" if cuda else "float32", max_num_seqs=max(sizes),
+                                      max_model_len=512, max_num_batched_tokens=4096,
+                                      num_kv_blocks=max(sizes) * 32 + 64, quantization="none", **kw))
+
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    table_key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    out: dict = {"max_tokens": max_tokens, "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+    lines = []
+    eng = engine(drafters=("none",)) if {"sweep", "kernels"} & set(parts) else None
 
     def decode(group, tag, steps_hook=None):
         for i, p in enumerate(group):
@@ -184,77 +218,111 @@ def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path
         sync()
         return len(walls), time.perf_counter() - t0, walls
 
-    decode(prompts[:1], "warm")
-    decode(prompts[:max(sizes)], "warm-b")
-    sweep: dict[str, dict] = {}
-    for rnd in range(2):
-        for b in sizes:
-            for on in (False, True):
-                eng.async_scheduling = on
-                n, secs, walls = decode(prompts[:b], f"s{rnd}-{b}-{on}")
-                row = sweep.setdefault(f"b{b}_{'async' if on else 'sync'}", {"tok_s": [], "median_step_ms": []})
-                row["tok_s"].append(b * max_tokens / secs)
-                row["median_step_ms"].append(statistics.median(walls) * 1e3)
-    eng.async_scheduling = eng.device.type == "cuda"
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    kernels: dict[str, dict] = {}
-    lines = []
-    graphs = eng.runner.graphs
-    for label, b, graphed in (("b1_graphs", 1, True), ("b32_graphs", sizes[-2] if not dry else 2, True),
-                              ("b1_eager", 1, False)):
-        eng.runner.graphs = graphs if graphed else None
-        for i, p in enumerate(prompts[:b]):
-            eng.add_request(f"p-{label}-{i}", p, params)
-        for _ in range(4):                                # the prefill and a few steps, not profiled
-            eng.step()
-        sync()
+    def profiled(e, max_steps: int = 32):
+        """torch.profiler over up to `max_steps` steps of what `e` runs: (profile, steps, wall seconds)."""
         steps, t0 = 0, time.perf_counter()
         with torch_profile(activities=acts) as prof:
-            while eng.has_unfinished_requests() and steps < 32:
-                eng.step()
+            while e.has_unfinished_requests() and steps < max_steps:
+                e.step()
                 steps += 1
             sync()
-        wall = time.perf_counter() - t0
-        while eng.has_unfinished_requests():
-            eng.step()
-        rows = []
-        for e in prof.key_averages():
-            dev = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) or 0
-            if dev > 0 and not e.self_cpu_time_total:   # a kernel or copy on the device, not the op launching it
-                rows.append({"name": e.key[:120], "calls_per_step": e.count / steps, "us_per_step": dev / steps})
-        rows.sort(key=lambda r: -r["us_per_step"])
-        kernels[label] = {"steps": steps, "wall_ms_per_step": wall / steps * 1e3,
-                          "device_ms_per_step": sum(r["us_per_step"] for r in rows) / 1e3,
-                          "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:30]}
-        lines.append(f"==== {label}: {steps} steps, wall {wall / steps * 1e3:.3f} ms/step, device "
-                     f"{kernels[label]['device_ms_per_step']:.3f} ms/step, {kernels[label]['kernels_per_step']:.0f} "
-                     f"kernels/step")
-        lines.append(prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
-                                               row_limit=40, max_name_column_width=90))
-    eng.runner.graphs = graphs
+        return prof, steps, time.perf_counter() - t0
+
+    if "sweep" in parts:
+        decode(prompts[:1], "warm")
+        decode(prompts[:max(sizes)], "warm-b")
+        sweep: dict[str, dict] = {}
+        for rnd in range(2):
+            for b in sizes:
+                for on in (False, True):
+                    eng.async_scheduling = on
+                    n, secs, walls = decode(prompts[:b], f"s{rnd}-{b}-{on}")
+                    row = sweep.setdefault(f"b{b}_{'async' if on else 'sync'}", {"tok_s": [], "median_step_ms": []})
+                    row["tok_s"].append(b * max_tokens / secs)
+                    row["median_step_ms"].append(statistics.median(walls) * 1e3)
+        eng.async_scheduling = eng.device.type == "cuda"
+        out["sweep"] = sweep
+    if "kernels" in parts:
+        kernels: dict[str, dict] = {}
+        graphs = eng.runner.graphs
+        for label, b, graphed in (("b1_graphs", 1, True), ("b32_graphs", sizes[-2] if not dry else 2, True),
+                                  ("b1_eager", 1, False)):
+            eng.runner.graphs = graphs if graphed else None
+            for i, p in enumerate(prompts[:b]):
+                eng.add_request(f"p-{label}-{i}", p, params)
+            for _ in range(4):                                # the prefill and a few steps, not profiled
+                eng.step()
+            sync()
+            prof, steps, wall = profiled(eng)
+            while eng.has_unfinished_requests():
+                eng.step()
+            rows = _device_rows(prof, steps)
+            kernels[label] = {"steps": steps, "wall_ms_per_step": wall / steps * 1e3,
+                              "device_ms_per_step": sum(r["us_per_step"] for r in rows) / 1e3,
+                              "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:30]}
+            lines.append(f"==== {label}: {steps} steps, wall {wall / steps * 1e3:.3f} ms/step, device "
+                         f"{kernels[label]['device_ms_per_step']:.3f} ms/step, "
+                         f"{kernels[label]['kernels_per_step']:.0f} kernels/step")
+            lines.append(prof.key_averages().table(sort_by=table_key, row_limit=40, max_name_column_width=90))
+        eng.runner.graphs = graphs
+        out["kernels"] = kernels
+    if "drafters" in parts:
+        # every sequence drafts its full tree each step (the fixed budget); per drafter at batch 1: the
+        # step's wall, device time and kernel count, and the host's time proposing and verifying per step
+        del eng
+        names = list(PROFILED_DRAFTERS)
+        options = {**PROFILED_DRAFTERS, **({"draft_model": {"draft_layers": 1}} if dry else {})}   # 2 layers there
+        eng = engine(drafters=("none", *names), draft_budget="fixed", drafter_options=options)
+        drafters: dict[str, dict] = {}
+        for name in ("none", *names):
+            eng.add_request(f"d-{name}", prompts[0], params, drafter=name)
+            for _ in range(4):
+                eng.step()
+            sync()
+            before = eng.drafter_stats[name].copy() if name != "none" else None
+            prof, steps, wall = profiled(eng, 24)
+            after = eng.drafter_stats[name] if name != "none" else None
+            while eng.has_unfinished_requests():
+                eng.step()
+            rows, host = _device_rows(prof, steps), _host_rows(prof, steps)
+            row = {"steps": steps, "wall_ms_per_step": wall / steps * 1e3,
+                   "device_ms_per_step": sum(r["us_per_step"] for r in rows) / 1e3,
+                   "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:20], "host": host[:20]}
+            if after is not None and after.num_steps > before.num_steps:
+                n = after.num_steps - before.num_steps
+                row.update(draft_steps=n, draft_ms=(after.draft_time_s - before.draft_time_s) / n * 1e3,
+                           verify_ms=(after.verify_time_s - before.verify_time_s) / n * 1e3)
+            drafters[name] = row
+            lines.append(f"==== drafter {name} (fixed budget, b1): {steps} steps, wall {row['wall_ms_per_step']:.3f} "
+                         f"ms/step, device {row['device_ms_per_step']:.3f} ms/step, {row['kernels_per_step']:.0f} "
+                         f"kernels/step, draft {row.get('draft_ms', 0):.2f} ms, verify {row.get('verify_ms', 0):.2f} ms")
+            lines.append(prof.key_averages().table(sort_by=table_key, row_limit=30, max_name_column_width=90))
+            lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
+                                                   max_name_column_width=90))
+        out["drafters"] = drafters
     Path(text_path).write_text("\n".join(lines) + "\n")
-    return {"sweep": sweep, "kernels": kernels, "max_tokens": max_tokens,
-            "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+    return out
 
 
-def run_profile(out: Path, max_tokens: int, dry: bool) -> int:
+def run_profile(out: Path, max_tokens: int, dry: bool, parts: str = "sweep,kernels") -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = drawn_model(out, dry)
     env = {**os.environ, "PYTHONPATH": str(AB / "new")}
     proc = subprocess.run([sys.executable, __file__, "profile-child", str(model_dir), str(AB / "data"), str(max_tokens),
-                           str(out / "profile.txt")] + (["--dry-run"] if dry else []),
+                           str(out / "profile.txt"), "--parts", parts] + (["--dry-run"] if dry else []),
                           env=env, capture_output=True, text=True, cwd="/")
     if proc.returncode != 0:
         print(proc.stderr[-3000:], file=sys.stderr)
         return 1
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     (out / "profile.json").write_text(json.dumps(r, indent=2) + "\n")
-    for k, v in r["sweep"].items():
+    for k, v in r.get("sweep", {}).items():
         print(f"{k}: " + ", ".join(f"{t:.0f} tok/s ({m:.2f} ms/step)" for t, m in zip(v["tok_s"], v["median_step_ms"])))
-    for k, v in r["kernels"].items():
+    for k, v in {**r.get("kernels", {}), **r.get("drafters", {})}.items():
         print(f"{k}: wall {v['wall_ms_per_step']:.3f} ms/step, device {v['device_ms_per_step']:.3f} ms/step, "
               f"{v['kernels_per_step']:.0f} kernels/step; top: " + "; ".join(
-                  f"{t['name'][:40]} {t['us_per_step']:.0f} us" for t in v["top"][:6]))
+                  f"{t['name'][:40]} {t['us_per_step']:.0f} us" for t in v["top"][:6])
+              + (f"; draft {v['draft_ms']:.2f} ms, verify {v['verify_ms']:.2f} ms per step" if "draft_ms" in v else ""))
     return 0
 
 
@@ -304,11 +372,14 @@ def main() -> int:
     f.add_argument("--max-tokens", type=int, default=128)
     f.add_argument("--dry-run", action="store_true")
     f.add_argument("--ab", type=Path, default=AB, help=f"the packed folder (default: {AB})")
+    f.add_argument("--parts", default="sweep,kernels", help=f"comma-separated, of {', '.join(PROFILE_PARTS)} "
+                   "(drafters: ngram, eagle and draft_model under the fixed budget at batch 1; default: %(default)s)")
     c = sub.add_parser("profile-child")
     for name in ("model_dir", "data_dir"):
         c.add_argument(name)
     c.add_argument("max_tokens", type=int)
     c.add_argument("text_path")
+    c.add_argument("--parts", default="sweep,kernels")
     c.add_argument("--dry-run", action="store_true")
     m = sub.add_parser("measure")
     m.add_argument("model_dir")
@@ -324,9 +395,10 @@ def main() -> int:
         return run(args.out, 8 if args.dry_run else args.max_tokens, args.dry_run, args.rounds,
                    args.variants.split(","))
     if args.cmd == "profile":
-        return run_profile(args.out, 8 if args.dry_run else args.max_tokens, args.dry_run)
+        return run_profile(args.out, 8 if args.dry_run else args.max_tokens, args.dry_run, args.parts)
     if args.cmd == "profile-child":
-        print(json.dumps(profile(args.model_dir, args.data_dir, args.max_tokens, args.dry_run, args.text_path)))
+        print(json.dumps(profile(args.model_dir, args.data_dir, args.max_tokens, args.dry_run, args.text_path,
+                                 tuple(args.parts.split(",")))))
         return 0
     print(json.dumps(measure(args.model_dir, args.data_dir, args.max_tokens, args.dry_run)))
     return 0

@@ -53,3 +53,17 @@ def test_the_profile_dry_run_sweeps_batches_with_and_without_async_scheduling(tm
     assert set(r["kernels"]) == {"b1_graphs", "b32_graphs", "b1_eager"}
     assert all(v["steps"] > 0 and v["wall_ms_per_step"] > 0 for v in r["kernels"].values())
     assert "==== b1_eager" in (out / "profile.txt").read_text()
+
+
+def test_the_profile_dry_run_takes_draft_steps_apart(tmp_path, tiny_llama_dir):
+    tool, env, ab, out = packed(tmp_path, tiny_llama_dir)
+    proc = subprocess.run(tool + ["profile", "--ab", str(ab), "--out", str(out), "--dry-run", "--parts", "drafters"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((out / "profile.json").read_text())
+    assert "sweep" not in r and set(r["drafters"]) == {"none", "ngram", "eagle", "draft_model"}
+    assert all(v["steps"] > 0 and v["wall_ms_per_step"] > 0 and v["host"] for v in r["drafters"].values())
+    # the fixed budget: the model-based drafters draft every step, and each step's proposing is timed
+    for name in ("eagle", "draft_model"):
+        assert r["drafters"][name]["draft_steps"] > 0 and r["drafters"][name]["draft_ms"] > 0
+    assert "==== drafter eagle" in (out / "profile.txt").read_text()
