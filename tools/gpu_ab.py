@@ -12,7 +12,8 @@ On the GPU machine the command runs in the working tree's root, so `--ab` keeps 
 
 Each variant runs in a child process with only its own tree on PYTHONPATH (`ab/<variant>/specserve`):
 plain decoding at batch 1 (prompts one at a time) and at batch 32 (one closed batch), greedy, exactly
---max-tokens each, and the n-gram drafter (the goodput policy) at both. Interleaving the variants twice shows the
+--max-tokens each, the n-gram drafter (the goodput policy) at both, and eagle with a random head (which
+the policy learns to grant nothing) at batch 32. Interleaving the variants twice shows the
 run-to-run noise beside the difference. Writes DIR/ab.json and prints a table.
 
 `profile` runs the new tree alone, in a child likewise: plain decoding at batch 1, 8, 32 and 64 with
@@ -105,7 +106,8 @@ def drawn_model(out: Path, dry: bool) -> Path:
 
 
 def measure(model_dir: str, data_dir: str, max_tokens: int, dry: bool) -> dict:
-    """In a child: this tree's engine, plain decoding and ngram at b1 and b32."""
+    """In a child: this tree's engine, plain decoding and ngram at b1 and b32, eagle (a random head, so
+    the goodput policy grants it nothing) at b32."""
     import torch
 
     import specserve.engine as engine_pkg
@@ -118,7 +120,8 @@ def measure(model_dir: str, data_dir: str, max_tokens: int, dry: bool) -> dict:
     batch = 2 if dry else 32
     eng = LLMEngine(EngineConfig(model=model_dir, device=device, dtype="float32" if dry else "bfloat16",
                                  max_num_seqs=batch, max_model_len=512, max_num_batched_tokens=2048,
-                                 num_kv_blocks=batch * 32 + 64, drafters=("none", "ngram"), quantization="none"))
+                                 num_kv_blocks=batch * 32 + 64, drafters=("none", "ngram", "eagle"),
+                                 drafter_options={"eagle": {"random_init": True}}, quantization="none"))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def decode(group, drafter, tag):
@@ -137,12 +140,14 @@ def measure(model_dir: str, data_dir: str, max_tokens: int, dry: bool) -> dict:
     decode(prompts[:1], "none", "warm")
     decode(prompts[:batch], "none", "warm-b")
     decode(prompts[:1], "ngram", "warm-n")
+    decode(prompts[:2], "eagle", "warm-e")
     out = {"tree": str(Path(engine_pkg.__file__).parents[1]),
            "env": {k: v for k, v in os.environ.items() if k.startswith("SPECSERVE_")}}
     for label, drafter, groups in (("plain_b1", "none", [[p] for p in prompts[:3]]),
                                    ("ngram_b1", "ngram", [[p] for p in prompts[:3]]),
                                    ("plain_b32", "none", [prompts[:batch]]),
-                                   ("ngram_b32", "ngram", [prompts[:batch]])):
+                                   ("ngram_b32", "ngram", [prompts[:batch]]),
+                                   ("eagle_b32", "eagle", [prompts[:batch]])):
         n = secs = 0.0
         walls = []
         for g in groups:

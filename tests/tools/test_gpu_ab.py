@@ -38,7 +38,8 @@ def test_the_dry_run_measures_both_trees(tmp_path, tiny_llama_dir):
     assert [r["variant"] for r in results] == ["old", "new", "new+SPECSERVE_X=1"]
     for r in results:     # each child imported its own tree
         assert r["tree"] == str(ab / r["variant"].split("+")[0] / "specserve")
-        assert all(r[k]["tok_s"] > 0 for k in ("plain_b1", "ngram_b1", "plain_b32", "ngram_b32"))
+        assert all(r[k]["tok_s"] > 0 for k in ("plain_b1", "ngram_b1", "plain_b32", "ngram_b32",
+                                                        "eagle_b32"))
     assert results[2]["env"]["SPECSERVE_X"] == "1" and "SPECSERVE_X" not in results[1]["env"]
 
 

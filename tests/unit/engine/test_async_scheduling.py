@@ -226,9 +226,9 @@ def test_on_cuda_steps_ahead_replay_graphs_without_a_sync_and_match(tiny_llama_d
 
 def test_drafter_sequences_ride_along_behind_a_step_that_drafts_nothing(tiny_llama_dir):
     """A step whose draft policy grants no draft (here: no draft tokens allowed per step) is plain for
-    its drafters' sequences too: the step after it runs ahead with them, every other step, and the
-    drafters that read features get those of the steps ahead (the feature store as the synchronous
-    engine's); outputs unchanged."""
+    its drafters' sequences too: the steps after it run ahead with them, and the drafters that read
+    features get those of the steps ahead (the feature store as the synchronous engine's); outputs
+    unchanged."""
     config = dict(drafters=("eagle", "ngram"), drafter_options={"eagle": {"random_init": True}},
                   max_draft_tokens_per_step=0)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -247,4 +247,43 @@ def test_drafter_sequences_ride_along_behind_a_step_that_drafts_nothing(tiny_lla
     got = [drain(engine) for engine in engines]
     assert got[0] == got[1]
     steps = engines[1].get_stats()
-    assert 0.3 * steps.num_steps_total <= steps.num_async_steps_total <= 0.5 * steps.num_steps_total + 1
+    assert steps.num_async_steps_total > 0.6 * steps.num_steps_total
+
+
+def step_kinds(engine, n: int) -> str:
+    """`n` steps of `engine`: "S" for a scheduled step (the draft policy decides), "A" for one run ahead."""
+    kinds = ""
+    for _ in range(n):
+        before = engine.get_stats().num_async_steps_total
+        engine.step()
+        kinds += "A" if engine.get_stats().num_async_steps_total > before else "S"
+    return kinds
+
+
+def test_the_policy_decides_less_often_while_it_grants_nothing_and_at_once_after_a_grant(tiny_llama_dir):
+    """After the k-th decision in a row that grants drafter sequences nothing they ride along
+    min(2^(k-1), MAX_RIDES) steps ahead; a grant starts the count over. Outputs stay the synchronous
+    engine's."""
+    from specserve.engine.core import MAX_RIDES
+    from specserve.engine.draft_policy.fixed import FixedPolicy
+
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    engines = [make_llm_engine(tiny_llama_dir, async_scheduling=on, drafters=("ngram",)) for on in (False, True)]
+    for engine in engines:
+        engine.add_request("n", PROMPTS[2], params, drafter="ngram")
+        engine.add_request("m", PROMPTS[0], params, drafter="ngram")
+        engine.step()                                   # the prefills
+    engine = engines[1]
+    engine.scheduler.policy = FixedPolicy(0)            # grants nothing
+    want = "SA" + "SAA" + "SAAAA" + ("S" + "A" * MAX_RIDES) * 3
+    quiet = step_kinds(engine, len(want))
+    engine.scheduler.policy = FixedPolicy(4)            # grants every step: no step runs ahead
+    busy = step_kinds(engine, 4)
+    engine.scheduler.policy = FixedPolicy(0)
+    again = step_kinds(engine, 5)
+    assert (quiet, busy, again) == (want, "SSSS", "SASAA")
+    seqs = [[r.seqs[0] for r in e.requests.values()] for e in engines]
+    for e in engines:
+        drain(e)
+    assert [s.token_ids for s in seqs[1]] == [s.token_ids for s in seqs[0]]
+
