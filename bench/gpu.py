@@ -147,7 +147,7 @@ def time_us(fn, device, repeats: int = 20) -> float:
 
 class TritonCompiles:
     """Triton's JIT compiles while installed, by phase: `counts` {phase: {kernel: n}} and `samples`
-    {kernel: [argument types of its first compiles]}, so that a compile in a served step can be
+    {kernel: [cache keys of its first compiles]}, so that a compile in a served step can be
     traced to the argument whose value changed its specialisation. Records nothing where Triton has
     no runtime hook (the interpreter, versions without `triton.knobs`)."""
 
@@ -185,8 +185,8 @@ class TritonCompiles:
         by_kernel = self.counts.setdefault(self.phase, {})
         by_kernel[name] = by_kernel.get(name, 0) + 1
         seen = self.samples.setdefault(name, [])
-        if len(seen) < self.MAX_SAMPLES:
-            seen.append(str(kwargs.get("repr", ""))[:600])
+        if len(seen) < self.MAX_SAMPLES:    # the cache key: each argument's type and specialisation
+            seen.append(str((kwargs.get("compile") or {}).get("key", kwargs.get("repr", "")))[:2000])
         return self._previous(**kwargs) if self._previous else None
 
     def summary(self) -> dict:

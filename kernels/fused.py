@@ -112,7 +112,7 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 # ---- RoPE of q and k, k and v into the cache ----------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])   # a view into the step's staging buffer
 def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
                        stride_qkv, stride_cos, stride_sin, stride_q, stride_qh, stride_kt, stride_kh,
                        stride_vt, stride_vh,

@@ -219,9 +219,11 @@ if triton is not None:
         block = tl.load(table_ptr + (position // block_size) * stride_tb).to(tl.int64)
         return block * block_size + position % block_size
 
-    # the step's shapes (pairs per sequence, table widths) are not specialised on: one compiled
-    # variant serves every step, instead of a compile whenever a value turns 1 or a multiple of 16
-    @triton.jit(do_not_specialize=["num_pairs", "stride_tt", "stride_pt"])
+    # the step's shapes (pairs per sequence, table widths) are not specialised on, nor the alignment
+    # of its index tensors: one compiled variant serves every step, instead of a compile whenever a
+    # value turns 1 or a multiple of 16
+    @triton.jit(do_not_specialize=["num_pairs", "stride_tt", "stride_pt"],
+                do_not_specialize_on_alignment=["tables_ptr", "prefix_ptr", "paths_ptr", "path_lens_ptr"])
     def _compact_tree_kv_kernel(
         kv_ptr, tables_ptr, prefix_ptr, paths_ptr, path_lens_ptr,
         num_pairs, num_layers, row, block_size,
@@ -246,7 +248,7 @@ if triton is not None:
                 tl.store(base + dst * stride_s + cols, vals, mask=col_mask)
             tl.debug_barrier()   # pair i's loads before pair i+1's stores, for every thread
 
-    @triton.jit(do_not_specialize=["n"])
+    @triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["src_ptr", "dst_ptr"])
     def _compact_kv_kernel(
         kv_ptr, src_ptr, dst_ptr, n, num_layers, row,
         stride_c, stride_l, stride_s, stride_h, stride_d,

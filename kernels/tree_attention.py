@@ -45,10 +45,13 @@ import triton
 import triton.language as tl
 
 
-# the batch's shapes (sequences, block-table width) are not specialised on: one compiled variant per
-# (dtype, block configuration) serves every eager step, instead of a compile whenever one turns 1 or
-# a multiple of 16 mid-serving
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# the batch's shapes (sequences, block-table width) are not specialised on, nor the alignment of the
+# metadata (views into one staging buffer, at offsets that follow the batch): one compiled variant per
+# (dtype, block configuration) serves every eager step, instead of a compile whenever a value turns 1
+# or a multiple of 16 mid-serving
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "cu_q_ptr", "context_lens_ptr", "mask_offsets_ptr",
+                                            "mask_widths_ptr", "mask_ptr"])
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     block_tables_ptr, cu_q_ptr, context_lens_ptr, mask_offsets_ptr, mask_widths_ptr, mask_ptr,

@@ -300,7 +300,8 @@ def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path
             drafters[name] = row
             lines.append(f"==== drafter {name} (fixed budget, b1): {steps} steps, wall {row['wall_ms_per_step']:.3f} "
                          f"ms/step, device {row['device_ms_per_step']:.3f} ms/step, {row['kernels_per_step']:.0f} "
-                         f"kernels/step, draft {row.get('draft_ms', 0):.2f} ms, verify {row.get('verify_ms', 0):.2f} ms")
+                         f"kernels/step, draft {row.get('draft_ms', 0):.2f} ms, "
+                         f"verify {row.get('verify_ms', 0):.2f} ms")
             lines.append(prof.key_averages().table(sort_by=table_key, row_limit=30, max_name_column_width=90))
             lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
                                                    max_name_column_width=90))

@@ -210,13 +210,14 @@ def test_other_batch_shapes_compile_nothing_on_cuda():
     tree_attention(*batches[0][:3], batches[0][3], 0.125)
     torch.cuda.synchronize()
     compiles = TritonCompiles().install()
+    assert compiles.active
     try:
         for q, k_cache, v_cache, meta in batches[1:]:
             tree_attention(q, k_cache, v_cache, meta, 0.125)
         torch.cuda.synchronize()
     finally:
         compiles.uninstall()
-    assert compiles.active and compiles.counts == {}, compiles.samples
+    assert compiles.counts == {}, compiles.samples
 
 
 if __name__ == "__main__":
