@@ -868,13 +868,13 @@ class LLMEngine:
         store gets the captured intermediate layers of the same positions with them."""
         groups: dict[str, list[int]] = {}
         layer_features = layer_features or {}
-        for b, (start, hidden) in features.items():
+        refused = self.features.write_many((batch.seqs[b].seq_id, start, hidden, layer_features.get(b))
+                                           for b, (start, hidden) in features.items())
+        for seq_id in refused:   # features never came for the positions in between (cannot happen in order)
+            logger.error("feature store out of step for sequence %d", seq_id)
+            self.features.free(seq_id)
+        for b in features:
             seq = batch.seqs[b]
-            try:
-                self.features.write(seq.seq_id, start, hidden, layer_features.get(b))
-            except ValueError:   # features never came for the positions in between (cannot happen in order)
-                logger.exception("feature store out of step for %s", seq)
-                self.features.free(seq.seq_id)
             for name in seq.drafters:
                 if self.drafters[name].needs_features:
                     groups.setdefault(name, []).append(b)

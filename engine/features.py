@@ -71,6 +71,35 @@ class FeatureStore:
         `layers` [n, len(capture_layers), hidden], required then and refused otherwise); everything
         at or after `start` is dropped first. A `start` past the current length leaves a gap, which
         is refused (the features in between never came)."""
+        dst, src = self._place(seq_id, start, hidden, layers)
+        for d, x in zip(dst, src):
+            d.copy_(x)
+        self._len[seq_id] = start + hidden.shape[0]
+
+    def write_many(self, items: Iterable[tuple[int, int, torch.Tensor, torch.Tensor | None]]) -> list[int]:
+        """`write` of several sequences, (seq_id, start, hidden, layers) each, as one multi-tensor copy
+        (one launch on CUDA, not one per sequence). Returns the sequences refused (a gap: see `write`),
+        which are left as they were; the others are written."""
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        refused, ends = [], {}
+        for seq_id, start, hidden, layers in items:
+            try:
+                d, x = self._place(seq_id, start, hidden, layers)
+            except ValueError:
+                refused.append(seq_id)
+                continue
+            dst += d
+            src += x
+            ends[seq_id] = start + hidden.shape[0]
+        if dst:
+            torch._foreach_copy_(dst, src)
+        self._len.update(ends)
+        return refused
+
+    def _place(self, seq_id: int, start: int, hidden: torch.Tensor,
+               layers: torch.Tensor | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Check a write and make room for it: (destinations, sources) of its copies."""
         have = self._len.get(seq_id, 0)
         if start > have:
             raise ValueError(f"features of sequence {seq_id} jump from {have} to {start}")
@@ -90,10 +119,9 @@ class FeatureStore:
             buf = self._buf[seq_id] = self._grow(buf, (size, self.hidden_size), start)
             if k:
                 self._layers[seq_id] = self._grow(self._layers.get(seq_id), (size, k, self.hidden_size), start)
-        buf[start:end].copy_(hidden.detach())
-        if k:
-            self._layers[seq_id][start:end].copy_(layers.detach())
-        self._len[seq_id] = end
+        if not k:
+            return [buf[start:end]], [hidden.detach()]
+        return [buf[start:end], self._layers[seq_id][start:end]], [hidden.detach(), layers.detach()]
 
     def _grow(self, old: torch.Tensor | None, shape: tuple[int, ...], keep: int) -> torch.Tensor:
         grown = torch.empty(shape, dtype=self.dtype, device=self.device)

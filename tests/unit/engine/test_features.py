@@ -34,6 +34,35 @@ def test_store_writes_views_and_rollback():
     assert store.length(1) == 0 and store.last(1) is None
 
 
+@pytest.mark.parametrize("capture", [(), (1, 3)])
+def test_writes_of_several_sequences_at_once_equal_one_by_one(capture):
+    """`write_many` (one multi-tensor copy) leaves the store as the same writes in turn would, growing
+    buffers and rolling back alike; a sequence whose write leaves a gap is refused and untouched, the
+    others still written."""
+    g = torch.Generator().manual_seed(0)
+    stores = [FeatureStore(3, torch.float32, capture_layers=capture) for _ in range(2)]
+
+    def item(seq_id, start, n):
+        layers = torch.randn(n, len(capture), 3, generator=g) if capture else None
+        return seq_id, start, torch.randn(n, 3, generator=g), layers
+
+    rounds = [[item(1, 0, 5), item(2, 0, 70), item(3, 0, 1)],
+              [item(1, 5, 1), item(2, 68, 4), item(3, 1, 2)],      # 2 rolls back to 68 and grows past 64
+              [item(1, 9, 1), item(3, 0, 3)]]                       # 1 would leave a gap: refused
+    for items in rounds:
+        refused = stores[1].write_many(items)
+        for seq_id, start, hidden, layers in items:
+            if start <= stores[0].length(seq_id):
+                stores[0].write(seq_id, start, hidden, layers)
+        assert refused == ([1] if items is rounds[2] else [])
+    for seq_id in (1, 2, 3):
+        assert stores[1].length(seq_id) == stores[0].length(seq_id)
+        assert torch.equal(stores[1].view(seq_id), stores[0].view(seq_id))
+        if capture:
+            assert torch.equal(stores[1].layers_view(seq_id), stores[0].layers_view(seq_id))
+    assert [stores[1].length(i) for i in (1, 2, 3)] == [6, 72, 3]
+
+
 @register("test_features_reader")
 class FeatureReader(Drafter):
     """Reads features; proposes the last tokens again under the root plus a random sibling branch,
