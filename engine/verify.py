@@ -40,6 +40,7 @@ have the same distribution (not the same random stream).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -191,12 +192,22 @@ class BatchVerifyResult:
     tokens: torch.Tensor        # [T, D+1] int64 accepted tokens then the bonus token; pad PAD_TOKEN
     root: torch.Tensor          # [T] int64 the root the path starts from (> 0 only for a forest)
     alternates: torch.Tensor    # [T, W-1] int64 extra target samples (MCSD next roots); pad -1
+    packed_rows: torch.Tensor | None = None   # `stacked()` already, when the fields are views of it
 
     def stacked(self) -> torch.Tensor:
         """[T, 2 (D+1) + 2 + W-1] int64, all fields side by side (path, tokens, num_accepted, root,
         alternates), for a single device-to-host copy; `to_verify_results` reads it back."""
+        if self.packed_rows is not None:
+            return self.packed_rows
         return torch.cat([self.path, self.tokens, self.num_accepted[:, None], self.root[:, None],
                           self.alternates], dim=1)
+
+    @classmethod
+    def from_stacked(cls, rows: torch.Tensor, max_depth: int) -> "BatchVerifyResult":
+        """The fields as views of `stacked()`'s layout (what the greedy kernel writes)."""
+        d1 = max_depth + 1
+        return cls(rows[:, :d1], rows[:, 2 * d1], rows[:, d1:2 * d1], rows[:, 2 * d1 + 1], rows[:, 2 * d1 + 2:],
+                   packed_rows=rows)
 
 
 def to_verify_results(path: Sequence[Sequence[int]], num_accepted: Sequence[int],
@@ -249,9 +260,41 @@ def _commit_tokens(packed: PackedTrees, path: torch.Tensor, num_accepted: torch.
     return torch.where(k < n, drafted, torch.where(k == n, bonus[:, None], PAD_TOKEN))
 
 
+VERIFY_ENV = "SPECSERVE_VERIFY"   # reference | triton: force greedy verification's implementation
+
+
+def _greedy_kernel(packed: PackedTrees):
+    """The Triton greedy-verification kernel (kernels/verify_greedy.py) where it serves: on CUDA when
+    triton imports and the trees fit its registers; $SPECSERVE_VERIFY forces the choice (triton on
+    CPU tensors needs TRITON_INTERPRET=1). None: the torch reference."""
+    forced = os.environ.get(VERIFY_ENV, "").strip().lower()
+    if forced not in ("", "reference", "triton"):
+        raise ValueError(f"{VERIFY_ENV} must be 'reference' or 'triton', not {forced!r}")
+    if forced == "reference" or (not forced and packed.tokens.device.type != "cuda"):
+        return None
+    from specserve.kernels import verify_greedy as kernel
+    if kernel.triton is None:
+        if forced:
+            raise RuntimeError(f"{VERIFY_ENV}=triton but triton is not installed")
+        return None
+    return kernel if packed.max_nodes <= kernel.MAX_NODES else None
+
+
 def verify_greedy_batched(packed: PackedTrees, target_argmax: torch.Tensor) -> BatchVerifyResult:
-    """`verify_greedy` for T trees at once. target_argmax: [T, N] int64, argmax of the target's
-    logits at every node (padding columns ignored).
+    """`verify_greedy` for T trees at once (`verify_greedy_batched_reference`, or on CUDA the same
+    in one Triton launch, kernels/verify_greedy.py). target_argmax: [T, N] int64, argmax of the
+    target's logits at every node (padding columns ignored)."""
+    kernel = _greedy_kernel(packed)
+    if kernel is None:
+        return verify_greedy_batched_reference(packed, target_argmax)
+    rows = kernel.verify_greedy_stacked(packed.tokens, packed.parents, packed.depths, packed.mask, packed.num_nodes,
+                                        packed.num_roots, target_argmax, packed.max_depth, packed.max_next_roots)
+    return BatchVerifyResult.from_stacked(rows, packed.max_depth)
+
+
+def verify_greedy_batched_reference(packed: PackedTrees, target_argmax: torch.Tensor) -> BatchVerifyResult:
+    """`verify_greedy` for T trees at once, in torch. target_argmax: [T, N] int64, argmax of the
+    target's logits at every node (padding columns ignored).
 
     A non-root node i **matches** iff tokens[i] == argmax[parent(i)] and no earlier sibling carries
     the same token (the reference takes the first such sibling). A node is on a walk iff every node

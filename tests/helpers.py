@@ -296,3 +296,20 @@ def run_interpreted_child(script: str, *args: str, env: dict[str, str], cwd=None
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
+
+
+def random_tree(rng, vocab: int, max_nodes: int = 14):
+    """A random `TokenTree` for verification tests: chains, bushy trees, forests, root-only; small
+    vocabularies so that sibling tokens repeat and roots tie."""
+    from specserve.engine.tree import NO_PARENT, TokenTree
+
+    kind = rng.choice(["tree", "tree", "chain", "forest", "root"])
+    if kind == "root":
+        return TokenTree.root_only(rng.randrange(vocab))
+    num_roots = rng.randint(2, 4) if kind == "forest" else 1
+    n = rng.randint(num_roots, max_nodes)
+    if kind == "chain":
+        parents = [NO_PARENT] + list(range(n - 1))
+    else:
+        parents = [NO_PARENT] * num_roots + [rng.randrange(0, i) for i in range(num_roots, n)]
+    return TokenTree([rng.randrange(vocab) for _ in range(n)], parents)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from helpers import DEVICES
+from helpers import DEVICES, random_tree
 
 from specserve.engine import tree as tree_mod
 from specserve.engine import verify
@@ -30,21 +30,6 @@ V = 6
 def host_results(res: verify.BatchVerifyResult) -> list[verify.VerifyResult]:
     return to_verify_results(res.path.tolist(), res.num_accepted.tolist(), res.tokens.tolist(),
                              res.root.tolist(), res.alternates.tolist())
-
-
-def random_tree(rng: random.Random, vocab: int, max_nodes: int = 14) -> TokenTree:
-    """Random shapes: chains, bushy trees, forests, root-only; small vocabularies so that sibling
-    tokens repeat and roots tie."""
-    kind = rng.choice(["tree", "tree", "chain", "forest", "root"])
-    if kind == "root":
-        return TokenTree.root_only(rng.randrange(vocab))
-    num_roots = rng.randint(2, 4) if kind == "forest" else 1
-    n = rng.randint(num_roots, max_nodes)
-    if kind == "chain":
-        parents = [NO_PARENT] + list(range(n - 1))
-    else:
-        parents = [NO_PARENT] * num_roots + [rng.randrange(0, i) for i in range(num_roots, n)]
-    return TokenTree([rng.randrange(vocab) for _ in range(n)], parents)
 
 
 # --- pack_trees ------------------------------------------------------------------------------------
