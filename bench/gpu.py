@@ -13,7 +13,9 @@ on; the JSON is rewritten after every step, so a run cut short keeps what it mea
    just to read the weights once.
 2. `kernel_us`: the Triton tree-attention kernel against the torch reference (the SDPA path the
    engine runs on the CPU) on verification shapes: B sequences of N tree nodes over a context of
-   C keys, bf16 (the engine's dtype), CUDA-event timed, median of repeats.
+   C keys, bf16 (the engine's dtype), CUDA-event timed, median of repeats. `verify_us`: greedy
+   verification of T trees of N nodes, the Triton kernel against the torch reference, host wall
+   time per call with its sync (what a tree step pays in launches).
 3. `plain_tok_s`: plain decoding of B prompts together (closed batch, exactly --max-tokens new
    tokens each, EOS ignored) for B in --batch-sizes; with CUDA graphs, and without them
    (`plain_eager_tok_s`, an engine with enforce_eager from the same load).
@@ -234,6 +236,39 @@ def measure_kernels(cfg, dtype, device, shapes, block_size: int = 16) -> dict:
         tri = time_us(lambda: tree_attention(q, k_cache, v_cache, packed, scale), device)
         ref = time_us(lambda: paged_attention_reference(q, k_cache, v_cache, meta, scale), device, repeats=5)
         out[f"B{seqs}xN{nodes}xC{ctx}"] = {"triton_us": tri, "reference_us": ref}
+    return out
+
+
+def measure_verify(device, shapes=((1, 8), (32, 8))) -> dict:
+    """Per shape "T{trees}xN{nodes}": {"triton_us", "reference_us"}, the host's wall time of one
+    greedy verification (launches included, then a sync: what a tree step pays), the Triton kernel
+    against the torch reference, on binary trees whose drafts are half right."""
+    import torch
+
+    from specserve.engine import verify
+    from specserve.engine.tree import TokenTree, pack_trees
+    from specserve.kernels.verify_greedy import verify_greedy_stacked
+
+    out = {}
+    for trees, nodes in shapes:
+        parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
+        packed = pack_trees([TokenTree([i % 5 for i in range(nodes)], parents)] * trees, device)
+        argmax = (packed.tokens + (torch.arange(nodes, device=device) % 2)) % 5
+
+        def wall(fn):
+            fn()
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(50):
+                fn()
+            sync(device)
+            return (time.perf_counter() - t0) / 50 * 1e6
+
+        kernel = wall(lambda: verify_greedy_stacked(packed.tokens, packed.parents, packed.depths, packed.mask,
+                                                    packed.num_nodes, packed.num_roots, argmax, packed.max_depth,
+                                                    packed.max_next_roots))
+        ref = wall(lambda: verify.verify_greedy_batched_reference(packed, argmax).stacked())
+        out[f"T{trees}xN{nodes}"] = {"triton_us": kernel, "reference_us": ref}
     return out
 
 
@@ -611,6 +646,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     kernels = step("kernels", lambda: measure_kernels(main_engine.model_config, dtype, device,
                                                       KERNEL_SHAPES[:1] if args.dry_run else KERNEL_SHAPES))
     summary["kernel_us"] = kernels or {}
+    if device.type == "cuda" or os.environ.get("SPECSERVE_VERIFY") == "triton":
+        summary["verify_us"] = step("verify kernel", lambda: measure_verify(device)) or {}
     summary["plain_tok_s"] = step("plain decoding", lambda: measure_plain(
         main_engine, mixed, args.batch_sizes, args.max_tokens, budget, 20)) or {}
     if summary["meta"]["graphs"]:
@@ -749,6 +786,12 @@ def markdown(s: dict) -> str:
         lines += ["| attention, one layer (B seqs × N nodes × C keys) | Triton µs | torch reference µs |",
                   "|---|---:|---:|"]
         for shape, v in s["kernel_us"].items():
+            lines.append(f"| {shape} | {_f(v['triton_us'])} | {_f(v['reference_us'])} |")
+        lines.append("")
+    if s.get("verify_us"):
+        lines += ["| greedy verification (T trees × N nodes), host µs per call with its sync | Triton | "
+                  "torch reference |", "|---|---:|---:|"]
+        for shape, v in s["verify_us"].items():
             lines.append(f"| {shape} | {_f(v['triton_us'])} | {_f(v['reference_us'])} |")
         lines.append("")
     counts = (s.get("triton_compiles") or {}).get("counts") or {}

@@ -49,6 +49,7 @@ def test_the_dry_run_measures_every_figure_and_prints_the_table(tmp_path, tiny_l
     assert set(s["triton_compiles"]) == {"counts", "samples"}     # none under the interpreter
     assert s["hf_tok_s"]["1"] > 0 and s["hf_mode"] == "eager"
     assert s["floor_ms_per_token"] > 0 and all(v["triton_us"] > 0 for v in s["kernel_us"].values())
+    assert set(s["verify_us"]) == {"T1xN8", "T32xN8"} and all(v["triton_us"] > 0 for v in s["verify_us"].values())
     assert (out / "gpu_dry-run.md").read_text().startswith("## GPU bring-up")
     assert "pytest exit 0" in (out / "gpu-check.log").read_text()
     lines = proc.stdout.strip().splitlines()     # the short table comes last: plain, then each drafter
