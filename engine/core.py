@@ -210,15 +210,19 @@ class LLMEngine:
         max_num_seqs, rows per sequence 1 (decode) up to num_speculative_tokens + 1 (a tree and
         its root) (engine/cuda_graphs.py); decode and verification steps replay them from then on.
         `backend`: how to capture (`CudaGraphBackend` on CUDA; `EagerReplay`, the CPU stand-in)."""
-        from specserve.engine.cuda_graphs import StepGraphs
+        from specserve.engine.cuda_graphs import StepGraphs, chain_buckets
 
         cfg = self.config
         max_nodes = cfg.num_speculative_tokens + 1
-        max_blocks = -(-(self.max_model_len + max_nodes) // cfg.block_size) + 1
+        max_chunk = min(cfg.max_num_batched_tokens, self.max_model_len)
+        # a padded row may read keys up to its bucket's last position: the tables cover that much
+        max_rows = max([max_nodes, *chain_buckets(max_nodes, max_chunk)])
+        max_blocks = -(-(self.max_model_len + max_rows) // cfg.block_size) + 1
         graphs = StepGraphs(self.model, self.cache, cfg.block_size, cfg.max_num_seqs, max_nodes, max_blocks,
-                            self.device, backend, self.runner.capture_layers)
-        logger.info("capturing %d step graphs (batch sizes %s; rows per sequence %s)", len(graphs.buckets),
-                    ", ".join(map(str, graphs.batch_sizes)), ", ".join(map(str, graphs.node_sizes)))
+                            self.device, backend, self.runner.capture_layers, max_chunk=max_chunk)
+        logger.info("capturing %d step graphs (batch sizes %s; rows per sequence %s; prefill chunks at batch 1: %s)",
+                    len(graphs.buckets), ", ".join(map(str, graphs.batch_sizes)),
+                    ", ".join(map(str, graphs.node_sizes)), ", ".join(map(str, graphs.chain_sizes)) or "-")
         graphs.capture()
         self.runner.graphs = graphs
 

@@ -16,7 +16,13 @@ on (B, N) alone and its key loop on the context lengths it loads). N = 1 is plai
   positions (those past the tree's own nodes are hidden, whatever their slots hold);
 * sequences b >= the step's count repeat its last sequence entirely.
 
-So padding needs no scratch memory. `ModelRunner.prepare` builds the step as usual (the ragged
+So padding needs no scratch memory. A **prefill chunk of one sequence alone** (a request's prompt
+when nothing else runs: batch 1) is a chain: it replays a (1, N) graph of the chain sizes
+(CHAIN_BUCKETS, beyond the node buckets, up to the step's token budget), padded the same way, with
+the causal mask of its n rows made on the device (row i sees rows 0..min(i, n-1)) instead of
+shipped from the host. So a lone prompt's prefill is one replay, not hundreds of eager launches.
+
+`ModelRunner.prepare` builds the step as usual (the ragged
 layout every other part of the step reads) plus a `GraphPlan`: for each padded row its row in the
 ragged layout (`gather`), for each padded sequence its batch entry, the context lengths, the mask
 bytes and, for each ragged row, its padded row (`scatter`); all of it rides the step's one staged
@@ -51,6 +57,7 @@ logger = logging.getLogger("specserve")
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 8
 NODE_BUCKETS = (2, 4, 8)       # rows per sequence of verification graphs, then the largest tree
+CHAIN_BUCKETS = (16, 32, 64, 128, 256, 512)   # rows of a lone prefill chunk (batch 1), up to the step budget
 # SPECSERVE_GRAPH_TREES=0 captures the decode buckets only (N = 1); verification steps then run eagerly
 TREES = os.environ.get("SPECSERVE_GRAPH_TREES") != "0"
 
@@ -65,6 +72,19 @@ def batch_buckets(max_batch: int) -> list[int]:
 def node_buckets(max_nodes: int) -> list[int]:
     """Rows per sequence: 1 (decode) and 2, 4, 8, ..., max_nodes (trees of up to that many nodes)."""
     return sorted({1, *(n for n in NODE_BUCKETS if n < max_nodes), max(1, max_nodes)})
+
+
+def chain_buckets(max_nodes: int, max_chunk: int) -> list[int]:
+    """Rows of the batch-1 chain graphs: CHAIN_BUCKETS above the largest node bucket, at most
+    `max_chunk` (the step's token budget)."""
+    return [n for n in CHAIN_BUCKETS if max_nodes < n <= max_chunk]
+
+
+def chain_mask(N: int, n: int, device: torch.device, out: torch.Tensor) -> None:
+    """`out[:N * N]` = the [N, N] mask of a chain of n rows padded to N: row i sees rows
+    0..min(i, n-1) (the padding rows repeat the last row's), as 0/1 bytes, made on the device."""
+    i = torch.arange(N, device=device)
+    torch.le(i[None, :], i.clamp(max=n - 1)[:, None], out=out[:N * N].view(N, N).view(torch.bool))
 
 
 class GraphBackend(Protocol):
@@ -120,7 +140,8 @@ class GraphPlan:
     seqs: list[int]           # [B] batch entry of each padded sequence
     context_lens: list[int]   # [B] committed length + N (decode graphs, N = 1: committed length + 1)
     scatter: list[int]        # [num ragged rows] padded row of each ragged row
-    mask: list[int]           # [B * N * N] 0/1 (empty for N = 1)
+    mask: list[int]           # [B * N * N] 0/1 (empty for N = 1, and for a chain)
+    chain: int = 0            # a lone prefill chunk of this many rows (B = 1): its mask is made on the device
 
     def sizes(self) -> list[int]:
         return [len(self.gather), len(self.seqs), len(self.context_lens), len(self.scatter), len(self.mask)]
@@ -130,7 +151,8 @@ class StepGraphs:
     """The captured forwards of one model over one KV cache, for every (batch, nodes) bucket."""
 
     def __init__(self, model, cache, block_size: int, max_batch: int, max_nodes: int, max_blocks_per_seq: int,
-                 device: torch.device, backend: GraphBackend, capture_layers: tuple[int, ...] = ()):
+                 device: torch.device, backend: GraphBackend, capture_layers: tuple[int, ...] = (),
+                 max_chunk: int = 0):
         self.model, self.cache, self.block_size, self.device = model, cache, block_size, device
         self.backend = backend
         # intermediate layers the drafters read (EAGLE-3's features): every graph writes them too,
@@ -140,27 +162,35 @@ class StepGraphs:
             raise RuntimeError("CUDA graphs capture the Triton attention kernel, and triton is not installed")
         self.batch_sizes = batch_buckets(max_batch)
         self.node_sizes = node_buckets(max_nodes if TREES else 1)
+        self.chain_sizes = chain_buckets(self.node_sizes[-1], max_chunk) if TREES else []   # batch 1 only
         B, N = self.batch_sizes[-1], self.node_sizes[-1]
+        rows = max(B * N, *self.chain_sizes, 1)
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(B * N, **i64)
-        self.positions = torch.zeros(B * N, **i64)
-        self.slots = torch.zeros(B * N, **i64)
+        self.input_ids = torch.zeros(rows, **i64)
+        self.positions = torch.zeros(rows, **i64)
+        self.slots = torch.zeros(rows, **i64)
         self.context_lens = torch.full((B,), N, **i32)
         self.block_tables = torch.zeros(B, max_blocks_per_seq, **i32)
-        self.mask_data = torch.zeros(max(1, B * N * N), dtype=torch.uint8, device=device)
+        self.mask_data = torch.zeros(max(1, B * N * N, *(n * n for n in self.chain_sizes)), dtype=torch.uint8,
+                                     device=device)
         self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self.metas: dict[tuple[int, int], AttnMetadata] = {}   # each graph's metadata, alive as long as it
         self.num_replays: dict[tuple[int, int], int] = {}   # per bucket, replays so far
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
-        return [(b, n) for n in self.node_sizes for b in self.batch_sizes]
+        return [(b, n) for n in self.node_sizes for b in self.batch_sizes] + [(1, n) for n in self.chain_sizes]
 
     def bucket(self, num_seqs: int, max_nodes: int) -> tuple[int, int] | None:
         """The smallest captured (B, N) holding `num_seqs` sequences of at most `max_nodes` rows each."""
         b = next((x for x in self.batch_sizes if x >= num_seqs), None)
         n = next((x for x in self.node_sizes if x >= max_nodes), None)
         return None if b is None or n is None else (b, n)
+
+    def chain_bucket(self, rows: int) -> tuple[int, int] | None:
+        """The (1, N) bucket of a lone prefill chunk of `rows` rows (a tree bucket where one holds it)."""
+        n = next((x for x in (*self.node_sizes[1:], *self.chain_sizes) if x >= rows), None)
+        return None if n is None or rows < 2 else (1, n)
 
     def _meta(self, B: int, N: int) -> AttnMetadata:
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -203,7 +233,9 @@ class StepGraphs:
         torch.index_select(meta.slot_mapping, 0, gather, out=self.slots[:rows])
         self.context_lens[:B].copy_(context_lens)
         self.block_tables[:B, :meta.block_tables.shape[1]].copy_(meta.block_tables.index_select(0, seqs))
-        if N > 1:
+        if plan.chain:
+            chain_mask(N, plan.chain, self.device, self.mask_data)
+        elif N > 1:
             self.mask_data[:rows * N].copy_(mask)
         self.num_replays[(B, N)] = self.num_replays.get((B, N), 0) + 1
         out = self.replays[(B, N)]()
@@ -211,6 +243,11 @@ class StepGraphs:
             return out.index_select(0, scatter), None
         hidden, layers = out
         return hidden.index_select(0, scatter), layers.index_select(0, scatter) if want_layers else None
+
+
+def make_chain_plan(N: int, start: int, rows: int) -> GraphPlan:
+    """The plan of a lone prefill chunk of `rows` rows from position `start`, padded to (1, N)."""
+    return GraphPlan(1, N, [min(r, rows - 1) for r in range(N)], [0], [start + N], list(range(rows)), [], chain=rows)
 
 
 def make_plan(B: int, N: int, cu_rows: list[int], starts: list[int], sizes: list[int],

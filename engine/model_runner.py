@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from specserve.engine.attention import AttnMetadata, build_attn_metadata
-from specserve.engine.cuda_graphs import GraphPlan, StepGraphs, make_plan
+from specserve.engine.cuda_graphs import GraphPlan, StepGraphs, make_chain_plan, make_plan
 from specserve.engine.grammar import apply_masks
 from specserve.engine.kv_cache import BlockManager, KVCache
 from specserve.engine import logits_processing
@@ -185,7 +185,9 @@ class ModelRunner:
         tree_start_list = [starts[b] for b in tree_idx] + [batch.seqs[b].num_output_tokens for b in tree_idx]
         tables = [self.blocks.block_tables[seq.seq_id] for seq in batch.seqs]
         plan = None
-        if bucket is not None:
+        if bucket is not None and len(qlens) == 1 and not trees and qlens[0] > 1:   # a lone prefill chunk
+            plan = make_chain_plan(bucket[1], starts[0], qlens[0])
+        elif bucket is not None:
             cu_rows = np.cumsum([0] + qlens[:-1]).tolist()
             host_masks = [tree_topology(trees[b].parents).mask if b in trees else None for b in range(len(qlens))]
             plan = make_plan(*bucket, cu_rows, starts, qlens, host_masks)
@@ -217,6 +219,11 @@ class ModelRunner:
         step runs eagerly."""
         if self.graphs is None:
             return None
+        width = max(len(self.blocks.block_tables[seq.seq_id]) for seq in batch.seqs)
+        if width > self.graphs.block_tables.shape[1]:
+            return None
+        if len(batch.seqs) == 1 and not trees and batch.num_tokens[0] > 1 and not ahead:
+            return self.graphs.chain_bucket(batch.num_tokens[0])     # a lone prefill chunk
         nodes = 1
         for b, (seq, start, n) in enumerate(zip(batch.seqs, starts, batch.num_tokens)):
             tree = trees.get(b)
@@ -224,9 +231,6 @@ class ModelRunner:
                 nodes = max(nodes, tree.num_nodes)
             elif n != 1 or start + 1 != len(seq.token_ids) + ahead:
                 return None
-        width = max(len(self.blocks.block_tables[seq.seq_id]) for seq in batch.seqs)
-        if width > self.graphs.block_tables.shape[1]:
-            return None
         return self.graphs.bucket(len(batch.seqs), nodes)
 
     # ---- the step -------------------------------------------------------------------------

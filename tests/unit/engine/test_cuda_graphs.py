@@ -48,6 +48,7 @@ def compare_with_eager(model_dir: str, device: str, stand_in: bool) -> dict:
     out = {"captured": graphed.runner.graphs is not None, "eager_has_graphs": eager.runner.graphs is not None}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() * 2 for n in (5, 11, 7)]
+    prompts[0] = prompts[0] * 2     # 20 tokens: the first prompt's prefill, alone, replays the chain of 32
     for drafter in (None, "ngram"):
         got = [run_requests(e, prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                             drafter=drafter, prefix=f"{drafter}-") for e in (eager, graphed)]
@@ -65,6 +66,9 @@ def compare_with_eager(model_dir: str, device: str, stand_in: bool) -> dict:
     replays = graphed.runner.graphs.num_replays if graphed.runner.graphs else {}
     out["decode_replays"] = sum(n for (b, rows), n in replays.items() if rows == 1)
     out["tree_replays"] = sum(n for (b, rows), n in replays.items() if rows > 1)
+    out["chain_sizes"] = graphed.runner.graphs.chain_sizes if graphed.runner.graphs else []
+    # a prompt alone in its step (the first one's prefill) replays a chain: batch 1, beyond the node buckets
+    out["chain_replays"] = sum(n for (b, rows), n in replays.items() if rows in out["chain_sizes"])
     out["padded_batches"] = any(b == 4 for b, _ in replays)     # 3 sequences run in the bucket of 4
     return out
 
@@ -81,6 +85,7 @@ def interpreted(tiny_llama_dir):
 def test_replayed_decode_steps_give_the_eager_tokens(interpreted):
     assert interpreted["captured"] and not interpreted["eager_has_graphs"]
     assert interpreted["decode_replays"] > 0 and interpreted["tree_replays"] > 0 and interpreted["padded_batches"]
+    assert interpreted["chain_sizes"] == [16, 32, 64] and interpreted["chain_replays"] > 0
     assert interpreted["equal_None"], "plain decoding differs with graphs"
     assert interpreted["equal_ngram"], "speculative decoding differs with graphs"
     assert interpreted["equal_mixed"], "plain and drafted requests together differ with graphs"
@@ -91,6 +96,7 @@ def test_replayed_decode_steps_give_the_eager_tokens(interpreted):
 def test_cuda_graphs_give_the_eager_tokens(tiny_llama_dir):
     got = compare_with_eager(str(tiny_llama_dir), "cuda", stand_in=False)
     assert got["captured"] and not got["eager_has_graphs"] and got["decode_replays"] > 0 and got["tree_replays"] > 0
+    assert got["chain_replays"] > 0
     assert got["equal_None"] and got["equal_ngram"] and got["equal_mixed"], got
 
 
