@@ -60,7 +60,9 @@ class AttnMetadata:
     context_lens: list[int]           # committed + new tokens per sequence (keys attended to)
     cu_query_lens: list[int]          # [B+1] offsets of each sequence's rows in the flat batch
     slot_mapping: torch.Tensor        # [num_tokens] int64 cache slot of each new token
-    context_slots: torch.Tensor       # [B, max_context_len] int64 cache slot of each key position (padded with 0)
+    # [B, max_context_len] int64 cache slot of each key position (padded with 0): only for metadata
+    # without a block size (built by hand); paged metadata reads its block tables instead
+    context_slots: torch.Tensor | None
     block_tables: torch.Tensor        # [B, max_blocks] int32 (for paged kernels)
     masks: list[torch.Tensor | None]  # per sequence: [q, m >= q] bool over the last m keys, True = visible; None = causal
     block_size: int = 0               # slots per cache block (0: unknown, keys are gathered slot by slot)
@@ -288,10 +290,8 @@ def build_attn_metadata(
     else:
         mask_data = _flat_masks([m.to(device) for m in masks if m is not None], device)
 
-    bt64 = dev_ints[:num_seqs * width].view(num_seqs, width)
-    context_slots = (bt64[:, :, None] * block_size + torch.arange(block_size, device=device)).view(num_seqs, -1)
     meta = AttnMetadata(query_lens=list(query_lens), context_lens=context_lens, cu_query_lens=cu,
-                        slot_mapping=slot_mapping, context_slots=context_slots[:, :max(context_lens)],
+                        slot_mapping=slot_mapping, context_slots=None,
                         block_tables=small[:num_seqs * width].view(num_seqs, width), masks=masks,
                         block_size=block_size, contiguous_starts=contiguous, cu_query_lens_t=cu_t, context_lens_t=ctx_t, mask_offsets=moff_t,
                         mask_widths=mw_t, mask_data=mask_data)

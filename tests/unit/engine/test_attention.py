@@ -38,7 +38,10 @@ def test_block_gather_equals_slot_gather_and_dense():
     q, k_cache, v_cache, meta, tables, block, starts, qlens, masks = _setup()
     assert meta.block_size == block
     by_block = paged_attention_reference(q, k_cache, v_cache, meta, 0.5)
-    by_slot = paged_attention_reference(q, k_cache, v_cache, replace(meta, block_size=0), 0.5)
+    width = max(s + n for s, n in zip(starts, qlens))
+    grid = torch.tensor([[t[p // block] * block + p % block if p < (s + n) else 0 for p in range(width)]
+                         for t, s, n in zip(tables, starts, qlens)])       # each key position's slot
+    by_slot = paged_attention_reference(q, k_cache, v_cache, replace(meta, block_size=0, context_slots=grid), 0.5)
     torch.testing.assert_close(by_block, by_slot, rtol=0, atol=0)
 
     group = q.shape[1] // k_cache.shape[1]
@@ -231,7 +234,7 @@ def test_positions_and_slots_follow_the_block_tables():
     assert positions.tolist() == [6, 7, 8, 9, 10, 0, 1, 2, 3, 4, 5]
     want = [tables[b][p // 4] * 4 + p % 4 for b, (s, q) in enumerate(zip(starts, qlens)) for p in range(s, s + q)]
     assert meta.slot_mapping.tolist() == want and meta.slot_mapping.dtype == torch.int64
-    assert meta.context_slots[0, :11].tolist() == [tables[0][p // 4] * 4 + p % 4 for p in range(11)]
+    assert meta.block_tables[0].tolist() == tables[0] and meta.block_tables[1, :2].tolist() == tables[1]
 
 
 def test_backend_dispatch(monkeypatch):
