@@ -350,7 +350,8 @@ def check_fused(device, dtype) -> dict:
 
 def measure_anatomy(engine, prompt, max_tokens: int = 64) -> dict:
     """Where a batch-1 decode step's time goes: the whole engine step (wall, median over a decode
-    of `max_tokens` tokens), the captured forward's replay and the same forward run eagerly (GPU time)."""
+    of `max_tokens` tokens), the captured forward's replay and the same forward run eagerly (GPU time);
+    and the prompt's prefill step alone (wall; a chain graph where its length has one)."""
     import torch
 
     from specserve.engine.sampling_params import SamplingParams
@@ -370,7 +371,7 @@ def measure_anatomy(engine, prompt, max_tokens: int = 64) -> dict:
         eager = time_us(lambda: engine.model(graphs.input_ids[:1], graphs.positions[:1], engine.cache, meta),
                         engine.device, repeats)
     return {"step_ms": statistics.median(walls[2:] or walls) * 1e3, "graph_replay_ms": replay / 1e3,
-            "eager_forward_ms": eager / 1e3}
+            "eager_forward_ms": eager / 1e3, "prefill_step_ms": walls[0] * 1e3, "prefill_tokens": len(prompt)}
 
 
 def profile_host(engine, prompt, drafters, max_tokens: int, text_path: Path | None = None) -> dict:
@@ -727,8 +728,9 @@ def markdown(s: dict) -> str:
     a = s.get("step_anatomy")
     if a:
         lines += [f"A batch-1 decode step: {a['step_ms']:.2f} ms in all (engine step, wall), of which the target's "
-                  f"forward is {a['graph_replay_ms']:.2f} ms as a CUDA graph ({a['eager_forward_ms']:.2f} ms eagerly).",
-                  ""]
+                  f"forward is {a['graph_replay_ms']:.2f} ms as a CUDA graph ({a['eager_forward_ms']:.2f} ms eagerly)."
+                  + (f" The prompt's prefill ({a['prefill_tokens']} tokens, alone): {a['prefill_step_ms']:.2f} ms."
+                     if "prefill_step_ms" in a else ""), ""]
     for d, p in (s.get("host_profile") or {}).items():
         top = ", ".join(f"{name} {own:.3f}" for name, own, _ in p["top_tottime_ms_per_step"][:5])
         lines += [f"Host profile, {d} at batch 1: {p['ms_per_step']:.2f} ms per step under cProfile; most own time "
