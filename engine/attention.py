@@ -75,6 +75,7 @@ class AttnMetadata:
     mask_offsets: torch.Tensor | None = None      # [B] int32 start of masks[b] (row-major [q, m]) in mask_data
     mask_widths: torch.Tensor | None = None       # [B] int32 m, 0 = causal (no mask stored)
     mask_data: torch.Tensor | None = None         # [>= 1] uint8 every mask flattened and concatenated
+    staged: torch.Tensor | None = None            # the caller's integers sent with it (`build_attn_metadata`)
 
     @property
     def num_seqs(self) -> int:
@@ -222,6 +223,7 @@ def build_attn_metadata(
     query_lens: list[int],
     masks: list[torch.Tensor | None] | None,
     device: torch.device,
+    stage: list[int] | None = None,
 ) -> tuple[torch.Tensor, AttnMetadata]:
     """Metadata for sequences whose new tokens occupy cache positions
     starts[b] .. starts[b] + query_lens[b] - 1. Returns (positions [num_tokens], metadata); the
@@ -229,8 +231,9 @@ def build_attn_metadata(
 
     Every integer goes through one host buffer, laid out as int64
     [block tables (B*W) | cu_query_lens (B+1) | context_lens | mask offsets | mask widths (B each)
-     | positions | slot_mapping (T each)] followed by the bytes of the masks that are on the host:
-    one copy to the device (none on the CPU), then one int32 cast of the kernel-facing part."""
+     | positions | slot_mapping (T each) | `stage`] followed by the bytes of the masks that are on
+    the host: one copy to the device (none on the CPU), then one int32 cast of the kernel-facing
+    part. `stage`: the caller's own integers, sent in the same copy (`meta.staged`, int64)."""
     device = torch.device(device)
     num_seqs = len(block_tables)
     masks = list(masks) if masks else [None] * num_seqs
@@ -268,6 +271,9 @@ def build_attn_metadata(
             ints += range(t[blk] * block_size + off, t[blk] * block_size + off + n)
             p += n
     num_tokens = cu[-1]
+    staged_from = len(ints)
+    if stage:
+        ints += stage
 
     host_masks = [m for m in masks if m is not None and m.device.type == "cpu"]
     on_device = any(m is not None and m.device.type != "cpu" for m in masks)
@@ -284,7 +290,7 @@ def build_attn_metadata(
         dev_ints = dev[:8 * len(ints)].view(torch.int64)
     small = dev_ints[:head].to(torch.int32)
     cu_t, ctx_t, moff_t, mw_t = small[num_seqs * width:].split([num_seqs + 1, num_seqs, num_seqs, num_seqs])
-    positions, slot_mapping = dev_ints[head:].split([num_tokens, num_tokens])
+    positions, slot_mapping = dev_ints[head:staged_from].split([num_tokens, num_tokens])
     if staged_mask_bytes and dev is not None:
         mask_data = dev[8 * len(ints):]
     else:
@@ -295,6 +301,7 @@ def build_attn_metadata(
                         block_tables=small[:num_seqs * width].view(num_seqs, width), masks=masks,
                         block_size=block_size, contiguous_starts=contiguous, cu_query_lens_t=cu_t, context_lens_t=ctx_t, mask_offsets=moff_t,
                         mask_widths=mw_t, mask_data=mask_data)
+    meta.staged = dev_ints[staged_from:]
     return positions, meta
 
 

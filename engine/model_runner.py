@@ -103,18 +103,6 @@ class LaunchedStep:
         return self._read()
 
 
-def _upload(values: list[int], device: torch.device) -> torch.Tensor:
-    """One step's integer inputs as an int64 tensor on `device`, in a single copy. On CUDA from a
-    fresh pinned buffer of torch's caching host allocator, which keeps it from reuse until this copy
-    has run: no wait for the stream, so a step can be staged while the last one runs. On the CPU the
-    host tensor is used as is."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=torch.int64)
-    host = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
-    host.numpy()[:] = values
-    return host.to(device, non_blocking=True)
-
-
 class ModelRunner:
     """`capture_layers`: intermediate layers of the target (see `LlamaModel.forward`) returned with
     the last-layer features of the batch entries asked for; the forward captures them only in
@@ -194,13 +182,14 @@ class ModelRunner:
         extra = [v for part in (plan.gather, plan.seqs, plan.context_lens, plan.scatter, plan.mask) for v in part] \
             if plan is not None else []
         n_tok, n_logit = len(ids), len(logit_rows)
-        staged = _upload(ids + positions + logit_rows + pad_index + tree_start_list + tree_idx + extra,
-                         self.device)
-        input_ids, pos, rows, rest, graph = staged.split([n_tok, n_tok, n_logit, len(pad_index) + 3 * len(tree_idx),
-                                                          len(extra)])
-        # a graph step reads its masks from the plan: the eager metadata's would be packed for nothing
+        # the step's own integers ride the metadata's one copy to the device; a graph step reads its
+        # masks from the plan: the eager metadata's would be packed for nothing
         _, meta = build_attn_metadata(tables, self.block_size, starts, qlens,
-                                      masks if plan is None else [None] * len(masks), self.device)
+                                      masks if plan is None else [None] * len(masks), self.device,
+                                      stage=ids + positions + logit_rows + pad_index + tree_start_list + tree_idx
+                                      + extra)
+        input_ids, pos, rows, rest, graph = meta.staged.split(
+            [n_tok, n_tok, n_logit, len(pad_index) + 3 * len(tree_idx), len(extra)])
         inputs = StepInputs(input_ids, pos, meta, rows, starts, plain, tree_idx, tree_rows, packed, graph=plan)
         if plan is not None:
             inputs.graph_tensors = list(graph.split(plan.sizes()))
