@@ -103,6 +103,16 @@ class LaunchedStep:
         return self._read()
 
 
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints as an int64 tensor on `device` without waiting for the stream: on CUDA through a
+    fresh pinned buffer and a non-blocking copy (a pageable copy waits for all queued work, so one
+    in a step's read would wait for the step launched ahead of it)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class ModelRunner:
     """`capture_layers`: intermediate layers of the target (see `LlamaModel.forward`) returned with
     the last-layer features of the batch entries asked for; the forward captures them only in
@@ -363,7 +373,7 @@ class ModelRunner:
             return logits
         V = logits.shape[-1]
         proc = LogitsProcessing.for_seqs([seqs[k] for k in which], self.eos_token_ids, V, self.device)
-        ix = torch.tensor(which, dtype=torch.int64, device=self.device)
+        ix = _to_device(which, self.device)
         if packed is None:
             done = proc.apply(logits.index_select(0, ix)[:, None, :]).squeeze(1)
         else:
@@ -381,7 +391,7 @@ class ModelRunner:
         rows = [grammar_masks[batch_idx[k]] for k in which]
         if logits.dim() == 3:
             rows = [_pad_rows(r, logits.shape[1]) for r in rows]
-        ix = torch.tensor(which, dtype=torch.int64, device=self.device)
+        ix = _to_device(which, self.device)
         return logits.float().index_copy(0, ix, apply_masks(logits.index_select(0, ix), np.stack(rows)))
 
     def _collect_features(self, result: StepResult, batch: ScheduledBatch, inp: StepInputs,
@@ -404,10 +414,15 @@ class ModelRunner:
             spans.append((b, len(rows), len(mine)))
             rows.extend(mine)
         # one gather for every sequence (and one upload of its rows), not a few small ops each: it
-        # is also a copy, so the graphs' static output may be overwritten by the next replay
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        gathered = hidden.index_select(0, index)
-        gathered_layers = layers.index_select(0, index) if layers is not None else None
+        # is also a copy, so the graphs' static output may be overwritten by the next replay; every
+        # row in order (all sequences read features, no tree): a plain copy, nothing uploaded
+        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
+            gathered = hidden.clone()
+            gathered_layers = layers.clone() if layers is not None else None
+        else:
+            index = _to_device(rows, self.device)
+            gathered = hidden.index_select(0, index)
+            gathered_layers = layers.index_select(0, index) if layers is not None else None
         for b, lo, n in spans:
             result.features[b] = (inp.starts[b], gathered[lo:lo + n])
             if gathered_layers is not None:

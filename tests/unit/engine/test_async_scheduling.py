@@ -197,9 +197,11 @@ def test_on_cuda_steps_ahead_replay_graphs_without_a_sync_and_match(tiny_llama_d
 
     def scenario(engine):
         return drain(engine, {0: [("g", PROMPTS[0], params[0]), ("s", PROMPTS[2], params[1])],
-                              5: [("h", PROMPTS[1], params[0])]})
+                              5: [("h", PROMPTS[1], params[0]), ("e", PROMPTS[3], params[0], "eagle")]})
 
-    config = dict(device="cuda", num_kv_blocks=400, max_model_len=256)
+    # eagle's sequence rides along (no room for drafts): its features are gathered in each read
+    config = dict(device="cuda", num_kv_blocks=400, max_model_len=256, drafters=("eagle",),
+                  drafter_options={"eagle": {"random_init": True}}, max_draft_tokens_per_step=0)
     sync = scenario(make_llm_engine(tiny_llama_dir, async_scheduling=False, **config))
     engine = make_llm_engine(tiny_llama_dir, **config)
     assert engine.async_scheduling and engine.runner.graphs is not None
