@@ -29,7 +29,6 @@ except ImportError:  # CPU installs without the dev extras: the torch reference 
     triton = None
 
 MAX_NODES = 64     # the most nodes per tree the kernel holds in registers (the caller falls back above)
-PAD_TOKEN = -1     # engine.verify.PAD_TOKEN
 
 
 if triton is not None:
@@ -77,7 +76,7 @@ if triton is not None:
         path = tl.max(tl.where(at_depth, j[None, :], -1), axis=1)
         at_next = on_path[None, :] & (dep[None, :] == k[:, None] + 1)
         drafted = tl.max(tl.where(at_next, tok[None, :], -1), axis=1)
-        tokens = tl.where(k < accepted, drafted, tl.where(k == accepted, bonus, PAD_TOKEN))
+        tokens = tl.where(k < accepted, drafted, tl.where(k == accepted, bonus, -1))   # -1: engine.verify.PAD_TOKEN
         row = out_ptr + t * stride_out
         keep = k < d1
         tl.store(row + k, path, mask=keep)
@@ -97,6 +96,7 @@ def verify_greedy_stacked(tokens: torch.Tensor, parents: torch.Tensor, depths: t
     assert N <= MAX_NODES, f"{N} nodes per tree: verify with the torch reference"
     d1 = max_depth + 1
     width = 2 * d1 + 2 + max_next_roots - 1
+    assert max_next_roots - 1 <= max(16, triton.next_power_of_2(N)), "more alternates than the kernel writes"
     out = torch.empty(T, width, dtype=torch.int64, device=tokens.device)
     if T == 0:
         return out
