@@ -100,7 +100,7 @@ def verify_greedy_stacked(tokens: torch.Tensor, parents: torch.Tensor, depths: t
     out = torch.empty(T, width, dtype=torch.int64, device=tokens.device)
     if T == 0:
         return out
-    argmax = argmax.to(torch.int64)
+    argmax = argmax.to(torch.int64).contiguous()    # the kernel reads rows as contiguous
     mask_u8 = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     np_ = max(16, triton.next_power_of_2(N))
     _verify_greedy_kernel[(T,)](
