@@ -34,7 +34,7 @@ on; the JSON is rewritten after every step, so a run cut short keeps what it mea
    `torch.compile` when the budget allows (`hf_mode` says which figure is reported).
 
 Throughout, `triton_compiles` counts Triton's JIT compiles per step above ({step: {kernel: n}}, with
-the argument types of the first few): a compile after the engine's start-up warm-up is a served
+the cache keys of the first few): a compile after the engine's start-up warm-up is a served
 step that waited for a compiler. The fixed-budget pass also records each drafter's host time per
 draft step in proposing (`draft_ms_fixed`) and in verifying (`verify_ms_fixed`).
 
@@ -249,21 +249,20 @@ def measure_verify(device, shapes=((1, 8), (32, 8))) -> dict:
     from specserve.engine.tree import TokenTree, pack_trees
     from specserve.kernels.verify_greedy import verify_greedy_stacked
 
+    def wall(fn, repeats: int = 50) -> float:
+        fn()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        sync(device)
+        return (time.perf_counter() - t0) / repeats * 1e6
+
     out = {}
     for trees, nodes in shapes:
         parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
         packed = pack_trees([TokenTree([i % 5 for i in range(nodes)], parents)] * trees, device)
         argmax = (packed.tokens + (torch.arange(nodes, device=device) % 2)) % 5
-
-        def wall(fn):
-            fn()
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(50):
-                fn()
-            sync(device)
-            return (time.perf_counter() - t0) / 50 * 1e6
-
         kernel = wall(lambda: verify_greedy_stacked(packed.tokens, packed.parents, packed.depths, packed.mask,
                                                     packed.num_nodes, packed.num_roots, argmax, packed.max_depth,
                                                     packed.max_next_roots))
@@ -798,8 +797,9 @@ def markdown(s: dict) -> str:
         lines.append("")
     counts = (s.get("triton_compiles") or {}).get("counts") or {}
     if counts:
-        lines += ["Triton compiles per step of this run: " + "; ".join(
-            f"{phase}: " + ", ".join(f"{k} {n}" for k, n in sorted(by.items())) for phase, by in counts.items()) + ".", ""]
+        per_phase = (f"{phase}: " + ", ".join(f"{k} {n}" for k, n in sorted(by.items()))
+                     for phase, by in counts.items())
+        lines += ["Triton compiles per step of this run: " + "; ".join(per_phase) + ".", ""]
     if s["errors"]:
         lines += ["Errors and skipped steps:", ""] + [f"- {e}" for e in s["errors"]] + [""]
     return "\n".join(lines)

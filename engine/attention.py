@@ -300,8 +300,7 @@ def build_attn_metadata(
                         slot_mapping=slot_mapping, context_slots=None,
                         block_tables=small[:num_seqs * width].view(num_seqs, width), masks=masks,
                         block_size=block_size, contiguous_starts=contiguous, cu_query_lens_t=cu_t, context_lens_t=ctx_t, mask_offsets=moff_t,
-                        mask_widths=mw_t, mask_data=mask_data)
-    meta.staged = dev_ints[staged_from:]
+                        mask_widths=mw_t, mask_data=mask_data, staged=dev_ints[staged_from:])
     return positions, meta
 
 

@@ -146,7 +146,8 @@ class ModelRunner:
         input token is the one the step in flight samples, at position len(token_ids); its id here
         is a placeholder."""
         starts = [len(seq.token_ids) if ahead else seq.num_computed_tokens for seq in batch.seqs]
-        bucket = self._graph_bucket(batch, trees, starts, ahead)
+        lone_chunk = len(batch.seqs) == 1 and not trees and batch.num_tokens[0] > 1 and not ahead
+        bucket = self._graph_bucket(batch, trees, starts, ahead, lone_chunk)
         tree_idx = [b for b in range(len(batch.seqs)) if b in trees]
         packed = pack_trees([trees[b] for b in tree_idx], self.device) if tree_idx else None
         ids: list[int] = []
@@ -183,7 +184,7 @@ class ModelRunner:
         tree_start_list = [starts[b] for b in tree_idx] + [batch.seqs[b].num_output_tokens for b in tree_idx]
         tables = [self.blocks.block_tables[seq.seq_id] for seq in batch.seqs]
         plan = None
-        if bucket is not None and len(qlens) == 1 and not trees and qlens[0] > 1:   # a lone prefill chunk
+        if bucket is not None and lone_chunk:
             plan = make_chain_plan(bucket[1], starts[0], qlens[0])
         elif bucket is not None:
             cu_rows = np.cumsum([0] + qlens[:-1]).tolist()
@@ -211,18 +212,19 @@ class ModelRunner:
             inputs.tree_block_tables = meta.block_tables.index_select(0, tree_batch_idx)
         return inputs
 
-    def _graph_bucket(self, batch: ScheduledBatch, trees: dict, starts: list[int], ahead: bool = False
-                      ) -> tuple[int, int] | None:
+    def _graph_bucket(self, batch: ScheduledBatch, trees: dict, starts: list[int], ahead: bool = False,
+                      lone_chunk: bool = False) -> tuple[int, int] | None:
         """The captured (batch, nodes) bucket of a step made of decode rows (one new token per
-        sequence, at its end; one past its host state when `ahead`) and draft trees, or None: the
-        step runs eagerly."""
+        sequence, at its end; one past its host state when `ahead`) and draft trees, or of one
+        sequence's prefill chunk alone (`lone_chunk`: a chain bucket), or None: the step runs
+        eagerly."""
         if self.graphs is None:
             return None
         width = max(len(self.blocks.block_tables[seq.seq_id]) for seq in batch.seqs)
         if width > self.graphs.block_tables.shape[1]:
             return None
-        if len(batch.seqs) == 1 and not trees and batch.num_tokens[0] > 1 and not ahead:
-            return self.graphs.chain_bucket(batch.num_tokens[0])     # a lone prefill chunk
+        if lone_chunk:
+            return self.graphs.chain_bucket(batch.num_tokens[0])
         nodes = 1
         for b, (seq, start, n) in enumerate(zip(batch.seqs, starts, batch.num_tokens)):
             tree = trees.get(b)

@@ -96,13 +96,13 @@ def verify_greedy_stacked(tokens: torch.Tensor, parents: torch.Tensor, depths: t
     assert N <= MAX_NODES, f"{N} nodes per tree: verify with the torch reference"
     d1 = max_depth + 1
     width = 2 * d1 + 2 + max_next_roots - 1
-    assert max_next_roots - 1 <= max(16, triton.next_power_of_2(N)), "more alternates than the kernel writes"
+    np_ = max(16, triton.next_power_of_2(N))          # nodes held in registers (and alternates written)
+    assert max_next_roots - 1 <= np_, "more alternates than the kernel writes"
     out = torch.empty(T, width, dtype=torch.int64, device=tokens.device)
     if T == 0:
         return out
     argmax = argmax.to(torch.int64).contiguous()    # the kernel reads rows as contiguous
     mask_u8 = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    np_ = max(16, triton.next_power_of_2(N))
     _verify_greedy_kernel[(T,)](
         tokens, parents, depths, mask_u8, num_nodes, num_roots, argmax, out,
         N, d1, width,

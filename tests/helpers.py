@@ -297,7 +297,6 @@ def run_interpreted_child(script: str, *args: str, env: dict[str, str], cwd=None
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-
 def random_tree(rng, vocab: int, max_nodes: int = 14):
     """A random `TokenTree` for verification tests: chains, bushy trees, forests, root-only; small
     vocabularies so that sibling tokens repeat and roots tie."""

@@ -179,6 +179,20 @@ def _host_rows(prof, steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
+def _step_row(prof, steps: int, wall: float, top: int) -> dict:
+    """A profiled run's per-step summary: steps, wall and device ms per step, kernels per step, and
+    the `top` kernels by device time."""
+    rows = _device_rows(prof, steps)
+    return {"steps": steps, "wall_ms_per_step": wall / steps * 1e3,
+            "device_ms_per_step": sum(r["us_per_step"] for r in rows) / 1e3,
+            "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:top]}
+
+
+def _step_line(label: str, row: dict) -> str:
+    return (f"==== {label}: {row['steps']} steps, wall {row['wall_ms_per_step']:.3f} ms/step, device "
+            f"{row['device_ms_per_step']:.3f} ms/step, {row['kernels_per_step']:.0f} kernels/step")
+
+
 def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path: str,
             parts: tuple[str, ...] = ("sweep", "kernels")) -> dict:
     """In a child: the new tree's decode step, timed and profiled (see the module's docstring)."""
@@ -261,13 +275,8 @@ def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path
             prof, steps, wall = profiled(eng)
             while eng.has_unfinished_requests():
                 eng.step()
-            rows = _device_rows(prof, steps)
-            kernels[label] = {"steps": steps, "wall_ms_per_step": wall / steps * 1e3,
-                              "device_ms_per_step": sum(r["us_per_step"] for r in rows) / 1e3,
-                              "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:30]}
-            lines.append(f"==== {label}: {steps} steps, wall {wall / steps * 1e3:.3f} ms/step, device "
-                         f"{kernels[label]['device_ms_per_step']:.3f} ms/step, "
-                         f"{kernels[label]['kernels_per_step']:.0f} kernels/step")
+            kernels[label] = _step_row(prof, steps, wall, 30)
+            lines.append(_step_line(label, kernels[label]))
             lines.append(prof.key_averages().table(sort_by=table_key, row_limit=40, max_name_column_width=90))
         eng.runner.graphs = graphs
         out["kernels"] = kernels
@@ -289,19 +298,14 @@ def profile(model_dir: str, data_dir: str, max_tokens: int, dry: bool, text_path
             after = eng.drafter_stats[name] if name != "none" else None
             while eng.has_unfinished_requests():
                 eng.step()
-            rows, host = _device_rows(prof, steps), _host_rows(prof, steps)
-            row = {"steps": steps, "wall_ms_per_step": wall / steps * 1e3,
-                   "device_ms_per_step": sum(r["us_per_step"] for r in rows) / 1e3,
-                   "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:20], "host": host[:20]}
+            row = {**_step_row(prof, steps, wall, 20), "host": _host_rows(prof, steps)[:20]}
             if after is not None and after.num_steps > before.num_steps:
                 n = after.num_steps - before.num_steps
                 row.update(draft_steps=n, draft_ms=(after.draft_time_s - before.draft_time_s) / n * 1e3,
                            verify_ms=(after.verify_time_s - before.verify_time_s) / n * 1e3)
             drafters[name] = row
-            lines.append(f"==== drafter {name} (fixed budget, b1): {steps} steps, wall {row['wall_ms_per_step']:.3f} "
-                         f"ms/step, device {row['device_ms_per_step']:.3f} ms/step, {row['kernels_per_step']:.0f} "
-                         f"kernels/step, draft {row.get('draft_ms', 0):.2f} ms, "
-                         f"verify {row.get('verify_ms', 0):.2f} ms")
+            lines.append(_step_line(f"drafter {name} (fixed budget, b1)", row)
+                         + f", draft {row.get('draft_ms', 0):.2f} ms, verify {row.get('verify_ms', 0):.2f} ms")
             lines.append(prof.key_averages().table(sort_by=table_key, row_limit=30, max_name_column_width=90))
             lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
                                                    max_name_column_width=90))
