@@ -508,7 +508,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 TRAIN_DEFAULTS = dict(model="default", data="default", epochs=None, lr=None, batch_tokens=8192, max_examples=4000,
                       max_len=512, device="auto", dtype="auto", seed=0, self_distill_max_tokens=256, temperature=0.0,
-                      eval_examples=64, top_k=8, shard_size=256, distilled=None)   # equal to the pipeline's (a test)
+                      eval_examples=64, top_k=8, shard_size=256, distilled=None, features="auto",
+                      feature_memory_gb=8.0)   # equal to the pipeline's (a test)
 
 
 def _add_train(sub) -> None:
@@ -572,6 +573,17 @@ def _add_train(sub) -> None:
     p.add_argument("--distilled", default=d["distilled"], metavar="DIR",
                    help="train on the target's own answers in a `specserve train distill` folder (the pool they "
                         "answered must be --data) instead of the pool's reference answers")
+    p.add_argument("--features", default=d["features"], choices=("auto", "live", "shards"),
+                   help="where the target's hidden states and top-k come from: 'live' computes them in the "
+                        "training loop from token ids (nothing cached on disk), 'shards' builds teacher shards "
+                        "first (about 1.2 KB a token, cached under --cache-dir); auto = live with --distilled, "
+                        "shards otherwise (default: %(default)s)")
+    p.add_argument("--feature-memory-gb", type=float, default=d["feature_memory_gb"], metavar="GB",
+                   help="with live features: the rows kept in memory between epochs, least recently used out "
+                        "first (default: %(default)s)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the training state in --out (written every few minutes and when a run stops, "
+                        "e.g. at max_seconds) instead of starting over")
     g = p.add_argument_group("specserve train distill", "the served target answers the prompt pool into --out "
                              "(compact, resumable shards of token ids; drafters/train/distill.py)")
     g.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7], metavar="T",

@@ -1,7 +1,8 @@
 """Training infrastructure for trained drafters, and the registry of their trainers.
 
 Modules: `target` (the target as a teacher: hidden states, top-k), `data` (prompt pool, teacher
-shards, self-distillation, `ShardDataset`), `loop` (the one training loop), `evaluate` (τ of a
+shards, self-distillation, `ShardDataset`), `live` (the same rows computed in the training loop from
+token ids: `LiveDataset`), `loop` (the one training loop), `evaluate` (τ of a
 drafter through the engine), `pipeline` (what `specserve train` runs). The checkpoint format, the
 target fingerprint and tree tuning are shared with serving: `specserve.drafters.nets`.
 
@@ -31,14 +32,14 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     import torch
 
-    from specserve.drafters.train.data import Example, ShardDataset
+    from specserve.drafters.train.data import Example, ExampleSet
     from specserve.engine.config import ModelConfig
     from specserve.engine.loader import LoadedModel
     from specserve.engine.model import LlamaModel
 
 logger = logging.getLogger("specserve")
 
-INFRA_MODULES = {"target", "data", "loop", "evaluate", "pipeline"}
+INFRA_MODULES = {"target", "data", "live", "loop", "evaluate", "pipeline"}
 
 
 @dataclass
@@ -63,12 +64,13 @@ class TrainTarget:
 
 @dataclass
 class TrainData:
-    """The distillation data: teacher shards and their train / held-back splits."""
+    """The distillation data and its train / held-back splits: teacher shards (`ShardDataset`), or
+    token ids whose target rows are computed in the training loop (`live.LiveDataset`)."""
 
-    shard_dir: Path
+    shard_dir: Path                   # the teacher shards' folder, or the distilled answers' (live)
     manifest: dict[str, Any]
-    train: "ShardDataset"
-    held_back: "ShardDataset"
+    train: "ExampleSet"
+    held_back: "ExampleSet"
     examples: list["Example"] = field(default_factory=list)   # what the shards were built from
 
     def held_back_examples(self) -> list["Example"]:
@@ -83,7 +85,14 @@ class TrainData:
                 "num_tokens": m.get("num_tokens"), "num_answer_tokens": m.get("num_answer_tokens"),
                 "train_examples": len(self.train), "held_back_examples": len(self.held_back),
                 "max_len": m.get("config", {}).get("max_len"), "top_k": m.get("config", {}).get("top_k"),
-                "self_distill": m.get("self_distill"), "shards_build_key": m.get("build_key")}
+                "self_distill": m.get("self_distill"), "shards_build_key": m.get("build_key"),
+                "distilled": m.get("distilled"), **self.feature_summary()}
+
+    def feature_summary(self) -> dict[str, Any]:
+        """Where the target's rows came from: teacher shards, or computed in the loop (with how many
+        tokens, in how long)."""
+        live = getattr(self.train, "features", None)
+        return {"features": "shards"} if live is None else {"features": "live", "feature_stats": live.stats()}
 
 
 Trainer = Callable[[dict, TrainTarget, TrainData], Path]

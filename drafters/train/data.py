@@ -12,7 +12,9 @@
 4. `self_distill_examples`: answers written by the target itself through our engine (the data a
    drafter sees at inference time), as examples `build_teacher_shards` consumes.
 5. `ShardDataset`: reads the shards back as shuffled, padded batches of whole sequences or of
-   fixed-length windows, with a held-back split chosen by example id.
+   fixed-length windows, with a held-back split chosen by prompt. Its base, `ExampleSet`, plans and
+   pads batches wherever the rows live: `live.LiveDataset` computes them in the training loop
+   from token ids alone.
 
 Conventions of a shard, for example e with tokens at rows `offsets[e]:offsets[e+1]`, row t:
     input_ids[t]      the token at position t
@@ -252,6 +254,38 @@ def _shard_is_complete(path: Path, shard_key: str) -> dict[str, str] | None:
     return meta if meta.get("shard_key") == shard_key else None
 
 
+TEACHER_FIELDS = ("hidden", "labels", "topk_ids", "topk_logprobs")   # what the target adds to an example's tokens
+
+
+def token_groups(lengths: Seq[int], batch_tokens: int) -> Iterator[tuple[int, int]]:
+    """[i, j) ranges of consecutive sequences of about `batch_tokens` tokens in all (one sequence
+    alone when it is longer): what one extractor call takes."""
+    i = 0
+    while i < len(lengths):
+        j, tokens = i, 0
+        while j < len(lengths) and (j == i or tokens + lengths[j] <= batch_tokens):
+            tokens += lengths[j]
+            j += 1
+        yield i, j
+        i = j
+
+
+def teacher_rows(model, extractor: FeatureExtractor, sequences: list[list[int]], top_k: int,
+                 hidden_dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+    """The target's rows of each sequence (teacher forcing), on the CPU: `hidden` [n, H] in
+    `hidden_dtype`, `labels` [n] and `topk_ids` [n, k] int32, `topk_logprobs` [n, k] fp32 (see the
+    module docstring). One extractor call for all of them."""
+    hidden = extractor(sequences)
+    ids, logprobs = target_topk(model, torch.cat(hidden), max(top_k, 1))
+    rows, a = [], 0
+    for h in hidden:
+        b = a + h.shape[0]
+        rows.append({"hidden": h.to(device="cpu", dtype=hidden_dtype), "labels": ids[a:b, 0].cpu(),
+                     "topk_ids": ids[a:b, :top_k].cpu(), "topk_logprobs": logprobs[a:b, :top_k].float().cpu()})
+        a = b
+    return rows
+
+
 def teacher_build_config(model, tokenizer, *, max_len: int, top_k: int, hidden_dtype: torch.dtype,
                          eos_token_id: int | None) -> dict[str, Any]:
     """What the content of teacher shards depends on besides the examples."""
@@ -342,22 +376,12 @@ def _write_shard(path: Path, group: list[Example], shard_key: str, model, tokeni
             rendered.append(r)
             kept.append(ex)
     hidden_size = model.cfg.hidden_size
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("hidden", "labels", "topk_ids", "topk_logprobs")}
-    # groups of sequences of about batch_tokens tokens: one extractor call (a few forwards) each
-    i = 0
-    while i < len(rendered):
-        j, tokens = i, 0
-        while j < len(rendered) and (j == i or tokens + len(rendered[j].input_ids) <= batch_tokens):
-            tokens += len(rendered[j].input_ids)
-            j += 1
-        hidden = torch.cat(extractor([r.input_ids for r in rendered[i:j]]))
-        ids, logprobs = target_topk(model, hidden, max(top_k, 1))
-        parts["hidden"].append(hidden.to(device="cpu", dtype=hidden_dtype))
-        parts["labels"].append(ids[:, 0].cpu())
-        parts["topk_ids"].append(ids[:, :top_k].cpu())
-        parts["topk_logprobs"].append(logprobs[:, :top_k].cpu())
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in TEACHER_FIELDS}
+    for i, j in token_groups([len(r.input_ids) for r in rendered], batch_tokens):
+        rows = teacher_rows(model, extractor, [r.input_ids for r in rendered[i:j]], top_k, hidden_dtype)
+        for name in TEACHER_FIELDS:
+            parts[name].extend(row[name] for row in rows)
         bar.update(j - i)
-        i = j
     bar.update(len(group) - len(rendered))
     lengths = [len(r.input_ids) for r in rendered]
     offsets = torch.zeros(len(rendered) + 1, dtype=torch.int64)
@@ -490,7 +514,7 @@ def self_distill_examples(engine, prompts: Seq[Example], *, max_tokens: int = 25
     return [done[ex.id] for ex in prompts if ex.id in done]
 
 
-# ---- reading shards back --------------------------------------------------------------------------------------------
+# ---- reading examples back -------------------------------------------------------------------------------------------
 
 @dataclass
 class _Item:
@@ -501,17 +525,28 @@ class _Item:
     length: int
 
 
+def prompt_key(example_id: str) -> str:
+    """The prompt an example id answers: a distilled answer's id is `<prompt id>@t<T>`
+    (drafters/train/distill.py), so the answers of one prompt at several temperatures share it."""
+    return example_id.partition("@")[0]
+
+
 def held_back_ids(ids: Iterable[str], num: int, split_seed: int = 0) -> set[str]:
-    """The `num` example ids held back for evaluation: the first ones in an order given by a hash
-    of (split_seed, id), so the choice does not depend on the order or number of the other ids."""
-    ranked = sorted(set(ids), key=lambda i: hashlib.sha256(f"{split_seed}:{i}".encode()).hexdigest())
-    return set(ranked[:num])
+    """The example ids held back for evaluation: those of the first `num` prompts (`prompt_key`)
+    in an order given by a hash of (split_seed, prompt), so the choice does not depend on the order
+    or number of the other ids, and no prompt is both trained on and held back."""
+    ids = set(ids)
+    ranked = sorted({prompt_key(i) for i in ids},
+                    key=lambda k: hashlib.sha256(f"{split_seed}:{k}".encode()).hexdigest())
+    keep = set(ranked[:num])
+    return {i for i in ids if prompt_key(i) in keep}
 
 
 class Batches:
-    """An epoch's batches: iterable (more than once, same order) and sized."""
+    """An epoch's batches: iterable (more than once, same order) and sized; `skip(n)` leaves out
+    the first n without reading them (a resumed epoch)."""
 
-    def __init__(self, dataset: "ShardDataset", plan: list[list[tuple[int, int, int]]], **kwargs):
+    def __init__(self, dataset: "ExampleSet", plan: list[list[tuple[int, int, int]]], **kwargs):
         self.dataset, self.plan, self.kwargs = dataset, plan, kwargs
 
     def __len__(self) -> int:
@@ -521,43 +556,36 @@ class Batches:
         for items in self.plan:
             yield self.dataset.collate(items, **self.kwargs)
 
+    def skip(self, n: int) -> "Batches":
+        return Batches(self.dataset, self.plan[n:], **self.kwargs)
 
-class ShardDataset:
-    """The examples of a shard folder (see the module docstring for the fields), or one split of them.
 
-    `split`: "all", "train" or "eval"; the eval (held-back) split is `eval_examples` example ids
-    chosen by `held_back_ids` (or `eval_fraction` of them), the train split the rest. Shards are
-    read lazily (safetensors slices), never all at once."""
+class ExampleSet:
+    """Examples with the target's rows (see the module docstring for the fields), or one split of
+    them, read as batches. Where the rows live is a subclass's: `ShardDataset` reads teacher shards,
+    `live.LiveDataset` computes them in the training loop.
+
+    A subclass sets `items` (an `_Item` per example; `shard` and `start` locate its rows for
+    `_rows`), `top_k`, `hidden_size` and `manifest`, gives an example's answer mask (`answer_of`,
+    1 byte a token) and may make the rows of a batch's examples readable at once (`_prepare`)."""
 
     FIELDS = ("input_ids", "hidden", "labels", "topk_ids", "topk_logprobs", "answer_mask")
+    items: list[_Item]
+    manifest: dict[str, Any]
+    top_k: int
+    hidden_size: int
 
-    def __init__(self, shard_dir: str | os.PathLike, *, split: str = "all", eval_examples: int | None = None,
-                 eval_fraction: float | None = None, split_seed: int = 0):
+    def _split(self, items: list[_Item], split: str, eval_examples: int | None, eval_fraction: float | None,
+               split_seed: int) -> None:
+        """Keep the `split` ("all", "train" or "eval") of `items`: the eval (held-back) split is the
+        examples of `eval_examples` prompts chosen by `held_back_ids` (or `eval_fraction` of them),
+        the train split the rest."""
         if split not in ("all", "train", "eval"):
             raise ValueError(f"split must be all, train or eval, got {split!r}")
-        self.dir = Path(shard_dir)
-        manifest = self.dir / MANIFEST
-        if not manifest.is_file():
-            raise FileNotFoundError(f"{self.dir} holds no complete shard build ({MANIFEST} missing); "
-                                    "run build_teacher_shards first")
-        self.manifest = json.loads(manifest.read_text(encoding="utf-8"))
-        self._files = [self.dir / s["file"] for s in self.manifest["shards"]]
-        self._handles: dict[int, Any] = {}
-        items: list[_Item] = []
-        self._answer: list[torch.Tensor] = []      # answer_mask of every shard (1 byte a token), for planning
-        for shard, path in enumerate(self._files):
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata()
-                offsets = f.get_tensor("offsets").tolist()
-                self._answer.append(f.get_tensor("answer_mask"))
-            for eid, source, a, b in zip(json.loads(meta["example_ids"]), json.loads(meta["sources"]),
-                                         offsets, offsets[1:]):
-                items.append(_Item(eid, source, shard, a, b - a))
-        self.top_k = int(self.manifest["config"]["top_k"])
-        self.hidden_size = int(self.manifest["config"]["hidden_size"])
         all_ids = [it.example_id for it in items]
         if eval_examples is None:
-            eval_examples = round(len(set(all_ids)) * eval_fraction) if eval_fraction else 0
+            prompts = {prompt_key(i) for i in all_ids}
+            eval_examples = round(len(prompts) * eval_fraction) if eval_fraction else 0
         self.held_back = held_back_ids(all_ids, eval_examples, split_seed)
         if split == "train":
             items = [it for it in items if it.example_id not in self.held_back]
@@ -565,6 +593,15 @@ class ShardDataset:
             items = [it for it in items if it.example_id in self.held_back]
         self.split = split
         self.items = items
+
+    def _rows(self, shard: int, name: str, a: int, b: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def answer_of(self, it: _Item) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _prepare(self, items: list[_Item], fields: Iterable[str]) -> None:
+        """Make the rows of `fields` of these examples readable (shards: nothing to do)."""
 
     def __len__(self) -> int:
         return len(self.items)
@@ -577,19 +614,11 @@ class ShardDataset:
     def num_tokens(self) -> int:
         return sum(it.length for it in self.items)
 
-    def _file(self, shard: int):
-        handle = self._handles.get(shard)
-        if handle is None:
-            handle = self._handles[shard] = safe_open(str(self._files[shard]), framework="pt")
-        return handle
-
-    def _rows(self, shard: int, name: str, a: int, b: int) -> torch.Tensor:
-        return self._file(shard).get_slice(name)[a:b]
-
     def example(self, index: int, fields: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """The rows of one example, unpadded (shard dtypes)."""
-        it = self.items[index]
-        return {name: self._rows(it.shard, name, it.start, it.start + it.length) for name in (fields or self.FIELDS)}
+        it, fields = self.items[index], tuple(fields or self.FIELDS)
+        self._prepare([it], fields)
+        return {name: self._rows(it.shard, name, it.start, it.start + it.length) for name in fields}
 
     def batches(self, batch_tokens: int, *, window: int | None = None, shuffle: bool = True, epoch: int = 0,
                 seed: int = 0, fields: Iterable[str] | None = None, device: torch.device | str = "cpu",
@@ -611,7 +640,7 @@ class ShardDataset:
             raise ValueError("batch_tokens must be positive")
         pieces: list[tuple[int, int, int]] = []     # (item, start within the example, length)
         for idx, it in enumerate(self.items):
-            mask = self._answer[it.shard][it.start:it.start + it.length]
+            mask = self.answer_of(it)
             loss = torch.zeros(it.length, dtype=torch.bool)
             loss[:-1] = mask[1:]
             step = window or it.length
@@ -649,6 +678,7 @@ class ShardDataset:
                 hidden_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """Pad `pieces` ((item, start, length) triples) into one batch (see `batches`)."""
         rows, width = len(pieces), max(p[2] for p in pieces)
+        self._prepare([self.items[p[0]] for p in pieces], fields)
         out: dict[str, Any] = {
             "valid": torch.zeros(rows, width, dtype=torch.bool),
             "answer_mask": torch.zeros(rows, width, dtype=torch.bool),
@@ -673,7 +703,7 @@ class ShardDataset:
             out["valid"][r, :n] = True
             out["positions"][r, :n] = torch.arange(a, a + n)
             end = min(it.length, a + n + 1)    # one more row for the next token's answer mask
-            mask = self._answer[it.shard][lo:it.start + end]
+            mask = self.answer_of(it)[a:end]
             out["answer_mask"][r, :n] = mask[:n]
             out["loss_mask"][r, :mask.shape[0] - 1] = mask[1:]
             for name in ("input_ids", "labels", "hidden", "topk_ids", "topk_logprobs"):
@@ -689,6 +719,47 @@ class ShardDataset:
         return {"split": self.split, "num_examples": len(self.items), "num_tokens": self.num_tokens,
                 "sources": dict(sorted(counts.items())), "held_back": len(self.held_back),
                 "shards_build_key": self.manifest.get("build_key")}
+
+
+class ShardDataset(ExampleSet):
+    """The examples of a teacher-shard folder (`build_teacher_shards`), or one split of them (see
+    `ExampleSet._split`). Shards are read lazily (safetensors slices), never all at once."""
+
+    def __init__(self, shard_dir: str | os.PathLike, *, split: str = "all", eval_examples: int | None = None,
+                 eval_fraction: float | None = None, split_seed: int = 0):
+        self.dir = Path(shard_dir)
+        manifest = self.dir / MANIFEST
+        if not manifest.is_file():
+            raise FileNotFoundError(f"{self.dir} holds no complete shard build ({MANIFEST} missing); "
+                                    "run build_teacher_shards first")
+        self.manifest = json.loads(manifest.read_text(encoding="utf-8"))
+        self._files = [self.dir / s["file"] for s in self.manifest["shards"]]
+        self._handles: dict[int, Any] = {}
+        items: list[_Item] = []
+        self._answer: list[torch.Tensor] = []      # answer_mask of every shard (1 byte a token), for planning
+        for shard, path in enumerate(self._files):
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata()
+                offsets = f.get_tensor("offsets").tolist()
+                self._answer.append(f.get_tensor("answer_mask"))
+            for eid, source, a, b in zip(json.loads(meta["example_ids"]), json.loads(meta["sources"]),
+                                         offsets, offsets[1:]):
+                items.append(_Item(eid, source, shard, a, b - a))
+        self.top_k = int(self.manifest["config"]["top_k"])
+        self.hidden_size = int(self.manifest["config"]["hidden_size"])
+        self._split(items, split, eval_examples, eval_fraction, split_seed)
+
+    def _file(self, shard: int):
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = self._handles[shard] = safe_open(str(self._files[shard]), framework="pt")
+        return handle
+
+    def _rows(self, shard: int, name: str, a: int, b: int) -> torch.Tensor:
+        return self._file(shard).get_slice(name)[a:b]
+
+    def answer_of(self, it: _Item) -> torch.Tensor:
+        return self._answer[it.shard][it.start:it.start + it.length]
 
 
 # ---- the target's label frequencies (the draft vocabulary of head-based drafters) ----------------------------------
@@ -717,7 +788,7 @@ def rank_coverage(rank: torch.Tensor, batches: Iterable[dict[str, torch.Tensor]]
     return {n: float((found < n).float().mean()) if found.numel() else 0.0 for n in sizes if n < rank.numel()}
 
 
-def draft_vocab_ranking(train: "ShardDataset", held_back: "ShardDataset | None", vocab_size: int, *,
+def draft_vocab_ranking(train: "ExampleSet", held_back: "ExampleSet | None", vocab_size: int, *,
                         batch_tokens: int = 8192) -> tuple[torch.Tensor, dict[int, float]]:
     """(the train split's label ranking, the share of held-back labels each draft-vocabulary size
     covers): what head-based drafters save with their weights (see drafters.draft_vocab)."""

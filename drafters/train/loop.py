@@ -10,6 +10,10 @@
   `eval_every` steps) under `torch.no_grad()` and `module.eval()`; early stopping watches `tau`
   (higher is better) and the module ends with its best state.
 
+Time-capped and resumable: `max_seconds` stops after the step that crosses it; with `state_path`
+the loop saves its whole state there (`TrainState`) every `save_every_seconds`, at each epoch's end
+and at that stop, and a run with `resume` goes on from it exactly as if it had not stopped.
+
 AdamW (no weight decay on 1-D parameters: norms, biases) over the parameters that require grad
 only, so frozen ones (the target's embedding and LM head, shared by reference) are never touched;
 linear warm-up then cosine decay to `min_lr_ratio`; grad-norm clipping; bf16 autocast on CUDA,
@@ -18,15 +22,22 @@ plain fp32 on the CPU; seeded `random`, numpy and torch.
 
 from __future__ import annotations
 
+import itertools
+import json
+import logging
 import math
+import os
 import random
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+
+logger = logging.getLogger("specserve")
 
 
 @dataclass
@@ -52,6 +63,9 @@ class TrainConfig:
     amp: bool | None = None             # bf16 autocast; None = on CUDA only
     log_every: int = 10                 # steps between loss syncs (one host sync each)
     progress: bool = True
+    state_path: str | None = None       # where the training state is saved (TrainState); None = never
+    resume: bool = False                # continue from state_path's state when it exists
+    save_every_seconds: float = 300.0   # between saves (and at every epoch's end, and at max_seconds)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], **overrides) -> "TrainConfig":
@@ -77,6 +91,72 @@ class TrainResult:
     log_history: list[dict[str, float]] = field(default_factory=list)  # mean logs every log_every steps
     stopped_early: bool = False
     stop_reason: str = "done"           # done | early_stop | max_steps | max_seconds
+
+
+class TrainState:
+    """What a run stopped at `max_seconds` (or killed) needs to go on exactly where it was: the
+    trainable parameters, the optimizer's and the schedule's state, the position (epoch, next
+    batch), the result so far with the best state, and the random generators. Saved atomically
+    (temporary file, then rename) to `config.state_path`; loaded by a run with `config.resume` that
+    has the same schedule and parameters (else ValueError: start over or choose another path).
+    Removed when the run ends otherwise (done, early stop, max_steps): nothing is left to resume."""
+
+    FORMAT = 1
+
+    def __init__(self, config: TrainConfig, module: torch.nn.Module, optimizer, scheduler, total: int | None):
+        self.path = Path(config.state_path) if config.state_path else None
+        self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
+        params = {name: list(p.shape) for name, p in module.named_parameters() if p.requires_grad}
+        self.key = json.dumps({"format": self.FORMAT, "params": params, "total": total, "epochs": config.epochs,
+                               "lr": config.lr, "betas": list(config.betas), "weight_decay": config.weight_decay,
+                               "grad_accum": config.grad_accum, "warmup_steps": config.warmup_steps,
+                               "warmup_ratio": config.warmup_ratio, "min_lr_ratio": config.min_lr_ratio,
+                               "seed": config.seed}, sort_keys=True)
+
+    def save(self, result: "TrainResult", best_state, bad_evals: int, epoch: int, batch: int) -> None:
+        if self.path is None:
+            return
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        blob = {"key": self.key, "module": _trainable_state(self.module), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "result": asdict(result), "best_state": best_state,
+                "bad_evals": bad_evals, "epoch": epoch, "batch": batch, "rng": rng}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        torch.save(blob, tmp)
+        os.replace(tmp, self.path)
+
+    def load(self) -> dict[str, Any] | None:
+        """The saved state, put back into the module, optimizer, schedule and generators; None when
+        there is none."""
+        if self.path is None or not self.path.is_file():
+            if self.path is not None:
+                logger.info("no training state in %s: starting from the beginning", self.path)
+            return None
+        blob = torch.load(self.path, map_location="cpu", weights_only=False)
+        if blob.get("key") != self.key:
+            raise ValueError(f"{self.path} holds the state of another training (other parameters, schedule or "
+                             "seed): start over without resuming, or train into another folder")
+        with torch.no_grad():
+            params = dict(self.module.named_parameters())
+            for name, value in blob["module"].items():
+                params[name].copy_(value)
+        self.optimizer.load_state_dict(blob["optimizer"])
+        self.scheduler.load_state_dict(blob["scheduler"])
+        rng = blob["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        logger.info("resuming training from %s: epoch %d, batch %d, step %d", self.path, blob["epoch"],
+                    blob["batch"], blob["result"]["steps"])
+        return {"result": TrainResult(**blob["result"]), "best_state": blob["best_state"],
+                "bad_evals": blob["bad_evals"], "epoch": blob["epoch"], "batch": blob["batch"]}
+
+    def clear(self) -> None:
+        if self.path is not None and self.path.is_file():
+            self.path.unlink()
 
 
 def seed_everything(seed: int) -> None:
@@ -210,12 +290,30 @@ def train(module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], tup
                                 refresh=False)
 
     bar = tqdm(total=total, desc="train", unit="step", disable=not config.progress)
+    state = TrainState(config, module, optimizer, scheduler, total)
+    first_epoch, first_batch, earlier_seconds = 0, 0, 0.0
+    saved = state.load() if config.resume else None
+    if saved is not None:
+        result, best_state, bad_evals = saved["result"], saved["best_state"], saved["bad_evals"]
+        first_epoch, first_batch, earlier_seconds = saved["epoch"], saved["batch"], result.wall_seconds
+        bar.update(result.steps)
+    last_save = time.perf_counter()
+
+    def save(epoch: int, batch: int) -> None:
+        nonlocal last_save
+        if config.state_path is None:
+            return
+        flush()
+        result.wall_seconds = earlier_seconds + time.perf_counter() - start
+        state.save(result, best_state, bad_evals, epoch, batch)
+        last_save = time.perf_counter()
+
     module.train()
     stop = None
     try:
-        if config.eval_at_start and evaluate(0.0):
+        if config.eval_at_start and saved is None and evaluate(0.0):
             stop = "early_stop"
-        for epoch in range(config.epochs):
+        for epoch in range(first_epoch, config.epochs):
             if stop:
                 break
             batches = _epoch_iterable(train_batches, epoch)
@@ -223,9 +321,12 @@ def train(module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], tup
                 num_batches = len(batches)   # type: ignore[arg-type]
             except TypeError:
                 num_batches = None
+            skip = first_batch if epoch == first_epoch else 0
+            if skip:   # a resumed epoch: the batches done before
+                batches = batches.skip(skip) if hasattr(batches, "skip") else itertools.islice(batches, skip, None)
             micro = 0
             optimizer.zero_grad(set_to_none=True)
-            for i, batch in enumerate(batches):
+            for i, batch in enumerate(batches, start=skip):
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                     loss, logs = loss_fn(module, batch)
                 (loss.float() / config.grad_accum).backward()
@@ -247,7 +348,11 @@ def train(module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], tup
                     stop = stop or "max_seconds"
                 if stop:
                     result.epochs = frac
+                    if stop == "max_seconds":
+                        save(epoch, i + 1)   # the next run (resume) continues from here
                     break
+                if time.perf_counter() - last_save >= config.save_every_seconds:
+                    save(epoch, i + 1)
             if micro:   # the epoch ended inside an accumulation
                 optimizer_step()
             flush()
@@ -256,11 +361,15 @@ def train(module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], tup
             result.epochs = epoch + 1.0
             if not config.eval_every and evaluate(float(epoch + 1)):
                 stop = "early_stop"
+            if not stop and epoch + 1 < config.epochs:
+                save(epoch + 1, 0)
         flush()
         if eval_fn is not None and (not result.eval_history or result.eval_history[-1]["step"] != result.steps):
             evaluate(result.epochs)   # the final state is measured too (a stop between evals)
     finally:
         bar.close()
+    if stop != "max_seconds":
+        state.clear()   # finished: nothing to resume
     if best_state is not None:
         with torch.no_grad():
             params = dict(module.named_parameters())
@@ -269,7 +378,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], tup
     module.eval()
     result.stopped_early = stop == "early_stop"
     result.stop_reason = stop or "done"
-    result.wall_seconds = time.perf_counter() - start
+    result.wall_seconds = earlier_seconds + time.perf_counter() - start
     if eval_fn is None:
         result.best_step = result.steps
     return result

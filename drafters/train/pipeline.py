@@ -1,5 +1,6 @@
-"""What `specserve train DRAFTER` runs: load the target, build (or reuse) the distillation shards,
-split them, call the drafter's registered trainer.
+"""What `specserve train DRAFTER` runs: load the target, build (or reuse) the distillation shards --
+or, with `--features live` (the default for `--distilled` answers), keep token ids only and compute
+the target's rows in the training loop (live.py) -- split them, call the drafter's registered trainer.
 
     run_training("medusa", {"model": "default", "data": None, "out": "ckpt/medusa", "epochs": 3, ...})
 
@@ -22,9 +23,11 @@ import torch
 from specserve.drafters.base import parse_option_value
 from specserve.drafters.nets.checkpoint import target_fingerprint
 from specserve.drafters.train import TrainData, TrainTarget, get_trainer
-from specserve.drafters.train.data import (ShardDataset, balance_by_source, build_teacher_shards, load_prompt_pool,
-                                           self_distill_examples)
+from specserve.drafters.train.data import (Example, ShardDataset, balance_by_source, build_teacher_shards,
+                                           load_prompt_pool, prompt_key, render_example, self_distill_examples,
+                                           teacher_build_config)
 from specserve.drafters.train.distill import read_answers
+from specserve.drafters.train.live import LiveDataset, LiveFeatures
 from specserve.engine.config import EngineConfig, ModelConfig
 from specserve.engine.core import LLMEngine
 from specserve.engine.loader import _cache_root as specserve_cache, load_model
@@ -36,8 +39,11 @@ DEFAULTS: dict[str, Any] = dict(
     model="default", data=None, prompt_field=None, messages_field=None, out=None, epochs=None, lr=None,
     batch_tokens=8192, max_examples=4000, max_len=512,
     device="auto", dtype="auto", seed=0, self_distill=False, self_distill_max_tokens=256, temperature=0.0,
-    eval_examples=64, cache_dir=None, top_k=8, shard_size=256, progress=True, distilled=None,
+    eval_examples=64, cache_dir=None, top_k=8, shard_size=256, progress=True, distilled=None, features="auto",
+    feature_memory_gb=8.0, resume=False,
 )
+TRAIN_STATE = "train-state.pt"
+FEATURES = ("auto", "live", "shards")   # auto: live with --distilled, teacher shards otherwise
 # `specserve train distill`'s own flags: not options of a drafter's training
 DISTILL_FLAGS = ("temperatures", "max_tokens", "max_num_seqs", "time_limit", "max_prompts")
 
@@ -96,6 +102,14 @@ def prepare_data(target: TrainTarget, options: Mapping[str, Any]) -> TrainData:
                                     messages_field=o["messages_field"])
     if not examples:
         raise ValueError("the prompt pool is empty (no row with a reference answer; try --self-distill)")
+    features = o["features"] if o["features"] != "auto" else ("live" if o["distilled"] else "shards")
+    if features not in FEATURES[1:]:
+        raise ValueError(f"--features must be one of {', '.join(FEATURES)}, got {o['features']!r}")
+    if features == "live":
+        if o["self_distill"]:
+            raise ValueError("--features live trains on --distilled answers or the pool's own; "
+                             "--self-distill builds teacher shards (use --features shards)")
+        return live_data(target, examples, o)
     safe_name = re.sub(r"[^\w.-]+", "_", target.name)
     root = _cache_root(o["cache_dir"]) / f"{safe_name}-{target.fingerprint}"
     self_distill = None
@@ -128,6 +142,38 @@ def prepare_data(target: TrainTarget, options: Mapping[str, Any]) -> TrainData:
     return TrainData(shard_dir=shard_dir, manifest=manifest, train=train, held_back=held_back, examples=examples)
 
 
+def live_data(target: TrainTarget, examples: list[Example], o: Mapping[str, Any]) -> TrainData:
+    """`examples` rendered to token ids, their target rows computed in the training loop (live.py),
+    split into train and held-back by prompt."""
+    config = teacher_build_config(target.model, target.tokenizer, max_len=o["max_len"], top_k=o["top_k"],
+                                  hidden_dtype=torch.float16, eos_token_id=None)
+    kept, rendered, sources = [], [], {}
+    for ex in examples:
+        r = render_example(target.tokenizer, ex, max_len=o["max_len"])
+        if r is not None:
+            kept.append(ex)
+            rendered.append(r)
+            sources[ex.source] = sources.get(ex.source, 0) + 1
+    if o["eval_examples"] >= len({prompt_key(ex.id) for ex in kept}):
+        raise ValueError(f"--eval-examples {o['eval_examples']} leaves nothing to train on ({len(kept)} examples)")
+    manifest = {"format": "live", "build_key": _key([config, [ex.content_hash() for ex in kept]]),
+                "config": config, "target": {"name": target.name, "fingerprint": target.fingerprint},
+                "num_examples": len(kept), "num_dropped": len(examples) - len(kept),
+                "num_tokens": sum(len(r.input_ids) for r in rendered),
+                "num_answer_tokens": sum(r.num_answer_tokens for r in rendered),
+                "sources": dict(sorted(sources.items())),
+                "distilled": str(o["distilled"]) if o["distilled"] else None}
+    features = LiveFeatures(target.model, [r.input_ids for r in rendered], top_k=o["top_k"], device=target.device,
+                            batch_tokens=o["batch_tokens"], memory_bytes=int(o["feature_memory_gb"] * (1 << 30)))
+    split = dict(manifest=manifest, eval_examples=o["eval_examples"], split_seed=0)
+    train = LiveDataset(features, kept, rendered, split="train", **split)
+    held_back = LiveDataset(features, kept, rendered, split="eval", **split)
+    logger.info("%d examples (%d tokens) as token ids; the target's rows are computed in the training loop",
+                len(kept), manifest["num_tokens"])
+    folder = Path(o["distilled"]).expanduser() if o["distilled"] else Path(".")
+    return TrainData(shard_dir=folder, manifest=manifest, train=train, held_back=held_back, examples=kept)
+
+
 def run_training(drafter: str, options: Mapping[str, Any], *, target: TrainTarget | None = None) -> Path:
     """Train `drafter` end to end; returns its checkpoint folder. `options`: see DEFAULTS, plus the
     drafter's own options (passed through to its trainer)."""
@@ -143,6 +189,8 @@ def run_training(drafter: str, options: Mapping[str, Any], *, target: TrainTarge
     out = Path(o["out"]).expanduser()
     # trainers see concrete values: the folder, the target's device and dtype ("auto" resolved)
     o.update(out=out, device=str(target.device), dtype=str(target.dtype).removeprefix("torch."))
+    # the loop saves its state here (every few minutes, and at max_seconds); --resume continues it
+    o.setdefault("state_path", str(out / TRAIN_STATE))
     if data is not None:
         logger.info("training %s for %s (%d train / %d held-back examples) -> %s", drafter, target.name,
                     len(data.train), len(data.held_back), out)

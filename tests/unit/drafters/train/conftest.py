@@ -82,3 +82,15 @@ def tiny_distill(tiny_llama_dir, tmp_path_factory):
                          fingerprint=target_fingerprint(engine.model_config, engine.model),
                          device=torch.device("cpu"), dtype=torch.float32)
     return target, data
+
+
+@pytest.fixture(scope="session")
+def tiny_live(tiny_distill):
+    """(TrainTarget, TrainData): the examples of `tiny_distill` as token ids, the target's rows
+    computed in the training loop (live.py), the same 12 prompts held back."""
+    from specserve.drafters.train import TrainData
+    from specserve.drafters.train.pipeline import live_data
+
+    target, shards = tiny_distill
+    options = dict(max_len=256, top_k=4, eval_examples=12, batch_tokens=512, feature_memory_gb=1.0, distilled=None)
+    return target, live_data(target, shards.examples, options)

@@ -149,3 +149,82 @@ def test_config_from_options():
     config = TrainConfig.from_options({"epochs": 5, "lr": 2e-4, "betas": "0.9,0.99", "batch_tokens": 4096,
                                        "seed": None}, device="cpu")
     assert (config.epochs, config.lr, config.betas, config.seed, config.device) == (5, 2e-4, (0.9, 0.99), 0, "cpu")
+
+
+# ---- time caps and resuming ----------------------------------------------------------------------------------------
+
+def seeded_batches(num: int = 6, size: int = 32):
+    """The same task, each epoch's batches a function of the epoch alone (as ShardDataset's are)."""
+    def epoch(e):
+        g = torch.Generator().manual_seed(100 + e)
+        out = []
+        for _ in range(num):
+            t = torch.randint(0, VOCAB, (size,), generator=g)
+            out.append((t, (t * 7 + 3) % VOCAB))
+        return out
+    return epoch
+
+
+def noisy_loss(module, batch):
+    """`loss_fn` with noise from the global generator (as the feature noise of EAGLE training)."""
+    tokens, targets = batch
+    logits = module(tokens) + 0.3 * torch.randn(tokens.shape[0], VOCAB)
+    return nn.functional.cross_entropy(logits, targets), {}
+
+
+class Killed(Exception):
+    pass
+
+
+def run(config, loss=noisy_loss):
+    module = make()
+    result = train(module, loss, seeded_batches(), eval_fn=lambda m: {"tau": 1 + accuracy(m)}, config=config)
+    return module, result
+
+
+def assert_same_run(a, b):
+    (ma, ra), (mb, rb) = a, b
+    assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
+    assert (ra.steps, ra.best_step, ra.best_tau, ra.loss_history) == (rb.steps, rb.best_step, rb.best_tau,
+                                                                      rb.loss_history)
+    assert [e["tau"] for e in ra.eval_history] == [e["tau"] for e in rb.eval_history]
+
+
+def test_a_killed_run_resumes_exactly(tmp_path):
+    base = dict(epochs=3, lr=0.05, seed=1, progress=False, log_every=1, patience=None)
+    straight = run(TrainConfig(**base))
+    path = tmp_path / "state.pt"
+    calls = 0
+
+    def dies_at_the_tenth_batch(module, batch):
+        nonlocal calls
+        calls += 1
+        if calls == 10:
+            raise Killed
+        return noisy_loss(module, batch)
+
+    with pytest.raises(Killed):
+        run(TrainConfig(**base, state_path=str(path), save_every_seconds=0), dies_at_the_tenth_batch)
+    assert path.is_file()
+    resumed = run(TrainConfig(**base, state_path=str(path), resume=True))
+    assert_same_run(straight, resumed)
+    assert resumed[1].stop_reason == "done" and not path.exists()    # finished: nothing left to resume
+
+    # a resumed run that saves nothing from the start: the same as a run from scratch
+    assert_same_run(straight, run(TrainConfig(**base, state_path=str(path), resume=True)))
+    with pytest.raises(Killed):                                       # killed again ...
+        calls = 0
+        run(TrainConfig(**base, state_path=str(path), save_every_seconds=0), dies_at_the_tenth_batch)
+    with pytest.raises(ValueError, match="another training"):         # ... and resumed with another schedule
+        run(TrainConfig(**{**base, "lr": 0.01}, state_path=str(path), resume=True))
+
+
+def test_a_time_capped_run_continues_where_it_stopped(tmp_path):
+    base = dict(epochs=2, lr=0.05, seed=2, progress=False, log_every=1, patience=None)
+    straight = run(TrainConfig(**base))
+    path = tmp_path / "state.pt"
+    capped = run(TrainConfig(**base, state_path=str(path), max_seconds=0))
+    assert capped[1].stop_reason == "max_seconds" and capped[1].steps == 1 and path.is_file()
+    resumed = run(TrainConfig(**base, state_path=str(path), resume=True))
+    assert_same_run(straight, resumed)
+    assert resumed[1].wall_seconds >= capped[1].wall_seconds - 1e-6   # the time of both runs

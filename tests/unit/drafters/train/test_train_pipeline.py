@@ -141,6 +141,18 @@ def test_training_on_distilled_answers(dummy_trainer, tiny_llama_dir, pool_write
     assert {ex.id for ex in data.examples} <= {f"{s}-{i}@t0" for s, n in (("a", 6), ("b", 4)) for i in range(n)}
     assert len(data.examples) == 10 and all(ex.output_ids for ex in data.examples)
     assert (out / "meta.json").is_file()
+    # the target's rows came from the training loop: nothing was cached on disk
+    assert data.manifest["format"] == "live" and not (tmp_path / "cache").exists()
+    saved = load_checkpoint(out, kind=NAME)[1].data
+    assert saved["features"] == "live" and saved["distilled"] == str(answers)
+    assert saved["feature_stats"]["computed_tokens"] == data.manifest["num_tokens"]   # once: kept between epochs
+    assert options["state_path"] == str(out / "train-state.pt") and options["resume"] is False
+    assert not (out / "train-state.pt").exists()                     # a finished run leaves no state behind
+    # the same answers through teacher shards, and --resume passed to the loop
+    assert cli.main(_argv(tiny_llama_dir, pool, tmp_path, tmp_path / "ckpt2", "--distilled", str(answers),
+                          "--features", "shards", "--resume")) == 0
+    options, _, shards = dummy_trainer[-1]
+    assert shards.manifest["shards"] and shards.train.ids == data.train.ids and options["resume"] is True
     with pytest.raises(ValueError, match="another prompt pool"):
         distill.read_answers(answers, str(pool_writer(tmp_path / "other.jsonl", {"a": 3}, with_output=False)))
 
