@@ -24,7 +24,7 @@ from specserve.drafters.base import parse_option_value
 from specserve.drafters.nets.checkpoint import target_fingerprint
 from specserve.drafters.train import TrainData, TrainTarget, get_trainer
 from specserve.drafters.train.data import (Example, ShardDataset, balance_by_source, build_teacher_shards,
-                                           load_prompt_pool, prompt_key, render_example, self_distill_examples,
+                                           load_prompt_pool, render_example, self_distill_examples,
                                            teacher_build_config)
 from specserve.drafters.train.distill import read_answers
 from specserve.drafters.train.live import LiveDataset, LiveFeatures
@@ -134,12 +134,18 @@ def prepare_data(target: TrainTarget, options: Mapping[str, Any]) -> TrainData:
                                     batch_tokens=o["batch_tokens"], target_name=target.name, progress=o["progress"])
     if self_distill is not None:
         manifest["self_distill"] = self_distill
-    if o["eval_examples"] >= manifest["num_examples"]:
-        raise ValueError(f"--eval-examples {o['eval_examples']} leaves nothing to train on "
-                         f"({manifest['num_examples']} examples)")
     train = ShardDataset(shard_dir, split="train", eval_examples=o["eval_examples"])
     held_back = ShardDataset(shard_dir, split="eval", eval_examples=o["eval_examples"])
-    return TrainData(shard_dir=shard_dir, manifest=manifest, train=train, held_back=held_back, examples=examples)
+    return _with_train_split(TrainData(shard_dir=shard_dir, manifest=manifest, train=train, held_back=held_back,
+                                       examples=examples), o["eval_examples"])
+
+
+def _with_train_split(data: TrainData, eval_examples: int) -> TrainData:
+    """`data`, unless holding back the examples of `eval_examples` prompts left nothing to train on."""
+    if not len(data.train):
+        raise ValueError(f"--eval-examples {eval_examples} leaves nothing to train on "
+                         f"({data.manifest['num_examples']} examples)")
+    return data
 
 
 def live_data(target: TrainTarget, examples: list[Example], o: Mapping[str, Any]) -> TrainData:
@@ -154,8 +160,6 @@ def live_data(target: TrainTarget, examples: list[Example], o: Mapping[str, Any]
             kept.append(ex)
             rendered.append(r)
             sources[ex.source] = sources.get(ex.source, 0) + 1
-    if o["eval_examples"] >= len({prompt_key(ex.id) for ex in kept}):
-        raise ValueError(f"--eval-examples {o['eval_examples']} leaves nothing to train on ({len(kept)} examples)")
     manifest = {"format": "live", "build_key": _key([config, [ex.content_hash() for ex in kept]]),
                 "config": config, "target": {"name": target.name, "fingerprint": target.fingerprint},
                 "num_examples": len(kept), "num_dropped": len(examples) - len(kept),
@@ -171,7 +175,8 @@ def live_data(target: TrainTarget, examples: list[Example], o: Mapping[str, Any]
     logger.info("%d examples (%d tokens) as token ids; the target's rows are computed in the training loop",
                 len(kept), manifest["num_tokens"])
     folder = Path(o["distilled"]).expanduser() if o["distilled"] else Path(".")
-    return TrainData(shard_dir=folder, manifest=manifest, train=train, held_back=held_back, examples=kept)
+    return _with_train_split(TrainData(shard_dir=folder, manifest=manifest, train=train, held_back=held_back,
+                                       examples=kept), o["eval_examples"])
 
 
 def run_training(drafter: str, options: Mapping[str, Any], *, target: TrainTarget | None = None) -> Path:

@@ -13,6 +13,7 @@ from specserve.drafters.nets.checkpoint import (CheckpointMeta, CheckpointMismat
                                                  load_checkpoint, save_checkpoint)
 from specserve.drafters.train import distill
 from specserve.drafters.train.loop import TrainConfig, train
+from specserve.drafters.train.pipeline import prepare_data
 from specserve.server import cli
 
 NAME = "dummy-test"
@@ -153,6 +154,12 @@ def test_training_on_distilled_answers(dummy_trainer, tiny_llama_dir, pool_write
                           "--features", "shards", "--resume")) == 0
     options, _, shards = dummy_trainer[-1]
     assert shards.manifest["shards"] and shards.train.ids == data.train.ids and options["resume"] is True
+    # holding back every prompt leaves nothing to train on, whichever way the rows come
+    for features in ("live", "shards"):
+        with pytest.raises(ValueError, match="--eval-examples 10 leaves nothing to train on"):
+            prepare_data(dummy_trainer[-1][1], {"data": str(pool), "distilled": str(answers), "features": features,
+                                                "eval_examples": 10, "max_len": 64, "top_k": 3,
+                                                "cache_dir": str(tmp_path / "cache"), "progress": False})
     with pytest.raises(ValueError, match="another prompt pool"):
         distill.read_answers(answers, str(pool_writer(tmp_path / "other.jsonl", {"a": 3}, with_output=False)))
 
