@@ -98,13 +98,7 @@ class EagleDrafter(FeatureDrafter):
         if min(depth, top_k, width) < 1:
             raise ValueError(f"eagle: depth, top_k and width must be >= 1 (got {depth}, {top_k}, {width})")
         self.depth, self.top_k, self.width = int(depth), int(top_k), int(width)
-        if head is None:
-            if random_init:
-                head = EagleHead.from_target(model_config, target, init=init)
-            else:
-                head = self.load_trained(checkpoint, model_config, shipped_checkpoint, load_head)
-        else:
-            head = self.in_memory(head)
+        head = self.in_memory(head) if head is not None else self.build_head(ctx, checkpoint, random_init, init)
         self.head = head.to(device=self.device, dtype=self.dtype).eval()
         # draft tokens come from the checkpoint's most frequent target tokens (see drafters.draft_vocab)
         self.vocab = DraftVocab(target.lm_head_weight, self.head.vocab_rank, draft_vocab, drafter="eagle",
@@ -114,6 +108,17 @@ class EagleDrafter(FeatureDrafter):
         self.max_tree_rows = self.width * max(0, self.depth - 1) + MAX_HYPOTHETICAL
         self.paged_kv(ctx, self.max_tree_rows, block_size, num_blocks)
         self.count_cost(self.head)
+
+    def build_head(self, ctx: DrafterContext, checkpoint: str | None, random_init: bool, init: str) -> EagleHead:
+        """The head of `checkpoint` (default: the shipped one), or an untrained one (tests)."""
+        if random_init:
+            return EagleHead.from_target(ctx.model_config, ctx.target, init=init)
+        return self.load_trained(checkpoint, ctx.model_config, shipped_checkpoint, load_head)
+
+    def real_features(self, seq_id: int, lo: int, hi: int) -> torch.Tensor:
+        """The engine's features of positions lo..hi-1 that the head's real rows read (through
+        `head.lift_features`): the last-layer ones."""
+        return self.features.view(seq_id, lo, hi)
 
     def rewind(self, seq_id: int, st: _SeqState, start: int) -> None:
         super().rewind(seq_id, st, start)
@@ -145,11 +150,11 @@ class EagleDrafter(FeatureDrafter):
             seq, st = seqs[b], self.state[seqs[b].seq_id]
             starts.append(st.kv_len)
             qlens.append(n_rows)
-            feats.append(self.features.view(seq.seq_id, st.kv_len, st.kv_len + n_rows))
+            feats.append(self.real_features(seq.seq_id, st.kv_len, st.kv_len + n_rows))
             ids.extend(seq.token_ids[st.kv_len + 1:st.kv_len + 1 + n_rows])
         positions, meta = self.kv.metadata([seqs[b].seq_id for b, _ in todo], starts, qlens)
-        out = self.head_rows(torch.tensor(ids, dtype=torch.int64, device=self.device), torch.cat(feats), positions,
-                             meta)
+        out = self.head_rows(torch.tensor(ids, dtype=torch.int64, device=self.device),
+                             self.head.lift_features(torch.cat(feats)), positions, meta)
         for (b, n_rows), end in zip(todo, meta.cu_query_lens[1:]):
             st = self.state[seqs[b].seq_id]
             st.kv_len += n_rows

@@ -48,6 +48,7 @@ TINY_DRAFTERS = {
     "student": {"random_init": True, "num_layers": 1, "k_config": "3,2,1"},
     "medusa": {"random_init": True, "init_std": 0.1},
     "eagle": {"random_init": True},
+    "eagle3": {"random_init": True},
     "parallelspec": {"random_init": True},
     "ctc": {"random_init": True},
     "falcon": {"random_init": True},

@@ -77,6 +77,15 @@ class EagleHead(RankedDraftNet):
 
     # -- shared arithmetic --
 
+    def lift_features(self, features: torch.Tensor) -> torch.Tensor:
+        """What the engine's feature rows become before `fuse`: EAGLE reads the last-layer feature
+        as it is (EAGLE-3's head, nets/eagle3.py, lifts intermediate layers here)."""
+        return features
+
+    def features_of(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The real rows' input features of a training batch ([B, T, H], fp32)."""
+        return batch["hidden"].float()
+
     def fuse(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """[..., H] + [..., H] -> [..., H]: the decoder layer's input."""
         return F.linear(torch.cat([features, token_embeds], dim=-1), self.fc.weight, self.fc.bias)

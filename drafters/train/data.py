@@ -271,17 +271,20 @@ def token_groups(lengths: Seq[int], batch_tokens: int) -> Iterator[tuple[int, in
 
 
 def teacher_rows(model, extractor: FeatureExtractor, sequences: list[list[int]], top_k: int,
-                 hidden_dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+                 hidden_dtype: torch.dtype, capture_layers: tuple[int, ...] = ()) -> list[dict[str, torch.Tensor]]:
     """The target's rows of each sequence (teacher forcing), on the CPU: `hidden` [n, H] in
     `hidden_dtype`, `labels` [n] and `topk_ids` [n, k] int32, `topk_logprobs` [n, k] fp32 (see the
-    module docstring). One extractor call for all of them."""
-    hidden = extractor(sequences)
+    module docstring); with `capture_layers`, `layers` [n, len(capture_layers), H] in `hidden_dtype`
+    (the residual streams after those decoder layers). One extractor call for all of them."""
+    hidden, layers = extractor.extract(sequences, tuple(capture_layers))
     ids, logprobs = target_topk(model, torch.cat(hidden), max(top_k, 1))
     rows, a = [], 0
-    for h in hidden:
+    for i, h in enumerate(hidden):
         b = a + h.shape[0]
         rows.append({"hidden": h.to(device="cpu", dtype=hidden_dtype), "labels": ids[a:b, 0].cpu(),
                      "topk_ids": ids[a:b, :top_k].cpu(), "topk_logprobs": logprobs[a:b, :top_k].float().cpu()})
+        if layers is not None:
+            rows[-1]["layers"] = layers[i].to(device="cpu", dtype=hidden_dtype)
         a = b
     return rows
 
@@ -574,6 +577,7 @@ class ExampleSet:
     manifest: dict[str, Any]
     top_k: int
     hidden_size: int
+    capture_layers: tuple[int, ...] = ()   # the target's intermediate layers of the `layers` field, if any
 
     def _split(self, items: list[_Item], split: str, eval_examples: int | None, eval_fraction: float | None,
                split_seed: int) -> None:
@@ -697,6 +701,11 @@ class ExampleSet:
             out["topk_ids"] = torch.full((rows, width, self.top_k), PAD_LABEL, dtype=torch.int64)
         if "topk_logprobs" in fields:
             out["topk_logprobs"] = torch.zeros(rows, width, self.top_k, dtype=torch.float32)
+        if "layers" in fields:
+            if not self.capture_layers:
+                raise ValueError("these examples hold no intermediate layers of the target (teacher shards never "
+                                 "do; live rows only when made with capture_layers)")
+            out["layers"] = torch.zeros(rows, width, len(self.capture_layers), self.hidden_size, dtype=hidden_dtype)
         for r, (idx, a, n) in enumerate(pieces):
             it = self.items[idx]
             lo = it.start + a
@@ -706,7 +715,7 @@ class ExampleSet:
             mask = self.answer_of(it)[a:end]
             out["answer_mask"][r, :n] = mask[:n]
             out["loss_mask"][r, :mask.shape[0] - 1] = mask[1:]
-            for name in ("input_ids", "labels", "hidden", "topk_ids", "topk_logprobs"):
+            for name in ("input_ids", "labels", "hidden", "topk_ids", "topk_logprobs", "layers"):
                 if name in fields:
                     out[name][r, :n] = self._rows(it.shard, name, lo, lo + n).to(out[name].dtype)
         return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in out.items()}

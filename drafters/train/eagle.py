@@ -170,12 +170,12 @@ def chain_matches(head: EagleHead, batch: dict[str, torch.Tensor], *, embed: nn.
     (`topk_ids[..., 0]`). A chain is used when its first draft is an answer token
     (`loss_mask[p+1]`); a draft whose token is past the answer or the sequence ends the chain.
     Returns one count per used chain (at most `max_chains`, evenly spread)."""
-    with torch.autocast(batch["hidden"].device.type, enabled=False):   # fp32: bf16 logits tie at the argmax
+    with torch.autocast(batch["input_ids"].device.type, enabled=False):   # fp32: bf16 logits tie at the argmax
         return _chain_matches(head, batch, embed, lm_head_weight, rope, steps, max_chains)
 
 
 def _chain_matches(head, batch, embed, lm_head_weight, rope, steps, max_chains) -> torch.Tensor:
-    ids, hidden = batch["input_ids"], batch["hidden"]
+    ids = batch["input_ids"]
     labels = batch["topk_ids"][..., 0].long()
     answer = batch["loss_mask"].bool()          # answer[t]: the token at t+1 is an answer token
     b, t = ids.shape
@@ -185,7 +185,7 @@ def _chain_matches(head, batch, embed, lm_head_weight, rope, steps, max_chains) 
     pad_ids = torch.cat([ids, ids.new_zeros(b, steps)], dim=1)
     embeds = [embed(pad_ids[:, j:j + n]).float() for j in range(1, steps + 1)]   # e(x_{p+j})
     cos, sin = rope
-    outs = head.forward_unrolled(hidden[:, :n].float(), embeds, cos, sin)
+    outs = head.forward_unrolled(head.features_of(batch)[:, :n], embeds, cos, sin)
     use = answer[:, 1:n + 1]
     rows = use.nonzero()
     if max_chains is not None and rows.shape[0] > max_chains:

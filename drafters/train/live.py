@@ -19,6 +19,9 @@ computed when the batch is made:
   memory, epochs after the first cost no target forward, and otherwise every epoch recomputes.
   A killed run loses them; a resumed one (loop.TrainConfig.state_path) computes them again.
 * **Both splits share one `LiveFeatures`**, so the held-back rows are computed once too.
+* **Intermediate layers** on request (`capture_layers`, for EAGLE-3's fused features): each
+  example's rows then also hold `layers` [n, len(capture_layers), H], the target's residual
+  streams after those decoder layers, computed in the same forward.
 
 `stats()` says how many tokens were computed, in how many seconds, and how many rows are held.
 """
@@ -43,8 +46,9 @@ class LiveFeatures:
 
     def __init__(self, model, sequences: Seq[Seq[int]], *, top_k: int, device: torch.device | str | None = None,
                  batch_tokens: int = DEFAULT_BATCH_TOKENS, hidden_dtype: torch.dtype = torch.float16,
-                 memory_bytes: int = DEFAULT_MEMORY_BYTES):
+                 memory_bytes: int = DEFAULT_MEMORY_BYTES, capture_layers: Seq[int] = ()):
         self.model, self.sequences, self.top_k = model, [list(s) for s in sequences], top_k
+        self.capture_layers = tuple(capture_layers)   # also kept: the target's layers there (`layers`)
         self.hidden_dtype, self.memory_bytes, self.batch_tokens = hidden_dtype, memory_bytes, batch_tokens
         self.extractor = FeatureExtractor(model, device, batch_tokens=batch_tokens)
         self._held: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
@@ -67,7 +71,7 @@ class LiveFeatures:
         for a, b in token_groups([len(self.sequences[i]) for i in missing], self.batch_tokens):
             group = missing[a:b]
             rows = teacher_rows(self.model, self.extractor, [self.sequences[i] for i in group], self.top_k,
-                                self.hidden_dtype)
+                                self.hidden_dtype, self.capture_layers)
             fresh.update(zip(group, rows))
             self.computed_tokens += sum(len(self.sequences[i]) for i in group)
         if missing:
@@ -109,7 +113,7 @@ class LiveDataset(ExampleSet):
         self.features, self.manifest = features, manifest
         self._ids = [torch.tensor(r.input_ids, dtype=torch.int32) for r in rendered]
         self._answer = [torch.tensor(r.answer_mask, dtype=torch.bool) for r in rendered]
-        self.top_k = features.top_k
+        self.top_k, self.capture_layers = features.top_k, features.capture_layers
         self.hidden_size = int(features.model.cfg.hidden_size)
         self.read_ahead_tokens = read_ahead_tokens or features.batch_tokens
         items = [_Item(ex.id, ex.source, i, 0, len(r.input_ids)) for i, (ex, r) in enumerate(zip(examples, rendered))]
@@ -120,7 +124,7 @@ class LiveDataset(ExampleSet):
         return self._answer[it.shard]
 
     def _prepare(self, items: list[_Item], fields: Iterable[str]) -> None:
-        if not set(fields) & set(TEACHER_FIELDS):
+        if not set(fields) & {*TEACHER_FIELDS, "layers"}:
             return
         wanted = [it.shard for it in items]
         if len(items) == 1:   # one example at a time (`example`): compute the ones after it too

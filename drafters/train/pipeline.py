@@ -87,10 +87,18 @@ def _cache_root(cache_dir) -> Path:
     return specserve_cache(None) / "train"
 
 
-def prepare_data(target: TrainTarget, options: Mapping[str, Any]) -> TrainData:
+def prepare_data(target: TrainTarget, options: Mapping[str, Any], capture_layers: tuple[int, ...] = ()
+                 ) -> TrainData:
     """The prompt pool (balanced), optionally answered by the target itself, turned into teacher
-    shards (built or reused), split into train and held-back by example id."""
+    shards (built or reused) or live rows, split into train and held-back by prompt.
+    `capture_layers`: the target's intermediate layers the trainer reads too (live rows only)."""
     o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
+    features = o["features"] if o["features"] != "auto" else ("live" if o["distilled"] else "shards")
+    if features not in FEATURES[1:]:
+        raise ValueError(f"--features must be one of {', '.join(FEATURES)}, got {o['features']!r}")
+    if capture_layers and features == "shards":
+        raise ValueError(f"this drafter reads the target's layers {tuple(capture_layers)}, which teacher shards do not "
+                         "hold: train it from --distilled answers or with --features live")
     data = o["data"] if o["data"] not in (None, "default") else None
     if o["distilled"]:   # the served target's own answers (`specserve train distill`)
         if o["self_distill"]:
@@ -102,14 +110,11 @@ def prepare_data(target: TrainTarget, options: Mapping[str, Any]) -> TrainData:
                                     messages_field=o["messages_field"])
     if not examples:
         raise ValueError("the prompt pool is empty (no row with a reference answer; try --self-distill)")
-    features = o["features"] if o["features"] != "auto" else ("live" if o["distilled"] else "shards")
-    if features not in FEATURES[1:]:
-        raise ValueError(f"--features must be one of {', '.join(FEATURES)}, got {o['features']!r}")
     if features == "live":
         if o["self_distill"]:
             raise ValueError("--features live trains on --distilled answers or the pool's own; "
                              "--self-distill builds teacher shards (use --features shards)")
-        return live_data(target, examples, o)
+        return live_data(target, examples, o, capture_layers)
     safe_name = re.sub(r"[^\w.-]+", "_", target.name)
     root = _cache_root(o["cache_dir"]) / f"{safe_name}-{target.fingerprint}"
     self_distill = None
@@ -148,7 +153,8 @@ def _with_train_split(data: TrainData, eval_examples: int) -> TrainData:
     return data
 
 
-def live_data(target: TrainTarget, examples: list[Example], o: Mapping[str, Any]) -> TrainData:
+def live_data(target: TrainTarget, examples: list[Example], o: Mapping[str, Any],
+              capture_layers: tuple[int, ...] = ()) -> TrainData:
     """`examples` rendered to token ids, their target rows computed in the training loop (live.py),
     split into train and held-back by prompt."""
     config = teacher_build_config(target.model, target.tokenizer, max_len=o["max_len"], top_k=o["top_k"],
@@ -168,7 +174,8 @@ def live_data(target: TrainTarget, examples: list[Example], o: Mapping[str, Any]
                 "sources": dict(sorted(sources.items())),
                 "distilled": str(o["distilled"]) if o["distilled"] else None}
     features = LiveFeatures(target.model, [r.input_ids for r in rendered], top_k=o["top_k"], device=target.device,
-                            batch_tokens=o["batch_tokens"], memory_bytes=int(o["feature_memory_gb"] * (1 << 30)))
+                            batch_tokens=o["batch_tokens"], memory_bytes=int(o["feature_memory_gb"] * (1 << 30)),
+                            capture_layers=capture_layers)
     split = dict(manifest=manifest, eval_examples=o["eval_examples"], split_seed=0)
     train = LiveDataset(features, kept, rendered, split="train", **split)
     held_back = LiveDataset(features, kept, rendered, split="eval", **split)
@@ -189,8 +196,11 @@ def run_training(drafter: str, options: Mapping[str, Any], *, target: TrainTarge
     torch.manual_seed(o["seed"])
     target = target or prepare_target(str(o["model"]), device=o["device"], dtype=o["dtype"],
                                       max_positions=max(o["max_len"], 512))
-    # a trainer that logs its own data (e.g. mcsd-decision) sets `needs_teacher_shards = False`
-    data = prepare_data(target, o) if getattr(trainer, "needs_teacher_shards", True) else None
+    # a trainer that logs its own data (e.g. mcsd-decision) sets `needs_teacher_shards = False`; one
+    # that reads intermediate layers (eagle3) sets `capture_layers(model_config, options) -> layers`
+    layers = getattr(trainer, "capture_layers", None)
+    layers = tuple(layers(target.model_config, o)) if layers is not None else ()
+    data = prepare_data(target, o, layers) if getattr(trainer, "needs_teacher_shards", True) else None
     out = Path(o["out"]).expanduser()
     # trainers see concrete values: the folder, the target's device and dtype ("auto" resolved)
     o.update(out=out, device=str(target.device), dtype=str(target.dtype).removeprefix("torch."))

@@ -49,11 +49,18 @@ class FeatureExtractor:
             self._num_blocks = need
         return BlockManager(self._num_blocks, bs)
 
-    @torch.no_grad()
     def __call__(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """Hidden states [len(seq), hidden_size] of every sequence (model dtype, on the model's device)."""
+        return self.extract(sequences)[0]
+
+    @torch.no_grad()
+    def extract(self, sequences: list[list[int]], capture_layers: tuple[int, ...] = ()
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """(hidden states [len(seq), hidden_size] of every sequence, and with `capture_layers` the
+        residual streams after those layers [len(seq), len(capture_layers), hidden_size] of every
+        sequence (`LlamaModel.forward`'s numbering), else None)."""
         if not sequences:
-            return []
+            return [], ([] if capture_layers else None)
         limit = getattr(self.model, "max_positions", None)
         for i, seq in enumerate(sequences):
             if len(seq) == 0:
@@ -62,6 +69,7 @@ class FeatureExtractor:
                 raise ValueError(f"sequence {i} has {len(seq)} tokens, more than the model's {limit} positions")
         blocks = self._blocks(max(len(s) for s in sequences))
         pieces: list[list[torch.Tensor]] = [[] for _ in sequences]
+        layer_pieces: list[list[torch.Tensor]] = [[] for _ in sequences]
         done = [0] * len(sequences)            # tokens of each sequence already in the cache
         pending = deque(range(len(sequences)))
         while pending:
@@ -83,15 +91,20 @@ class FeatureExtractor:
                 else:
                     break                      # its next chunk opens the next forward
             positions, meta = build_attn_metadata(tables, self.block_size, starts, qlens, None, self.device)
-            hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), positions, self._cache, meta)
+            hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), positions, self._cache, meta,
+                                capture_layers)
+            hidden, captured = hidden if capture_layers else (hidden, None)
             row = 0
             for i, n in zip(order, qlens):
                 pieces[i].append(hidden[row:row + n])
+                if captured is not None:
+                    layer_pieces[i].append(captured[row:row + n])
                 row += n
                 done[i] += n
                 if done[i] == len(sequences[i]):
                     blocks.free(i)
-        return [p[0] if len(p) == 1 else torch.cat(p) for p in pieces]
+        join = lambda parts: [p[0] if len(p) == 1 else torch.cat(p) for p in parts]   # noqa: E731
+        return join(pieces), (join(layer_pieces) if capture_layers else None)
 
 
 def target_features(model, sequences: list[list[int]], device: torch.device | str | None = None, *,
