@@ -5,9 +5,9 @@
 * Of the trained drafters whose shipped checkpoint fits the target (the same fingerprint, see
   `nets.checkpoint.target_fingerprint`), the one with the best held-back τ (tokens per target
   forward, recorded in its meta.json at training), if it is at least MIN_TAU: below it a drafter's
-  network costs about what it saves. On the default model that is eagle (τ 2.05; then
-  parallelspec 1.92, medusa 1.60, student 1.39, ctc 1.39, falcon 1.16). For any other target,
-  only the lookups.
+  network costs about what it saves. On the default model that is eagle3 (τ 2.43; then eagle
+  2.05, parallelspec 1.92, medusa 1.60, student 1.39, ctc 1.39, falcon 1.16). For any other
+  target, only the lookups.
 
 One trained drafter, not every one above MIN_TAU: each drafter a sequence may choose from is one
 more the goodput policy must keep trying, and trying costs steps. In its simulation (a drafter

@@ -141,7 +141,8 @@ def start_head(options: dict, target, layers: tuple[int, ...], seed: int) -> tup
     eagle, _ = load_eagle(path, model_config=target.model_config, target=target.model)
     head = Eagle3Head.from_target(target.model_config, target.model, init="eagle", layers=layers, seed=seed,
                                   eagle=eagle)
-    return head, f"fc, decoder layer and output norm from the eagle checkpoint {path}; lift = [0 | .. | I]"
+    shown = path if options.get("eagle_checkpoint") else f"the shipped one ({Path(path).name}/)"
+    return head, f"fc, decoder layer and output norm from the eagle checkpoint {shown}; lift = [0 | .. | I]"
 
 
 @register_trainer(KIND)

@@ -79,10 +79,10 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-def test_auto_on_the_default_model_loads_eagle_and_the_lookups_and_changes_no_token(default_model):
+def test_auto_on_the_default_model_loads_eagle3_and_the_lookups_and_changes_no_token(default_model):
     engine = LLMEngine(EngineConfig(model="default", dtype="float32", device="cpu", max_num_seqs=4,
                                     max_model_len=512, drafters=("auto",)), loaded=default_model)
-    assert engine.auto_drafters == ("eagle", "ngram", "mag")
+    assert engine.auto_drafters == ("eagle3", "ngram", "mag")
     assert engine.default_drafter == "auto" and sorted(engine.drafters) == sorted(engine.auto_drafters)
     tok = engine.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,

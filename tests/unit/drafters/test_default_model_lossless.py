@@ -25,7 +25,7 @@ PROMPTS = [
     "List three colours of the rainbow, then list them again in reverse order.",
     "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
 ]
-DRAFTERS = ("ngram", "mag", "draft_model", "student", "medusa", "eagle", "parallelspec", "ctc", "falcon",
+DRAFTERS = ("ngram", "mag", "draft_model", "student", "medusa", "eagle", "eagle3", "parallelspec", "ctc", "falcon",
             "cascade")   # trained ones: shipped checkpoints; cascade: student reviewing mag
 
 
