@@ -278,6 +278,31 @@ def fit_eagle(target_model, train_batches: Callable[[int], Iterable] | Iterable,
     return EagleFit(head, result, rope)
 
 
+def measure_trained(kind: str, fit: EagleFit, target, data, options: dict, eval_batches: list, *, tau_steps: int,
+                    eval_tokens: int, start: float) -> tuple[dict, dict | None, dict]:
+    """What an eagle-family trainer does with its trained head before saving it: the training
+    labels' vocabulary ranking (for `draft_vocab`), bf16 rounding (what is saved is measured), the
+    held-back chain τ and, with `engine_tau_prompts`, τ served through the engine. Returns
+    (report, served or None, coverage)."""
+    head, result = fit.head, fit.result
+    rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size,
+                                         batch_tokens=eval_tokens)
+    head.set_vocab_rank(rank)
+    logger.info("%s: held-back labels covered by the N most frequent training labels: %s", kind,
+                {n: round(c, 4) for n, c in coverage.items()})
+    as_saved(head)
+    report = estimate_tau(head, eval_batches, embed=target.model.embed, lm_head_weight=target.model.lm_head_weight,
+                          rope=fit.rope, steps=tau_steps, max_chains=int(option(options, "final_chains", FINAL_CHAINS)))
+    logger.info("%s: held-back chain tau %.3f over %d chains (%d steps, %.0f s)", kind, report["tau"],
+                report["chains"], result.steps, time.time() - start)
+    served = None
+    n_prompts = int(option(options, "engine_tau_prompts", 0))
+    if n_prompts > 0:
+        served = served_tau(target, kind, {"head": head}, data.held_back_examples()[:n_prompts])
+        logger.info("%s: served tau %.3f on %d held-back prompts", kind, served["tau"], served["num_prompts"])
+    return report, served, coverage
+
+
 @register_trainer(KIND)
 def train_eagle(options: dict, target, data) -> Path:
     """`specserve train eagle`: the head trained on the teacher shards' train split (whole
@@ -316,21 +341,8 @@ def train_eagle(options: dict, target, data) -> Path:
                     tau_steps=tau_steps, eval_chains=int(option(options, "eval_chains", EVAL_CHAINS)),
                     max_len=max_len, seed=seed, init=init, cls_weight=cls_weight)
     head, result = fit.head, fit.result
-    rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size,
-                                         batch_tokens=eval_tokens)
-    head.set_vocab_rank(rank)
-    logger.info("eagle: held-back labels covered by the N most frequent training labels: %s",
-                {n: round(c, 4) for n, c in coverage.items()})
-    as_saved(head)   # measure what is saved: bf16 weights
-    report = estimate_tau(head, eval_batches, embed=target.model.embed, lm_head_weight=target.model.lm_head_weight,
-                          rope=fit.rope, steps=tau_steps, max_chains=int(option(options, "final_chains", FINAL_CHAINS)))
-    logger.info("eagle: held-back chain tau %.3f over %d chains (%d steps, %.0f s)", report["tau"], report["chains"],
-                result.steps, time.time() - start)
-    served = None
-    n_prompts = int(option(options, "engine_tau_prompts", 0))
-    if n_prompts > 0:
-        served = served_tau(target, KIND, {"head": head}, data.held_back_examples()[:n_prompts])
-        logger.info("eagle: served tau %.3f on %d held-back prompts", served["tau"], served["num_prompts"])
+    report, served, coverage = measure_trained(KIND, fit, target, data, options, eval_batches, tau_steps=tau_steps,
+                                               eval_tokens=eval_tokens, start=start)
     meta = CheckpointMeta(
         kind=KIND, target_name=target.name, target_fingerprint=target.fingerprint,
         hyperparams={**head.hyperparams(), "noise": noise, "negatives": negatives, "lr": config.lr,

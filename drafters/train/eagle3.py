@@ -37,10 +37,10 @@ from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, 
 from specserve.drafters.nets.eagle import load_head as load_eagle, shipped_checkpoint as shipped_eagle
 from specserve.drafters.nets.eagle3 import KIND, Eagle3Head, parse_layers
 from specserve.drafters.train import register_trainer
-from specserve.drafters.train.data import PAD_LABEL, draft_vocab_ranking
-from specserve.drafters.train.eagle import (BATCH_TOKENS, EVAL_CHAINS, FINAL_CHAINS, TAU_STEPS, TRAIN_DEFAULTS,
-                                            EagleFit, candidate_ids, distill_loss, estimate_tau)
-from specserve.drafters.train.evaluate import as_saved, option, served_tau
+from specserve.drafters.train.data import PAD_LABEL
+from specserve.drafters.train.eagle import (BATCH_TOKENS, EVAL_CHAINS, TAU_STEPS, TRAIN_DEFAULTS, EagleFit,
+                                            candidate_ids, distill_loss, estimate_tau, measure_trained)
+from specserve.drafters.train.evaluate import option
 from specserve.drafters.train.loop import TrainConfig, train
 from specserve.engine.model import rope_tables
 
@@ -183,19 +183,8 @@ def train_eagle3(options: dict, target, data) -> Path:
                      negatives=negatives, tau_steps=tau_steps,
                      eval_chains=int(option(options, "eval_chains", EVAL_CHAINS)), max_len=max_len, seed=seed)
     head, result = fit.head, fit.result
-    rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size,
-                                         batch_tokens=eval_tokens)
-    head.set_vocab_rank(rank)
-    as_saved(head)   # measure what is saved: bf16 weights
-    report = estimate_tau(head, eval_batches, embed=target.model.embed, lm_head_weight=target.model.lm_head_weight,
-                          rope=fit.rope, steps=tau_steps, max_chains=int(option(options, "final_chains", FINAL_CHAINS)))
-    logger.info("eagle3: held-back chain tau %.3f over %d chains (%d steps, %.0f s)", report["tau"], report["chains"],
-                result.steps, time.time() - start)
-    served = None
-    n_prompts = int(option(options, "engine_tau_prompts", 0))
-    if n_prompts > 0:
-        served = served_tau(target, KIND, {"head": head}, data.held_back_examples()[:n_prompts])
-        logger.info("eagle3: served tau %.3f on %d held-back prompts", served["tau"], served["num_prompts"])
+    report, served, coverage = measure_trained(KIND, fit, target, data, options, eval_batches, tau_steps=tau_steps,
+                                               eval_tokens=eval_tokens, start=start)
     meta = CheckpointMeta(
         kind=KIND, target_name=target.name, target_fingerprint=target.fingerprint,
         hyperparams={**head.hyperparams(), "ttt_steps": steps, "decay": decay, "negatives": negatives,
