@@ -313,3 +313,37 @@ def random_tree(rng, vocab: int, max_nodes: int = 14):
     else:
         parents = [NO_PARENT] * num_roots + [rng.randrange(0, i) for i in range(num_roots, n)]
     return TokenTree([rng.randrange(vocab) for _ in range(n)], parents)
+
+
+def teacher_batch(model, seqs: list[list[int]], answer_from: list[int], k: int = 4,
+                  layers: tuple[int, ...] = ()) -> dict:
+    """A padded training batch over `seqs` from the target itself (teacher forcing), as the trainers
+    read them: `input_ids`, `hidden`, the target's top-`k`, `loss_mask` (`loss_mask[t]`: the token at
+    t+1 is an answer token, from `answer_from[r]` on), `valid`; with `layers`, also `layers` [B, T,
+    len(layers), H] (the target's residual streams after those decoder layers)."""
+    import torch
+
+    from specserve.drafters.train.target import FeatureExtractor, target_topk
+
+    hidden, captured = FeatureExtractor(model).extract(seqs, tuple(layers))
+    b, width, h = len(seqs), max(len(s) for s in seqs), model.cfg.hidden_size
+    batch = {"input_ids": torch.zeros(b, width, dtype=torch.int64),
+             "hidden": torch.zeros(b, width, h),
+             "topk_ids": torch.full((b, width, k), -100, dtype=torch.int64),
+             "topk_logprobs": torch.zeros(b, width, k),
+             "loss_mask": torch.zeros(b, width, dtype=torch.bool),
+             "valid": torch.zeros(b, width, dtype=torch.bool)}
+    if layers:
+        batch["layers"] = torch.zeros(b, width, len(layers), h)
+    for r, (s, f, a) in enumerate(zip(seqs, hidden, answer_from)):
+        ids, lps = target_topk(model, f, k)
+        n = len(s)
+        batch["input_ids"][r, :n] = torch.tensor(s)
+        batch["hidden"][r, :n] = f
+        batch["topk_ids"][r, :n] = ids.long()
+        batch["topk_logprobs"][r, :n] = lps
+        batch["loss_mask"][r, max(0, a - 1):n - 1] = True
+        batch["valid"][r, :n] = True
+        if layers:
+            batch["layers"][r, :n] = captured[r]
+    return batch

@@ -162,9 +162,10 @@ class EagleHead(RankedDraftNet):
 # ---- checkpoints ------------------------------------------------------------------------------------------------
 
 def save_head(directory, head: EagleHead, *, model_config: ModelConfig, target, target_name: str = "",
-              **meta_fields) -> Path:
-    """Write `head` as an eagle checkpoint for `target` (fingerprinted)."""
-    meta = CheckpointMeta(kind=KIND, target_name=target_name or getattr(target, "name", "") or "target",
+              kind: str = KIND, **meta_fields) -> Path:
+    """Write `head` as an eagle checkpoint (or, with `kind`, of a head built on eagle's: eagle3)
+    for `target` (fingerprinted)."""
+    meta = CheckpointMeta(kind=kind, target_name=target_name or getattr(target, "name", "") or "target",
                           target_fingerprint=target_fingerprint(model_config, target),
                           hyperparams=head.hyperparams(), **meta_fields)
     return save_checkpoint(directory, head.tensors(), meta)
@@ -180,7 +181,8 @@ def load_head(directory, *, model_config: ModelConfig, target) -> tuple[EagleHea
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 
-def shipped_checkpoint(model_config: ModelConfig, target, root: Path | None = None) -> Path | None:
-    """The eagle checkpoint under drafters/checkpoints/ (any sub-folder) made for this target, if one is shipped."""
-    found = find_shipped(KIND, target_fingerprint(model_config, target), CHECKPOINTS_DIR if root is None else root)
+def shipped_checkpoint(model_config: ModelConfig, target, root: Path | None = None, kind: str = KIND) -> Path | None:
+    """The `kind` (eagle) checkpoint under drafters/checkpoints/ (any sub-folder) made for this
+    target, if one is shipped."""
+    found = find_shipped(kind, target_fingerprint(model_config, target), CHECKPOINTS_DIR if root is None else root)
     return found[0][1] if found else None

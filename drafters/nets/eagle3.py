@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.drafters.nets.checkpoint import (CheckpointMeta, find_shipped, load_checkpoint, save_checkpoint,
-                                                target_fingerprint)
-from specserve.drafters.nets.eagle import CHECKPOINTS_DIR, EagleHead
+from specserve.drafters.nets import eagle as eagle_net
+from specserve.drafters.nets.checkpoint import load_checkpoint, target_fingerprint
+from specserve.drafters.nets.eagle import EagleHead
 from specserve.engine.config import ModelConfig
 
 KIND = "eagle3"
@@ -82,11 +82,10 @@ class Eagle3Head(EagleHead):
         if init == "eagle" and eagle is None:
             raise ValueError("eagle3: init=eagle needs a trained eagle head")
         layers = default_layers(cfg.num_layers) if layers is None else tuple(layers)
-        base = EagleHead.from_target(cfg, target, init="random", seed=seed)
+        source = eagle if init == "eagle" else EagleHead.from_target(cfg, target, init="random", seed=seed)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             head = cls(cfg, layers)
-        source = eagle if init == "eagle" else base
         head.load_state_dict({**{k: v.detach().clone().float() for k, v in source.state_dict().items()
                                  if k != "vocab_rank"},
                               "layer_norms": target.norm.detach().float().expand(len(layers), -1).clone(),
@@ -124,12 +123,9 @@ def _last_block_identity(h: int, n: int) -> torch.Tensor:
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------
 
-def save_head(directory, head: Eagle3Head, *, model_config: ModelConfig, target, target_name: str = "",
-              **meta_fields) -> Path:
-    meta = CheckpointMeta(kind=KIND, target_name=target_name or getattr(target, "name", "") or "target",
-                          target_fingerprint=target_fingerprint(model_config, target),
-                          hyperparams=head.hyperparams(), **meta_fields)
-    return save_checkpoint(directory, head.tensors(), meta)
+def save_head(directory, head: Eagle3Head, **kwargs) -> Path:
+    """Write `head` as an eagle3 checkpoint (`nets.eagle.save_head`'s arguments)."""
+    return eagle_net.save_head(directory, head, kind=KIND, **kwargs)
 
 
 def load_head(directory, *, model_config: ModelConfig, target) -> tuple[Eagle3Head, Any]:
@@ -142,5 +138,4 @@ def load_head(directory, *, model_config: ModelConfig, target) -> tuple[Eagle3He
 
 def shipped_checkpoint(model_config: ModelConfig, target, root: Path | None = None) -> Path | None:
     """The eagle3 checkpoint under drafters/checkpoints/ made for this target, if one is shipped."""
-    found = find_shipped(KIND, target_fingerprint(model_config, target), CHECKPOINTS_DIR if root is None else root)
-    return found[0][1] if found else None
+    return eagle_net.shipped_checkpoint(model_config, target, root, kind=KIND)

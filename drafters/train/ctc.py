@@ -50,7 +50,7 @@ from specserve.drafters.nets.ctc import DEFAULT_LABELS, DEFAULT_SLOTS, DEFAULT_V
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
 from specserve.drafters.train.evaluate import as_saved, option, served_tau
-from specserve.drafters.train.loop import TrainConfig, train
+from specserve.drafters.train.loop import train, trainer_batches
 from specserve.engine.model import rope_tables
 
 logger = logging.getLogger("specserve")
@@ -347,26 +347,20 @@ def train_ctc(options: dict, target, data) -> Path:
     num_slots = int(option(options, "num_slots", DEFAULT_SLOTS))
     label_len = int(option(options, "label_len", DEFAULT_LABELS))
     vocab = min(int(option(options, "vocab", DEFAULT_VOCAB)), target.model_config.vocab_size)
-    batch_tokens = int(option(options, "train_batch_tokens", BATCH_TOKENS))
-    eval_tokens = max(batch_tokens, int(option(options, "batch_tokens", 8192)))
     keep_fraction = float(option(options, "keep_fraction", 1.0))
     max_len = int(option(options, "max_len", 512))
     device = target.device
     eos_ids = sorted(int(t) for t in (getattr(target.loaded, "eos_token_ids", None) or
                                       [data.manifest.get("config", {}).get("eos_token_id")]) if t is not None)
-    config = TrainConfig.from_options({**TRAIN_DEFAULTS, **{k: v for k, v in options.items() if v is not None}},
-                                      device=str(device))
+    b = trainer_batches(KIND, options, data, FIELDS, defaults=TRAIN_DEFAULTS, batch_tokens=BATCH_TOKENS,
+                        device=device, seed=seed)
+    config, batch_tokens, eval_tokens, eval_batches = b.config, b.batch_tokens, b.eval_tokens, b.held_back
     rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size,
                                          batch_tokens=eval_tokens)
-    train_batches = lambda epoch: data.train.batches(batch_tokens, epoch=epoch, seed=seed, fields=FIELDS,  # noqa: E731
-                                                     device=device)
-    eval_batches = list(data.held_back.batches(eval_tokens, shuffle=False, fields=FIELDS, device=device))
-    if not len(train_batches(0)):
-        raise ValueError("ctc trainer: the train split has no answer position")
     logger.info("ctc: %d train examples (%d tokens), %d held-back examples; %d output tokens cover %s of the "
                 "held-back labels", len(data.train), data.train.num_tokens, len(data.held_back), vocab,
                 coverage.get(vocab))
-    fit = fit_ctc(target.model, train_batches, eval_batches, config=config, rank=rank, vocab=vocab,
+    fit = fit_ctc(target.model, b.train, eval_batches, config=config, rank=rank, vocab=vocab,
                   num_slots=num_slots, label_len=label_len, eos_ids=eos_ids, max_len=max_len, seed=seed,
                   keep_fraction=keep_fraction, eval_positions=int(option(options, "eval_positions", EVAL_POSITIONS)))
     net, result = fit.net, fit.result

@@ -64,7 +64,7 @@ from specserve.drafters.train.data import draft_vocab_ranking
 from specserve.drafters.train.evaluate import as_saved, option, served_tau
 from specserve.drafters.nets.eagle import (CHECKPOINTS_DIR, INITS, EagleHead, load_head,  # noqa: F401  (re-exported)
                                            save_head, shipped_checkpoint)
-from specserve.drafters.train.loop import TrainConfig, train
+from specserve.drafters.train.loop import train, trainer_batches
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import DecoderLayer, rms_norm, rope_tables
 
@@ -322,34 +322,27 @@ def train_eagle(options: dict, target, data) -> Path:
     noise = float(option(options, "noise", 0.1))
     negatives = None if options.get("full_vocab") else int(option(options, "negatives", 2048))
     tau_steps = int(option(options, "tau_steps", TAU_STEPS))
-    batch_tokens = int(option(options, "train_batch_tokens", BATCH_TOKENS))
-    eval_tokens = max(batch_tokens, int(option(options, "batch_tokens", 8192)))
     max_len = int(option(options, "max_len", 512))
     init = str(option(options, "init", "random"))
     cls_weight = float(option(options, "cls_weight", CLS_WEIGHT))
-    device = target.device
-    config = TrainConfig.from_options({**TRAIN_DEFAULTS, **{k: v for k, v in options.items() if v is not None}},
-                                      device=str(device))
-    train_batches = lambda epoch: data.train.batches(batch_tokens, epoch=epoch, seed=seed, fields=FIELDS,  # noqa: E731
-                                                     device=device)
-    eval_batches = list(data.held_back.batches(eval_tokens, shuffle=False, fields=FIELDS, device=device))
-    if not len(train_batches(0)):
-        raise ValueError("eagle trainer: the train split has no answer position")
+    b = trainer_batches(KIND, options, data, FIELDS, defaults=TRAIN_DEFAULTS, batch_tokens=BATCH_TOKENS,
+                        device=target.device, seed=seed)
+    config, batch_tokens, eval_batches = b.config, b.batch_tokens, b.held_back
     logger.info("eagle: %d train examples (%d tokens), %d held-back examples", len(data.train),
                 data.train.num_tokens, len(data.held_back))
-    fit = fit_eagle(target.model, train_batches, eval_batches, config=config, noise=noise, negatives=negatives,
+    fit = fit_eagle(target.model, b.train, eval_batches, config=config, noise=noise, negatives=negatives,
                     tau_steps=tau_steps, eval_chains=int(option(options, "eval_chains", EVAL_CHAINS)),
                     max_len=max_len, seed=seed, init=init, cls_weight=cls_weight)
     head, result = fit.head, fit.result
     report, served, coverage = measure_trained(KIND, fit, target, data, options, eval_batches, tau_steps=tau_steps,
-                                               eval_tokens=eval_tokens, start=start)
+                                               eval_tokens=b.eval_tokens, start=start)
     meta = CheckpointMeta(
         kind=KIND, target_name=target.name, target_fingerprint=target.fingerprint,
         hyperparams={**head.hyperparams(), "noise": noise, "negatives": negatives, "lr": config.lr,
                      "epochs": config.epochs, "train_batch_tokens": batch_tokens, "steps": result.steps,
                      "stop_reason": result.stop_reason, "cls_weight": cls_weight,
                      "init": f"decoder layer: {init}; fc = [I | I]; output norm = the target's final norm"},
-        data=data.summary(), train_seconds=round(time.time() - start, 1), device=describe_device(device),
+        data=data.summary(), train_seconds=round(time.time() - start, 1), device=describe_device(target.device),
         tau=report["tau"],
         tau_details={"method": f"offline: greedy chains of {tau_steps} drafts after every held-back answer "
                                "position, autoregressive on predicted features, teacher-forced tokens; "

@@ -41,7 +41,7 @@ from specserve.drafters.train.data import PAD_LABEL
 from specserve.drafters.train.eagle import (BATCH_TOKENS, EVAL_CHAINS, TAU_STEPS, TRAIN_DEFAULTS, EagleFit,
                                             candidate_ids, distill_loss, estimate_tau, measure_trained)
 from specserve.drafters.train.evaluate import option
-from specserve.drafters.train.loop import TrainConfig, train
+from specserve.drafters.train.loop import TrainConfig, train, trainer_batches
 from specserve.engine.model import rope_tables
 
 logger = logging.getLogger("specserve")
@@ -165,32 +165,25 @@ def train_eagle3(options: dict, target, data) -> Path:
     decay = float(option(options, "decay", DECAY))
     negatives = None if options.get("full_vocab") else int(option(options, "negatives", 2048))
     tau_steps = int(option(options, "tau_steps", TAU_STEPS))
-    batch_tokens = int(option(options, "train_batch_tokens", BATCH_TOKENS))
-    eval_tokens = max(batch_tokens, int(option(options, "batch_tokens", 8192)))
     max_len = int(option(options, "max_len", 512))
-    device = target.device
-    config = TrainConfig.from_options({**TRAIN_DEFAULTS, **{k: v for k, v in options.items() if v is not None}},
-                                      device=str(device))
-    train_batches = lambda epoch: data.train.batches(batch_tokens, epoch=epoch, seed=seed, fields=FIELDS,  # noqa: E731
-                                                     device=device)
-    eval_batches = list(data.held_back.batches(eval_tokens, shuffle=False, fields=FIELDS, device=device))
-    if not len(train_batches(0)):
-        raise ValueError("eagle3 trainer: the train split has no answer position")
+    b = trainer_batches(KIND, options, data, FIELDS, defaults=TRAIN_DEFAULTS, batch_tokens=BATCH_TOKENS,
+                        device=target.device, seed=seed)
+    config, batch_tokens, eval_batches = b.config, b.batch_tokens, b.held_back
     head, init = start_head(options, target, layers, seed)
     logger.info("eagle3: layers %s, %d train examples (%d tokens), %d held-back; start: %s", layers,
                 len(data.train), data.train.num_tokens, len(data.held_back), init)
-    fit = fit_eagle3(target.model, train_batches, eval_batches, config=config, head=head, steps=steps, decay=decay,
+    fit = fit_eagle3(target.model, b.train, eval_batches, config=config, head=head, steps=steps, decay=decay,
                      negatives=negatives, tau_steps=tau_steps,
                      eval_chains=int(option(options, "eval_chains", EVAL_CHAINS)), max_len=max_len, seed=seed)
     head, result = fit.head, fit.result
     report, served, coverage = measure_trained(KIND, fit, target, data, options, eval_batches, tau_steps=tau_steps,
-                                               eval_tokens=eval_tokens, start=start)
+                                               eval_tokens=b.eval_tokens, start=start)
     meta = CheckpointMeta(
         kind=KIND, target_name=target.name, target_fingerprint=target.fingerprint,
         hyperparams={**head.hyperparams(), "ttt_steps": steps, "decay": decay, "negatives": negatives,
                      "lr": config.lr, "epochs": config.epochs, "train_batch_tokens": batch_tokens,
                      "steps": result.steps, "stop_reason": result.stop_reason, "init": init},
-        data=data.summary(), train_seconds=round(time.time() - start, 1), device=describe_device(device),
+        data=data.summary(), train_seconds=round(time.time() - start, 1), device=describe_device(target.device),
         tau=report["tau"],
         tau_details={"method": f"offline: greedy chains of {tau_steps} drafts after every held-back answer "
                                "position, the first from the lifted layers, the rest from the head's own output; "

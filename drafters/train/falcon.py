@@ -70,7 +70,7 @@ from specserve.drafters.nets.falcon import KIND, FalconHead, save_head
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
 from specserve.drafters.train.evaluate import as_saved, option, served_tau
-from specserve.drafters.train.loop import TrainConfig, train
+from specserve.drafters.train.loop import train, trainer_batches
 from specserve.engine.model import rope_tables
 
 logger = logging.getLogger("specserve")
@@ -514,8 +514,6 @@ def train_falcon(options: dict, target, data) -> Path:
     k = int(option(options, "k", 2))
     noise = float(option(options, "noise", 0.1))
     negatives = None if options.get("full_vocab") else int(option(options, "negatives", 2048))
-    batch_tokens = int(option(options, "train_batch_tokens", BATCH_TOKENS))
-    eval_tokens = max(batch_tokens, int(option(options, "batch_tokens", 8192)))
     max_len = int(option(options, "max_len", 512))
     init = str(option(options, "init", "identity"))
     dist_weight = float(option(options, "dist_weight", DIST_WEIGHT))
@@ -524,18 +522,14 @@ def train_falcon(options: dict, target, data) -> Path:
     draft_vocab = int(option(options, "draft_vocab", 8192))
     tree_name = str(option(options, "tree", DEFAULT_TREE))
     device = target.device
-    config = TrainConfig.from_options({**TRAIN_DEFAULTS, **{k_: v for k_, v in options.items() if v is not None}},
-                                      device=str(device))
-    train_batches = lambda epoch: data.train.batches(batch_tokens, epoch=epoch, seed=seed, fields=FIELDS,  # noqa: E731
-                                                     device=device)
-    eval_batches = list(data.held_back.batches(eval_tokens, shuffle=False, fields=FIELDS, device=device))
-    if not len(train_batches(0)):
-        raise ValueError("falcon trainer: the train split has no answer position")
+    b = trainer_batches(KIND, options, data, FIELDS, defaults=TRAIN_DEFAULTS, batch_tokens=BATCH_TOKENS,
+                        device=device, seed=seed)
+    config, batch_tokens, eval_tokens, eval_batches = b.config, b.batch_tokens, b.eval_tokens, b.held_back
     rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size,
                                          batch_tokens=eval_tokens)
     logger.info("falcon: %d train examples (%d tokens), %d held-back examples; CSGD %s (%s schedule)",
                 len(data.train), data.train.num_tokens, len(data.held_back), "on" if csgd else "off", schedule)
-    fit = fit_falcon(target.model, train_batches, eval_batches, config=config, csgd=csgd, lambda_schedule=schedule,
+    fit = fit_falcon(target.model, b.train, eval_batches, config=config, csgd=csgd, lambda_schedule=schedule,
                      noise=noise, negatives=negatives, max_len=max_len, seed=seed, k=k, dist_weight=dist_weight,
                      init=init, intermediate_size=intermediate, vocab_rank=rank, draft_vocab=draft_vocab,
                      eval_blocks=eval_blocks, eval_chains=int(option(options, "eval_chains", EVAL_CHAINS)))

@@ -80,6 +80,37 @@ class TrainConfig:
 
 
 @dataclass
+class TrainerBatches:
+    """What a trainer over padded batches of whole examples sets up from its options (`trainer_batches`)."""
+
+    config: TrainConfig
+    train: Callable[[int], Iterable]    # epoch -> that epoch's shuffled train batches
+    held_back: list                     # the held-back batches, in memory, in order
+    batch_tokens: int                   # tokens per train batch
+    eval_tokens: int                    # tokens per held-back batch
+
+
+def trainer_batches(kind: str, options: Mapping[str, Any], data, fields: tuple[str, ...], *,
+                    defaults: Mapping[str, Any], batch_tokens: int, device, seed: int) -> TrainerBatches:
+    """The loop's config (`defaults` under `options`), the train split's batches of
+    `train_batch_tokens` (default `batch_tokens`) tokens per epoch and the held-back split's of
+    `batch_tokens` (8192, at least as many), with `fields`; ValueError naming `kind` when the train
+    split has no answer position."""
+    given = {k: v for k, v in options.items() if v is not None}
+    train_tokens = int(given.get("train_batch_tokens", batch_tokens))
+    eval_tokens = max(train_tokens, int(given.get("batch_tokens", 8192)))
+    config = TrainConfig.from_options({**defaults, **given}, device=str(device))
+
+    def train_batches(epoch: int):
+        return data.train.batches(train_tokens, epoch=epoch, seed=seed, fields=fields, device=device)
+
+    held_back = list(data.held_back.batches(eval_tokens, shuffle=False, fields=fields, device=device))
+    if not len(train_batches(0)):
+        raise ValueError(f"{kind} trainer: the train split has no answer position")
+    return TrainerBatches(config, train_batches, held_back, train_tokens, eval_tokens)
+
+
+@dataclass
 class TrainResult:
     best_tau: float | None              # None without eval_fn
     best_step: int                      # optimizer step of the kept state

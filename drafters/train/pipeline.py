@@ -159,6 +159,8 @@ def live_data(target: TrainTarget, examples: list[Example], o: Mapping[str, Any]
     split into train and held-back by prompt."""
     config = teacher_build_config(target.model, target.tokenizer, max_len=o["max_len"], top_k=o["top_k"],
                                   hidden_dtype=torch.float16, eos_token_id=None)
+    if capture_layers:   # the rows hold these layers too
+        config["capture_layers"] = list(capture_layers)
     kept, rendered, sources = [], [], {}
     for ex in examples:
         r = render_example(target.tokenizer, ex, max_len=o["max_len"])

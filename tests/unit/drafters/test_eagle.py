@@ -10,7 +10,7 @@ from functools import partial
 import pytest
 import torch
 from helpers import (empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
-                     total_variation)
+                     teacher_batch, total_variation)
 
 import specserve.drafters.eagle  # noqa: F401  (registers "eagle" until base._import_builtin lists it)
 from specserve.drafters.base import DraftRequest, make_drafter
@@ -18,7 +18,6 @@ from specserve.drafters.eagle import EagleDrafter, _Node
 from specserve.drafters.train.data import label_ranking
 from specserve.drafters.train.eagle import EagleHead, fit_eagle
 from specserve.drafters.train.loop import TrainConfig
-from specserve.drafters.train.target import target_features, target_topk
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.tree import NO_PARENT, tree_depths
 
@@ -28,27 +27,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 # this file's engine: 6 sequences, 300 KV blocks, context 128, 60 draft tokens per step
 make_engine = partial(make_llm_engine, max_num_seqs=6, num_kv_blocks=300, max_model_len=128,
                       max_draft_tokens_per_step=60)
-
-
-def teacher_batch(model, seqs: list[list[int]], answer_from: list[int]) -> dict[str, torch.Tensor]:
-    """A ShardDataset-style padded batch over `seqs` from the target itself (teacher forcing)."""
-    feats = target_features(model, seqs)
-    width = max(len(s) for s in seqs)
-    b = len(seqs)
-    batch = {"input_ids": torch.zeros(b, width, dtype=torch.int64),
-             "hidden": torch.zeros(b, width, model.cfg.hidden_size),
-             "topk_ids": torch.full((b, width, 4), -100, dtype=torch.int64),
-             "topk_logprobs": torch.zeros(b, width, 4),
-             "loss_mask": torch.zeros(b, width, dtype=torch.bool)}
-    for r, (s, f, a) in enumerate(zip(seqs, feats, answer_from)):
-        ids, lps = target_topk(model, f, 4)
-        n = len(s)
-        batch["input_ids"][r, :n] = torch.tensor(s)
-        batch["hidden"][r, :n] = f
-        batch["topk_ids"][r, :n] = ids.long()
-        batch["topk_logprobs"][r, :n] = lps
-        batch["loss_mask"][r, max(0, a - 1):n - 1] = True   # loss_mask[t]: the token at t+1 is an answer token
-    return batch
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from functools import partial
 import pytest
 import torch
 from helpers import (empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
-                     total_variation)
+                     teacher_batch, total_variation)
 
 from specserve.drafters.base import make_drafter
 from specserve.drafters.nets.checkpoint import CheckpointMismatchError
@@ -18,7 +18,6 @@ from specserve.drafters.nets.eagle3 import Eagle3Head, default_layers, load_head
 from specserve.drafters.train.data import label_ranking
 from specserve.drafters.train.eagle3 import fit_eagle3
 from specserve.drafters.train.loop import TrainConfig
-from specserve.drafters.train.target import FeatureExtractor, target_topk
 from specserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -38,26 +37,6 @@ def tiny_model(model_dir):
                                       device=torch.device("cpu"))
 
 
-def layer_batch(model, seqs: list[list[int]], answer_from: list[int], layers) -> dict[str, torch.Tensor]:
-    """A padded training batch with the target's `layers` (what live rows give eagle3's trainer)."""
-    hidden, captured = FeatureExtractor(model).extract(seqs, tuple(layers))
-    b, width, h = len(seqs), max(len(s) for s in seqs), model.cfg.hidden_size
-    batch = {"input_ids": torch.zeros(b, width, dtype=torch.int64),
-             "layers": torch.zeros(b, width, len(layers), h),
-             "topk_ids": torch.full((b, width, 4), -100, dtype=torch.int64),
-             "topk_logprobs": torch.zeros(b, width, 4),
-             "loss_mask": torch.zeros(b, width, dtype=torch.bool)}
-    for r, (s, f, c, a) in enumerate(zip(seqs, hidden, captured, answer_from)):
-        ids, lps = target_topk(model, f, 4)
-        n = len(s)
-        batch["input_ids"][r, :n] = torch.tensor(s)
-        batch["layers"][r, :n] = c
-        batch["topk_ids"][r, :n] = ids.long()
-        batch["topk_logprobs"][r, :n] = lps
-        batch["loss_mask"][r, max(0, a - 1):n - 1] = True
-    return batch
-
-
 @pytest.fixture(scope="module")
 def prompts_and_plain(tiny_llama_dir):
     g = torch.Generator().manual_seed(5)
@@ -72,7 +51,7 @@ def trained_head(tiny_llama_dir, prompts_and_plain) -> Eagle3Head:
     prompts, plain = prompts_and_plain
     model = tiny_model(tiny_llama_dir)
     seqs = [p + plain[f"r{i}"] for i, p in enumerate(prompts)]
-    batch = layer_batch(model, seqs, [len(p) for p in prompts], (0, 1))
+    batch = teacher_batch(model, seqs, [len(p) for p in prompts], layers=(0, 1))
     config = TrainConfig(epochs=100, lr=1e-2, warmup_steps=5, patience=None, progress=False, device="cpu")
     head = Eagle3Head.from_target(model.cfg, model, layers=(0, 1))
     head = fit_eagle3(model, [batch], None, config=config, head=head, negatives=None, max_len=128).head

@@ -10,14 +10,13 @@ from functools import partial
 import pytest
 import torch
 from helpers import (draft_view, empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
-                     total_variation)
+                     teacher_batch, total_variation)
 
 from specserve.drafters.base import DrafterContext
 from specserve.drafters.falcon import DEFAULT_TREE, FalconDrafter
 from specserve.drafters.nets.falcon import FalconHead
 from specserve.drafters.train.falcon import fit_falcon
 from specserve.drafters.train.loop import TrainConfig
-from specserve.drafters.train.target import target_features, target_topk
 from specserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -36,27 +35,7 @@ def _tiny(model_dir):
     return t.model_config, t.model
 
 
-def teacher_batch(model, seqs: list[list[int]], answer_from: list[int], k: int = 4) -> dict[str, torch.Tensor]:
-    """A ShardDataset-style padded batch over `seqs` from the target itself (teacher forcing)."""
-    feats = target_features(model, seqs)
-    width = max(len(s) for s in seqs)
-    b = len(seqs)
-    batch = {"input_ids": torch.zeros(b, width, dtype=torch.int64),
-             "hidden": torch.zeros(b, width, model.cfg.hidden_size),
-             "topk_ids": torch.full((b, width, k), -100, dtype=torch.int64),
-             "topk_logprobs": torch.zeros(b, width, k),
-             "loss_mask": torch.zeros(b, width, dtype=torch.bool),
-             "valid": torch.zeros(b, width, dtype=torch.bool)}
-    for r, (s, f, a) in enumerate(zip(seqs, feats, answer_from)):
-        ids, lps = target_topk(model, f, k)
-        n = len(s)
-        batch["input_ids"][r, :n] = torch.tensor(s)
-        batch["hidden"][r, :n] = f
-        batch["topk_ids"][r, :n] = ids.long()
-        batch["topk_logprobs"][r, :n] = lps
-        batch["loss_mask"][r, max(0, a - 1):n - 1] = True   # loss_mask[t]: the token at t+1 is an answer token
-        batch["valid"][r, :n] = True
-    return batch
+
 
 
 def distilled_head(model_dir, prompts, continuations, *, epochs: int = 120, seed: int = 0) -> FalconHead:
