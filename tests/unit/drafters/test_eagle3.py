@@ -27,14 +27,9 @@ make_engine = partial(make_llm_engine, max_num_seqs=6, num_kv_blocks=300, max_mo
 
 
 def tiny_model(model_dir):
-    from specserve.engine.config import ModelConfig
-    from specserve.engine.loader import load_model
-    from specserve.engine.model import LlamaModel
+    from specserve.drafters.train.pipeline import prepare_target
 
-    loaded = load_model(str(model_dir))
-    cfg = ModelConfig.from_hf(loaded.hf_config)
-    return LlamaModel.from_state_dict(cfg, loaded.state_dict, max_positions=256, dtype=torch.float32,
-                                      device=torch.device("cpu"))
+    return prepare_target(str(model_dir), device="cpu", dtype="float32", max_positions=256).model
 
 
 @pytest.fixture(scope="module")
