@@ -36,6 +36,7 @@ import torch
 from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, save_checkpoint
 from specserve.drafters.nets.eagle import load_head as load_eagle, shipped_checkpoint as shipped_eagle
 from specserve.drafters.nets.eagle3 import KIND, Eagle3Head, parse_layers
+from specserve.drafters.nets.eagle3 import load_head as load_eagle3, shipped_checkpoint as shipped_eagle3
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import PAD_LABEL
 from specserve.drafters.train.eagle import (BATCH_TOKENS, EVAL_CHAINS, TAU_STEPS, TRAIN_DEFAULTS, EagleFit,
@@ -49,7 +50,7 @@ logger = logging.getLogger("specserve")
 TTT_STEPS = 3          # draft steps trained per position (EAGLE-3 trains 7; each costs a forward)
 DECAY = 0.8            # step j's weight decay^(j-1) (EAGLE-3)
 FIELDS = ("input_ids", "layers", "topk_ids", "topk_logprobs")
-INITS = ("auto", "random", "eagle")
+INITS = ("auto", "random", "eagle", "eagle3")
 
 
 def eagle3_loss(head: Eagle3Head, batch: dict[str, torch.Tensor], *, embed, lm_head_weight: torch.Tensor,
@@ -127,11 +128,22 @@ def _capture_layers(model_config, options: dict) -> tuple[int, ...]:
 def start_head(options: dict, target, layers: tuple[int, ...], seed: int) -> tuple[Eagle3Head, str]:
     """The head training starts from, and how it was made: `init=eagle` copies fc, the decoder
     layer and the output norm of a trained eagle head (`eagle_checkpoint=PATH`, default the shipped
-    one for this target), `init=random` EAGLE's random start, `init=auto` (the default) the first
-    when an eagle checkpoint is at hand."""
+    one for this target), `init=eagle3` continues a trained eagle3 head (`eagle3_checkpoint=PATH`,
+    default the shipped one; its layers must be the data's), `init=random` EAGLE's random start,
+    `init=auto` (the default) `eagle` when an eagle checkpoint is at hand, else `random`."""
     init = str(option(options, "init", "auto"))
     if init not in INITS:
         raise ValueError(f"eagle3 trainer: init must be one of {', '.join(INITS)}, got {init!r}")
+    if init == "eagle3":
+        path = options.get("eagle3_checkpoint") or shipped_eagle3(target.model_config, target.model)
+        if path is None:
+            raise ValueError("eagle3 trainer: init=eagle3 needs an eagle3 checkpoint for this target "
+                             "(eagle3_checkpoint=PATH)")
+        head, _ = load_eagle3(path, model_config=target.model_config, target=target.model)
+        if head.layers != layers:
+            raise ValueError(f"eagle3 trainer: the eagle3 checkpoint {path} reads layers {head.layers}, "
+                             f"the data {layers}")
+        return head, f"the eagle3 checkpoint {path}, continued"
     path = options.get("eagle_checkpoint") or shipped_eagle(target.model_config, target.model)
     if init == "eagle" and path is None:
         raise ValueError("eagle3 trainer: init=eagle needs an eagle checkpoint for this target (eagle_checkpoint=PATH)")
@@ -151,7 +163,7 @@ def train_eagle3(options: dict, target, data) -> Path:
     head trained with training-time test on the train split, early-stopped on the held-back τ,
     saved in bf16 with its layers, the τ of the saved weights and the labels' vocabulary ranking.
     Options besides the loop's: layers ("2,15,27"; default EAGLE-3's (2, L // 2, L - 3)), init
-    (auto | random | eagle, see `start_head`), eagle_checkpoint, ttt_steps (3), decay (0.8),
+    (auto | random | eagle | eagle3, see `start_head`), eagle_checkpoint, eagle3_checkpoint, ttt_steps (3), decay (0.8),
     train_batch_tokens (2048), negatives (2048; `full_vocab=true` for the exact softmax), tau_steps
     (5), eval_chains, final_chains, engine_tau_prompts (0)."""
     if not options.get("out"):

@@ -12,10 +12,10 @@ from helpers import make_llm_engine, run_requests
 
 from specserve.drafters.nets.checkpoint import read_meta
 from specserve.drafters.nets.eagle import EagleHead
-from specserve.drafters.nets.eagle3 import Eagle3Head
+from specserve.drafters.nets.eagle3 import Eagle3Head, load_head
 from specserve.drafters.train import get_trainer
 from specserve.drafters.train.eagle import estimate_tau
-from specserve.drafters.train.eagle3 import FIELDS, fit_eagle3
+from specserve.drafters.train.eagle3 import FIELDS, fit_eagle3, start_head
 from specserve.drafters.train.loop import TrainConfig
 from specserve.drafters.train.pipeline import live_data, prepare_data
 from specserve.engine.attention import build_attn_metadata
@@ -133,6 +133,17 @@ def test_trainer_end_to_end_from_live_rows(tiny_live3, tiny_llama_dir, tmp_path)
         get_trainer("eagle3")({**options, "layers": "0,2"}, target, data)
     with pytest.raises(ValueError, match="init=eagle needs an eagle checkpoint"):
         get_trainer("eagle3")({**options, "init": "eagle"}, target, data)
+    # init=eagle3 continues that checkpoint: the start is its head, and its held-back tau before any step
+    head, how = start_head({"init": "eagle3", "eagle3_checkpoint": str(out)}, target, LAYERS, seed=1)
+    saved_head, _ = load_head(out, model_config=target.model_config, target=target.model)
+    assert str(out) in how and head.layers == LAYERS
+    for name, tensor in saved_head.state_dict().items():
+        assert torch.equal(head.state_dict()[name], tensor), name
+    again = get_trainer("eagle3")({**options, "init": "eagle3", "eagle3_checkpoint": str(out), "epochs": 1,
+                                   "out": str(tmp_path / "e3b")}, target, data)
+    assert read_meta(again).hyperparams["init"] == how
+    with pytest.raises(ValueError, match="reads layers"):
+        start_head({"init": "eagle3", "eagle3_checkpoint": str(out)}, target, (0, 2), seed=0)
 
 
 def test_teacher_shards_are_refused_with_the_way_out(tiny_distill, tmp_path):
