@@ -112,13 +112,12 @@ def fit_eagle3(target_model, train_batches: Callable[[int], Iterable] | Iterable
         return eagle3_loss(module, batch, embed=embed, lm_head_weight=lm_head, rope=rope, steps=steps, decay=decay,
                            negatives=negatives, generator=gen)
 
-    eval_fn = None
-    if eval_batches:
-        def eval_fn(module):
-            return estimate_tau(module, eval_batches, embed=embed, lm_head_weight=lm_head, rope=rope,
-                                steps=tau_steps, max_chains=eval_chains)
+    def eval_fn(module):
+        return estimate_tau(module, eval_batches, embed=embed, lm_head_weight=lm_head, rope=rope,
+                            steps=tau_steps, max_chains=eval_chains)
 
-    return EagleFit(head, train(head, loss_fn, train_batches, eval_fn=eval_fn, config=config), rope)
+    return EagleFit(head, train(head, loss_fn, train_batches, eval_fn=eval_fn if eval_batches else None,
+                                config=config), rope)
 
 
 def _capture_layers(model_config, options: dict) -> tuple[int, ...]:
@@ -143,7 +142,8 @@ def start_head(options: dict, target, layers: tuple[int, ...], seed: int) -> tup
         if head.layers != layers:
             raise ValueError(f"eagle3 trainer: the eagle3 checkpoint {path} reads layers {head.layers}, "
                              f"the data {layers}")
-        return head, f"the eagle3 checkpoint {path}, continued"
+        shown = path if options.get("eagle3_checkpoint") else f"{Path(path).name}/ (shipped)"
+        return head, f"the eagle3 checkpoint {shown}, continued"
     path = options.get("eagle_checkpoint") or shipped_eagle(target.model_config, target.model)
     if init == "eagle" and path is None:
         raise ValueError("eagle3 trainer: init=eagle needs an eagle checkpoint for this target (eagle_checkpoint=PATH)")
