@@ -74,6 +74,21 @@ def make_llm_engine(model_dir, drafters: Sequence[str] = (), drafter_options: di
     return LLMEngine(EngineConfig(**cfg), loaded)
 
 
+def feature_drafter_engine(model_dir, drafters: Sequence[str] = (), drafter_options: dict | None = None, **config):
+    """`make_llm_engine` as the feature drafters' tests size it: 6 sequences, 300 KV blocks, context
+    128, up to 60 draft tokens a step (unless `config` says otherwise)."""
+    sized = dict(max_num_seqs=6, num_kv_blocks=300, max_model_len=128, max_draft_tokens_per_step=60)
+    return make_llm_engine(model_dir, drafters, drafter_options, **{**sized, **config})
+
+
+def varied_prompts_and_plain(model_dir, params) -> tuple[list[list[int]], dict[str, list[int]]]:
+    """Twelve random prompts of 3 to 33 tokens and their plain continuations under `params`, all
+    added at once to a `feature_drafter_engine`."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (6, 19, 11, 33, 4, 25, 9, 14, 3, 21, 16, 7)]
+    return prompts, run_requests(feature_drafter_engine(model_dir), prompts, params, stagger=False)
+
+
 def draft_view(seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int = 1, **kw):
     """A drafter's view of a sequence (`DraftRequest`), greedy unless `params` is given, for
     drafters driven without an engine."""

@@ -278,15 +278,17 @@ def fit_eagle(target_model, train_batches: Callable[[int], Iterable] | Iterable,
     return EagleFit(head, result, rope)
 
 
-def measure_trained(kind: str, fit: EagleFit, target, data, options: dict, eval_batches: list, *, tau_steps: int,
-                    eval_tokens: int, start: float) -> tuple[dict, dict | None, dict]:
-    """What an eagle-family trainer does with its trained head before saving it: the training
-    labels' vocabulary ranking (for `draft_vocab`), bf16 rounding (what is saved is measured), the
-    held-back chain τ and, with `engine_tau_prompts`, τ served through the engine. Returns
-    (report, served or None, coverage)."""
-    head, result = fit.head, fit.result
+def save_trained(kind: str, fit: EagleFit, target, data, options: dict, batches, *, tau_steps: int, start: float,
+                 hyperparams: dict[str, Any], chains: str) -> Path:
+    """What an eagle-family trainer does with its trained head: the training labels' vocabulary
+    ranking (for `draft_vocab`), bf16 rounding (what is saved is measured), the held-back chain τ
+    and, with `engine_tau_prompts`, τ served through the engine; then the checkpoint, saved to
+    `options["out"]` with the head's, the loop's (`batches`: `trainer_batches`) and the trainer's
+    own `hyperparams`. `chains`: how the held-back chains draft, for the meta's τ method."""
+    head, result, config = fit.head, fit.result, batches.config
+    eval_batches = batches.held_back
     rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size,
-                                         batch_tokens=eval_tokens)
+                                         batch_tokens=batches.eval_tokens)
     head.set_vocab_rank(rank)
     logger.info("%s: held-back labels covered by the N most frequent training labels: %s", kind,
                 {n: round(c, 4) for n, c in coverage.items()})
@@ -300,7 +302,19 @@ def measure_trained(kind: str, fit: EagleFit, target, data, options: dict, eval_
     if n_prompts > 0:
         served = served_tau(target, kind, {"head": head}, data.held_back_examples()[:n_prompts])
         logger.info("%s: served tau %.3f on %d held-back prompts", kind, served["tau"], served["num_prompts"])
-    return report, served, coverage
+    meta = CheckpointMeta(
+        kind=kind, target_name=target.name, target_fingerprint=target.fingerprint,
+        hyperparams={**head.hyperparams(), **hyperparams, "lr": config.lr, "epochs": config.epochs,
+                     "train_batch_tokens": batches.batch_tokens, "steps": result.steps,
+                     "stop_reason": result.stop_reason},
+        data=data.summary(), train_seconds=round(time.time() - start, 1), device=describe_device(target.device),
+        tau=report["tau"],
+        tau_details={"method": f"offline: greedy chains of {tau_steps} drafts after every held-back answer "
+                               f"position, {chains}; teacher-forced tokens; 1 + mean leading matches with the "
+                               "target's greedy labels",
+                     **report, "served": served, "loop_evals": result.eval_history,
+                     "draft_vocab_coverage": coverage})
+    return Path(save_checkpoint(options["out"], head.tensors(), meta))
 
 
 @register_trainer(KIND)
@@ -327,26 +341,14 @@ def train_eagle(options: dict, target, data) -> Path:
     cls_weight = float(option(options, "cls_weight", CLS_WEIGHT))
     b = trainer_batches(KIND, options, data, FIELDS, defaults=TRAIN_DEFAULTS, batch_tokens=BATCH_TOKENS,
                         device=target.device, seed=seed)
-    config, batch_tokens, eval_batches = b.config, b.batch_tokens, b.held_back
+    config, eval_batches = b.config, b.held_back
     logger.info("eagle: %d train examples (%d tokens), %d held-back examples", len(data.train),
                 data.train.num_tokens, len(data.held_back))
     fit = fit_eagle(target.model, b.train, eval_batches, config=config, noise=noise, negatives=negatives,
                     tau_steps=tau_steps, eval_chains=int(option(options, "eval_chains", EVAL_CHAINS)),
                     max_len=max_len, seed=seed, init=init, cls_weight=cls_weight)
-    head, result = fit.head, fit.result
-    report, served, coverage = measure_trained(KIND, fit, target, data, options, eval_batches, tau_steps=tau_steps,
-                                               eval_tokens=b.eval_tokens, start=start)
-    meta = CheckpointMeta(
-        kind=KIND, target_name=target.name, target_fingerprint=target.fingerprint,
-        hyperparams={**head.hyperparams(), "noise": noise, "negatives": negatives, "lr": config.lr,
-                     "epochs": config.epochs, "train_batch_tokens": batch_tokens, "steps": result.steps,
-                     "stop_reason": result.stop_reason, "cls_weight": cls_weight,
-                     "init": f"decoder layer: {init}; fc = [I | I]; output norm = the target's final norm"},
-        data=data.summary(), train_seconds=round(time.time() - start, 1), device=describe_device(target.device),
-        tau=report["tau"],
-        tau_details={"method": f"offline: greedy chains of {tau_steps} drafts after every held-back answer "
-                               "position, autoregressive on predicted features, teacher-forced tokens; "
-                               "1 + mean leading matches with the target's greedy labels",
-                     **report, "served": served, "loop_evals": result.eval_history,
-                     "draft_vocab_coverage": coverage})
-    return Path(save_checkpoint(options["out"], head.tensors(), meta))
+    return save_trained(KIND, fit, target, data, options, b, tau_steps=tau_steps, start=start,
+                        hyperparams={"noise": noise, "negatives": negatives, "cls_weight": cls_weight,
+                                     "init": f"decoder layer: {init}; fc = [I | I]; output norm = the target's "
+                                             "final norm"},
+                        chains="autoregressive on predicted features")

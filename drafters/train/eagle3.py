@@ -33,14 +33,13 @@ from typing import Callable, Iterable
 
 import torch
 
-from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, save_checkpoint
 from specserve.drafters.nets.eagle import load_head as load_eagle, shipped_checkpoint as shipped_eagle
 from specserve.drafters.nets.eagle3 import KIND, Eagle3Head, parse_layers
 from specserve.drafters.nets.eagle3 import load_head as load_eagle3, shipped_checkpoint as shipped_eagle3
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import PAD_LABEL
 from specserve.drafters.train.eagle import (BATCH_TOKENS, EVAL_CHAINS, TAU_STEPS, TRAIN_DEFAULTS, EagleFit,
-                                            candidate_ids, distill_loss, estimate_tau, measure_trained)
+                                            candidate_ids, distill_loss, estimate_tau, save_trained)
 from specserve.drafters.train.evaluate import option
 from specserve.drafters.train.loop import TrainConfig, train, trainer_batches
 from specserve.engine.model import rope_tables
@@ -163,9 +162,9 @@ def train_eagle3(options: dict, target, data) -> Path:
     head trained with training-time test on the train split, early-stopped on the held-back τ,
     saved in bf16 with its layers, the τ of the saved weights and the labels' vocabulary ranking.
     Options besides the loop's: layers ("2,15,27"; default EAGLE-3's (2, L // 2, L - 3)), init
-    (auto | random | eagle | eagle3, see `start_head`), eagle_checkpoint, eagle3_checkpoint, ttt_steps (3), decay (0.8),
-    train_batch_tokens (2048), negatives (2048; `full_vocab=true` for the exact softmax), tau_steps
-    (5), eval_chains, final_chains, engine_tau_prompts (0)."""
+    (auto | random | eagle | eagle3, see `start_head`), eagle_checkpoint, eagle3_checkpoint, ttt_steps
+    (3), decay (0.8), train_batch_tokens (2048), negatives (2048; `full_vocab=true` for the exact
+    softmax), tau_steps (5), eval_chains, final_chains, engine_tau_prompts (0)."""
     if not options.get("out"):
         raise ValueError("eagle3 trainer: no output folder (--out)")
     start = time.time()
@@ -180,29 +179,16 @@ def train_eagle3(options: dict, target, data) -> Path:
     max_len = int(option(options, "max_len", 512))
     b = trainer_batches(KIND, options, data, FIELDS, defaults=TRAIN_DEFAULTS, batch_tokens=BATCH_TOKENS,
                         device=target.device, seed=seed)
-    config, batch_tokens, eval_batches = b.config, b.batch_tokens, b.held_back
+    config, eval_batches = b.config, b.held_back
     head, init = start_head(options, target, layers, seed)
     logger.info("eagle3: layers %s, %d train examples (%d tokens), %d held-back; start: %s", layers,
                 len(data.train), data.train.num_tokens, len(data.held_back), init)
     fit = fit_eagle3(target.model, b.train, eval_batches, config=config, head=head, steps=steps, decay=decay,
                      negatives=negatives, tau_steps=tau_steps,
                      eval_chains=int(option(options, "eval_chains", EVAL_CHAINS)), max_len=max_len, seed=seed)
-    head, result = fit.head, fit.result
-    report, served, coverage = measure_trained(KIND, fit, target, data, options, eval_batches, tau_steps=tau_steps,
-                                               eval_tokens=b.eval_tokens, start=start)
-    meta = CheckpointMeta(
-        kind=KIND, target_name=target.name, target_fingerprint=target.fingerprint,
-        hyperparams={**head.hyperparams(), "ttt_steps": steps, "decay": decay, "negatives": negatives,
-                     "lr": config.lr, "epochs": config.epochs, "train_batch_tokens": batch_tokens,
-                     "steps": result.steps, "stop_reason": result.stop_reason, "init": init},
-        data=data.summary(), train_seconds=round(time.time() - start, 1), device=describe_device(target.device),
-        tau=report["tau"],
-        tau_details={"method": f"offline: greedy chains of {tau_steps} drafts after every held-back answer "
-                               "position, the first from the lifted layers, the rest from the head's own output; "
-                               "teacher-forced tokens; 1 + mean leading matches with the target's greedy labels",
-                     **report, "served": served, "loop_evals": result.eval_history,
-                     "draft_vocab_coverage": coverage})
-    return Path(save_checkpoint(options["out"], head.tensors(), meta))
+    return save_trained(KIND, fit, target, data, options, b, tau_steps=tau_steps, start=start,
+                        hyperparams={"ttt_steps": steps, "decay": decay, "negatives": negatives, "init": init},
+                        chains="the first from the lifted layers, the rest from the head's own output")
 
 
 train_eagle3.capture_layers = _capture_layers   # pipeline.run_training: the live rows keep these layers too

@@ -5,12 +5,10 @@ budget, preemption and a missing checkpoint are handled."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
-from helpers import (empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
-                     teacher_batch, total_variation)
+from helpers import (empirical_first_two_law, exact_first_two_law, feature_drafter_engine, run_requests,
+                     teacher_batch, total_variation, varied_prompts_and_plain)
 
 import specserve.drafters.eagle  # noqa: F401  (registers "eagle" until base._import_builtin lists it)
 from specserve.drafters.base import DraftRequest, make_drafter
@@ -25,16 +23,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 # this file's engine: 6 sequences, 300 KV blocks, context 128, 60 draft tokens per step
-make_engine = partial(make_llm_engine, max_num_seqs=6, num_kv_blocks=300, max_model_len=128,
-                      max_draft_tokens_per_step=60)
+make_engine = feature_drafter_engine
 
 
 @pytest.fixture(scope="module")
 def prompts_and_plain(tiny_llama_dir):
     """Prompts of different lengths and their plain greedy continuations."""
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (6, 19, 11, 33, 4, 25, 9, 14, 3, 21, 16, 7)]
-    return prompts, run_requests(make_engine(tiny_llama_dir), prompts, GREEDY, stagger=False)
+    return varied_prompts_and_plain(tiny_llama_dir, GREEDY)
 
 
 @pytest.fixture(scope="module")

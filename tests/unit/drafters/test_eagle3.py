@@ -5,12 +5,10 @@ serves, sampled output follows the target's law."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
-from helpers import (empirical_first_two_law, exact_first_two_law, make_llm_engine, run_requests,
-                     teacher_batch, total_variation)
+from helpers import (empirical_first_two_law, exact_first_two_law, feature_drafter_engine, run_requests,
+                     teacher_batch, total_variation, varied_prompts_and_plain)
 
 from specserve.drafters.base import make_drafter
 from specserve.drafters.nets.checkpoint import CheckpointMismatchError
@@ -22,8 +20,7 @@ from specserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
-make_engine = partial(make_llm_engine, max_num_seqs=6, num_kv_blocks=300, max_model_len=128,
-                      max_draft_tokens_per_step=60)
+make_engine = feature_drafter_engine
 
 
 def tiny_model(model_dir):
@@ -34,9 +31,8 @@ def tiny_model(model_dir):
 
 @pytest.fixture(scope="module")
 def prompts_and_plain(tiny_llama_dir):
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (6, 19, 11, 33, 4, 25, 9, 14, 3, 21, 16, 7)]
-    return prompts, run_requests(make_engine(tiny_llama_dir), prompts, GREEDY, stagger=False)
+    """Prompts of different lengths and their plain greedy continuations."""
+    return varied_prompts_and_plain(tiny_llama_dir, GREEDY)
 
 
 @pytest.fixture(scope="module")
