@@ -47,9 +47,6 @@ def _tells_context(drafter) -> bool:
 
 
 DEFAULT_MAX_MODEL_LEN = 8192
-# async scheduling: after the k-th decision in a row that grants drafter sequences nothing, they ride
-# along for min(2^(k-1), MAX_RIDES) steps ahead before the draft policy decides again
-MAX_RIDES = 8
 
 
 class LLMEngine:
@@ -116,8 +113,6 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda")
         self._ahead: tuple[ScheduledBatch, LaunchedStep] | None = None   # a step launched, not yet read
-        self._quiet = 0     # the draft policy's decisions in a row that granted drafter sequences nothing
-        self._rides = 0     # steps ahead that drafter sequences may still ride along before it decides again
         self.stats = EngineStats(num_total_blocks=num_blocks, memory_bytes=self.memory_bytes())
         logger.info("memory: %s", ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in self.stats.memory_bytes.items()))
         if config.compile and self.device.type == "cpu" and not config.enforce_eager:
@@ -491,17 +486,15 @@ class LLMEngine:
                         self.drafter_stats[GRAMMAR_PART].observe_budget(forced)
                     if forced is None or (granted[seq.seq_id] and seq.drafter is not None):
                         self.drafter_stats[seq.drafter].observe_budget(granted[seq.seq_id])
-            if any(granted.values()):
-                self._quiet = 0
             # the policy learns from the budgets it granted, not from the grammar's forced tokens
             report = StepReport(granted=granted)
             try:
                 trees = self._propose(batch, report)
                 t0 = time.perf_counter()
                 self._run_batch(batch, trees, report, may_run_ahead=True)
-                if any(seq.drafters or seq.grammar is not None for seq in batch.seqs):
-                    # timed only where the policy has something to decide: its step cost fit is host
-                    # work that a step of plain decoding alone would pay for nothing
+                if batch.granted:
+                    # timed only where the policy decided: its step cost fit is host work that a step
+                    # of plain decoding (or of drafter sequences riding along) would pay for nothing
                     report.seconds = time.perf_counter() - t0 - report.ahead_seconds
                 report.num_tokens = batch.total_tokens + sum(t.num_draft_tokens for t in trees.values())
                 report.num_trees = len(trees)
@@ -637,7 +630,7 @@ class LLMEngine:
 
         def launch_next(launched: LaunchedStep) -> None:
             t = time.perf_counter()
-            nxt = self._launch_ahead(batch, launched, scheduled=True)
+            nxt = self._launch_ahead(batch, launched)
             if nxt is not None:
                 ahead.append(nxt)
             report.ahead_seconds = time.perf_counter() - t   # the next step's launch: not this step's cost
@@ -665,8 +658,7 @@ class LLMEngine:
 
     # ---- async scheduling -----------------------------------------------------------------
 
-    def _launch_ahead(self, batch: ScheduledBatch, launched: LaunchedStep,
-                      scheduled: bool = False) -> LaunchedStep | None:
+    def _launch_ahead(self, batch: ScheduledBatch, launched: LaunchedStep) -> LaunchedStep | None:
         """Launch the step after `launched` (in flight, not read): the same batch of plain decodes,
         one token further, decoding from `launched`'s sampled tokens on the device. So the host
         reads and commits `launched`'s tokens while the device runs this one; the rows of sequences
@@ -676,18 +668,15 @@ class LLMEngine:
         request waiting (it is admitted first), no grammar, no logits processing (its counts include
         the last token), no sequence whose token in flight is its last (max_tokens, context), and
         room in the pool for every sequence's next KV slot without preempting. Sequences with a
-        drafter ride along only behind a `scheduled` step whose draft policy granted them nothing:
-        the steps ahead carry the policy's decision a few steps late. After the k-th such decision
-        in a row they ride along min(2^(k-1), MAX_RIDES) steps, then a step is scheduled and the
-        policy decides again; any grant starts the count over. So a crowd that the policy keeps
-        from drafting decodes nearly as plain sequences do, and the policy still looks at least
-        every MAX_RIDES + 1 steps (the drafters that read features get those of the steps ahead,
-        `_step_ahead`). Returns None where it does not launch."""
+        drafter ride along only while the scheduler lets them decode without asking the draft policy
+        (`Scheduler.ride_along`: after decisions in a row that granted them nothing), each step
+        ahead one of those steps; then a step is scheduled and the policy decides again. So a crowd
+        that the policy keeps from drafting decodes nearly as plain sequences do (the drafters that
+        read features get those of the steps ahead, `_step_ahead`). Returns None where it does not
+        launch."""
         if launched.sampled is None or self.scheduler.waiting or batch.preempted:
             return None
         drafted = any(seq.drafters for seq in batch.seqs)
-        if drafted and not scheduled and self._rides <= 0:
-            return None
         need = 0
         for seq, n, budget in zip(batch.seqs, batch.num_tokens, batch.draft_budgets):
             last = ((seq.params.max_tokens is not None and seq.num_output_tokens + 1 >= seq.params.max_tokens)
@@ -697,15 +686,10 @@ class LLMEngine:
                     or needs_processing(seq.params, self.eos_token_ids)):
                 return None
             need += self.blocks.blocks_needed(seq.seq_id, len(seq.token_ids) + 1)
-        if need > self.blocks.num_free_blocks:
+        if need > self.blocks.num_free_blocks or (drafted and not self.scheduler.ride_along()):
             return None
         for seq in batch.seqs:
             self.blocks.grow(seq.seq_id, len(seq.token_ids) + 1)
-        if drafted and scheduled:
-            self._quiet = min(self._quiet + 1, MAX_RIDES.bit_length())
-            self._rides = min(1 << (self._quiet - 1), MAX_RIDES) - 1    # after this one
-        elif drafted:
-            self._rides -= 1
         feature_idx = self._feature_idx(batch)
         try:
             return self.runner.launch(batch, {}, feature_idx, ahead=launched.sampled)

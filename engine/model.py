@@ -504,17 +504,14 @@ class LlamaModel(nn.Module):
             captured[:, slots[0]] = h
         delta = None
         stack = self._native_stack(native, kv_cache) if native is not None else None
-        if stack is not None:       # every layer's projections native: runs of layers in one call each
+        if stack is not None:       # every layer's projections native: the whole stack in one call
             first = self.layers[0]
-            h, delta, prev = h.contiguous(), torch.empty_like(h), 0
-            for end in sorted({k for k in slots if k > 0} | {len(self.layers)}):
-                native.decoder_layers(stack, prev, end - prev, h, delta, prev > 0, rope, meta,
-                                      intermediate=self.cfg.intermediate_size, num_heads=first.num_heads,
-                                      num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, eps=first.eps,
-                                      scale=first.scale, kv_f16=kv_cache.kv.dtype == torch.float16)
-                if end in slots:
-                    captured[:, slots[end]] = h + delta
-                prev = end
+            h, delta = h.contiguous(), torch.empty_like(h)
+            native.decoder_layers(stack, 0, len(self.layers), h, delta, False, rope, meta,
+                                  intermediate=self.cfg.intermediate_size, num_heads=first.num_heads,
+                                  num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, eps=first.eps,
+                                  scale=first.scale, kv_f16=kv_cache.kv.dtype == torch.float16,
+                                  capture=(captured, self._capture_slots(capture_layers)) if capture_layers else None)
         else:
             run = DecoderLayer.forward_native if native is not None else DecoderLayer.forward_fused
             for i, layer in enumerate(self.layers):
@@ -524,6 +521,19 @@ class LlamaModel(nn.Module):
         out = kernels.rms_norm(h, self.norm, self.cfg.rms_norm_eps) if delta is None else \
             kernels.add_rms_norm(delta, h, self.norm, self.cfg.rms_norm_eps)[0]
         return out if not capture_layers else (out, captured)
+
+    def _capture_slots(self, capture_layers: tuple[int, ...]) -> torch.Tensor:
+        """For `decoder_layers`' capture: per layer i, the slot in `capture_layers` of its output
+        (index i + 1), else -1; kept per tuple of capture layers."""
+        cache = self.__dict__.setdefault("_capture_slot_cache", {})
+        key = tuple(capture_layers)
+        if key not in cache:
+            slot = torch.full((len(self.layers),), -1, dtype=torch.int64)
+            for j, k in enumerate(key):
+                if k > 0:
+                    slot[k - 1] = j
+            cache[key] = slot
+        return cache[key]
 
     def runs_natively(self) -> bool:
         """Whether `forward` hands the whole layer stack to the native CPU kernels (every projection

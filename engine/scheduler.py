@@ -52,6 +52,11 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+# after the k-th decision in a row that grants drafter sequences nothing, the policy is not asked for
+# the next min(2^(k-1), MAX_QUIET_STEPS) steps (`Scheduler._decided`)
+MAX_QUIET_STEPS = 8
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_draft_per_seq: int = 0, max_draft_tokens_per_step: int = 0, max_model_len: int | None = None,
@@ -79,6 +84,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._left: list[int] = []   # seq_ids removed since the last report
+        self._quiet = 0         # the policy's decisions in a row that granted drafter sequences nothing
+        self._quiet_steps = 0   # steps they may still decode without asking it again (`ride_along`)
 
     @property
     def max_step_tokens(self) -> int:
@@ -143,7 +150,12 @@ class Scheduler:
         drafts: dict[int, int] = {}
         forced: dict[int, int] = {}
         if any((s.drafter is not None or s.grammar is not None) and s.num_uncomputed_tokens == 1 for s in self.running):
-            drafts, forced = self._allocate()
+            # asked every step while a sequence has a grammar, and at each sequence's first decode
+            if (any(s.grammar is not None or (s.num_output_tokens <= 1 and s.num_uncomputed_tokens == 1)
+                    for s in self.running)
+                    or not self.ride_along()):
+                drafts, forced = self._allocate()
+                self._decided(any(drafts.values()))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -174,6 +186,27 @@ class Scheduler:
                 break
             budget -= scheduled
         return batch
+
+    def _decided(self, granted: bool) -> None:
+        """After the k-th decision in a row that granted nothing, drafter sequences decode the next
+        min(2^(k-1), MAX_QUIET_STEPS) steps without asking the policy (`ride_along`); a grant
+        starts the count over. So a crowd the policy keeps from drafting pays for its decisions
+        on one step in MAX_QUIET_STEPS + 1 at most, and the policy still looks that often, and at
+        each sequence's first decode."""
+        if granted:
+            self._quiet = self._quiet_steps = 0
+        else:
+            self._quiet = min(self._quiet + 1, MAX_QUIET_STEPS.bit_length())
+            self._quiet_steps = min(1 << (self._quiet - 1), MAX_QUIET_STEPS)
+
+    def ride_along(self) -> bool:
+        """Whether the next step's drafter sequences decode without asking the policy (`_decided`);
+        a step that does uses one of the steps left. The engine asks too for a step it launches
+        ahead (async scheduling), so that both kinds of step count alike."""
+        if self._quiet_steps <= 0:
+            return False
+        self._quiet_steps -= 1
+        return True
 
     def _allocate(self) -> tuple[dict[int, int], dict[int, int]]:
         """The draft budgets of the decoding sequences (seq_id -> nodes), and how many of them are

@@ -66,7 +66,7 @@ _SIGNATURES = {
     "quant_matmul": [_int, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _int],   # returns int
     "phase_times": [_p],                                                              # returns int
     "decoder_layers": [_p, _i64, _p, _p, _int, _i64, _i64, _i64, _i64, _i64, _i64, _f, _f, _p, _p, _p, _i64, _p, _p, _p,
-                       _i64, _i64, _p, _p, _p, _int, _int],   # returns int
+                       _i64, _i64, _p, _p, _p, _int, _int, _p, _p, _i64],   # returns int
     "rope_cache_attention": [_p, _int, _p, _p, _p, _p, _p, _int, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p,
                              _i64, _i64, _i64, _f, _int],
 }
@@ -344,18 +344,22 @@ def layer_params(layers: list[tuple]) -> ctypes.Array:
 
 def decoder_layers(params: ctypes.Array, start: int, count: int, h: torch.Tensor, delta: torch.Tensor,
                    has_delta: bool, rope, meta, *, intermediate: int, num_heads: int, num_kv_heads: int,
-                   head_dim: int, eps: float, scale: float, kv_f16: bool = False) -> None:
+                   head_dim: int, eps: float, scale: float, kv_f16: bool = False,
+                   capture: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Layers `start` .. `start + count - 1` of `params` (`layer_params`) in one call, in place on the
     residual stream h + delta (h, delta [T, hidden] fp32 contiguous; `has_delta`: whether delta holds
     one on entry; delta holds the last layer's output after; `kv_f16`: the caches hold fp16): the calls of
-    `engine.model.DecoderLayer.forward_native` one after the other, the same numbers."""
+    `engine.model.DecoderLayer.forward_native` one after the other, the same numbers. `capture`:
+    (captured [T, S, hidden] fp32 contiguous, slot [count] int64): after the call's layer i with
+    slot[i] >= 0, captured[:, slot[i]] = h + delta (the stream as the next layer's norm reads it)."""
     cos, sin_signed = rope.cos.contiguous(), rope.sin_signed.contiguous()
     slots = meta.slot_mapping.contiguous()
     rc = library().decoder_layers(
         ctypes.addressof(params) + start * ctypes.sizeof(LayerParams), count, h.data_ptr(), delta.data_ptr(),
         int(has_delta), h.shape[0], h.shape[1], intermediate, num_heads, num_kv_heads, head_dim, eps, scale,
         cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), *_metadata_args(meta), int(kv_f16),
-        torch.get_num_threads())
+        torch.get_num_threads(), *((capture[0].data_ptr(), capture[1].data_ptr(), capture[0].shape[1])
+                                   if capture is not None else (None, None, 0)))
     if rc != 0:
         raise MemoryError("decoder_layers: no scratch memory")
 

@@ -936,7 +936,10 @@ int decoder_layers(const layer_params *layers, int64_t num_layers, float *h, flo
                    const float *cos, const float *sin_signed, const int64_t *slots, int64_t num_seqs,
                    const int32_t *cu_q, const int32_t *context_lens, const int32_t *block_tables, int64_t table_width,
                    int64_t block_size, const int32_t *mask_offsets, const int32_t *mask_widths,
-                   const uint8_t *mask_data, int kv_f16, int nthreads) {
+                   const uint8_t *mask_data, int kv_f16, int nthreads, float *captured,
+                   const int64_t *capture_slot, int64_t num_slots) {
+    /* captured (may be NULL): [T, num_slots, hidden]; after layer l with capture_slot[l] >= 0, row t's
+     * slot capture_slot[l] gets h + delta, the residual stream the next layer's norm reads */
     const int64_t nqkv = (H + 2 * Hkv) * D;
     float *x = malloc(sizeof(float) * T * (hidden + nqkv + H * D + 3 * inter + hidden));
     if (!x) return -1;
@@ -970,6 +973,13 @@ int decoder_layers(const layer_params *layers, int64_t num_layers, float *h, flo
         rc |= quant_matmul((int)p->kind[3], act, inter, p->codes[3], p->scales[3], delta, hidden, T, hidden, inter,
                            nthreads);
         has_delta = 1;
+        if (captured && capture_slot[l] >= 0) {
+            for (int64_t t = 0; t < T; t++) {
+                float *dst = captured + (t * num_slots + capture_slot[l]) * hidden;
+                const float *a = h + t * hidden, *b = delta + t * hidden;
+                for (int64_t i = 0; i < hidden; i++) dst[i] = a[i] + b[i];
+            }
+        }
     }
     free(x);
 #ifdef SPECSERVE_PHASE_TIMES

@@ -6,7 +6,8 @@
   transformers' assisted generation applied to the node budget of a tree: after each
   verification its limit grows by 2 nodes when the whole drafted path was accepted and shrinks by
   1 otherwise. A miss at 1 node pauses drafting for that sequence for 2, 4, 8, ... up to
-  MAX_DRAFT_PAUSE steps, after which one node is tried again; an accepted draft ends the back-off.
+  MAX_DRAFT_PAUSE of the policy's decisions, after which one node is tried again; an accepted draft
+  ends the back-off.
   So a drafter that cannot predict a sequence costs it little more than plain decoding.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from specserve.engine.draft_policy.base import Candidate, StepCaps, StepReport
 
-MAX_DRAFT_PAUSE = 32   # steps without a draft, at most, after repeated misses at one node
+MAX_DRAFT_PAUSE = 32   # decisions without a draft, at most, after repeated misses at one node
 
 
 class FixedPolicy:

@@ -266,7 +266,7 @@ def test_the_policy_decides_less_often_while_it_grants_nothing_and_at_once_after
     """After the k-th decision in a row that grants drafter sequences nothing they ride along
     min(2^(k-1), MAX_RIDES) steps ahead; a grant starts the count over. Outputs stay the synchronous
     engine's."""
-    from specserve.engine.core import MAX_RIDES
+    from specserve.engine.scheduler import MAX_QUIET_STEPS as MAX_RIDES
     from specserve.engine.draft_policy.fixed import FixedPolicy
 
     params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)

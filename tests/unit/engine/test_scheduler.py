@@ -129,12 +129,13 @@ def test_draft_length_follows_acceptance():
 
 def test_misses_at_one_node_pause_drafting_with_backoff():
     """A miss with a one-node draft means no draft for 2, then 4, 8, ... (at most MAX_DRAFT_PAUSE)
-    steps; an accepted draft ends the back-off."""
+    of the policy's decisions; an accepted draft ends the back-off. (While it grants nothing the
+    scheduler asks it less often than every step: the steps between decisions decode plainly.)"""
     from specserve.engine.draft_policy.fixed import MAX_DRAFT_PAUSE
 
-    sched = Scheduler(BlockManager(256, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
+    sched = Scheduler(BlockManager(2048, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=8,
                       max_draft_tokens_per_step=64, draft_budget="adaptive")
-    seq = make_seq(5, max_tokens=1000)
+    seq = make_seq(5, max_tokens=8000)
     seq.drafters, seq.drafter = ("d",), "d"
     sched.add(seq)
     run_step(sched)
@@ -143,11 +144,15 @@ def test_misses_at_one_node_pause_drafting_with_backoff():
     assert sched.policy.limit(seq.seq_id) == 1
 
     def budgets_until_next_draft() -> list[int]:
+        """The budgets of the policy's decisions up to its next grant (`granted`: it decided)."""
         out = []
         while True:
             batch = run_step(sched)
-            out.append(batch.draft_budgets[0])
-            if out[-1]:
+            if batch.granted:
+                out.append(batch.draft_budgets[0])
+            else:
+                assert batch.draft_budgets == [0]
+            if out and out[-1]:
                 return out
 
     pauses = []
@@ -247,7 +252,8 @@ def test_a_sequence_with_several_drafters_drafts_with_one_per_step(policy):
     for _ in range(40):
         batch = sched.schedule()
         budget = batch.draft_budgets[0]
-        assert batch.granted[seq.seq_id] == budget and seq.drafter in ("x", "y")
+        # a step without a decision (the policy granted nothing lately: `granted` empty) drafts nothing
+        assert batch.granted.get(seq.seq_id, 0) == budget and seq.drafter in ("x", "y")
         report = StepReport(granted=dict(batch.granted))
         if budget:
             drafted.append(seq.drafter)
@@ -259,3 +265,37 @@ def test_a_sequence_with_several_drafters_drafts_with_one_per_step(policy):
         assert set(asked) == {"x", "y"} and set(drafted) == {"x", "y"}  # it tried both, then neither
     else:
         assert asked == [] and set(drafted) == {"x"}
+
+
+def test_the_policy_is_asked_less_often_while_it_grants_nothing():
+    """After its k-th decision in a row that grants nothing, drafter sequences decode the next
+    min(2^(k-1), MAX_QUIET_STEPS) steps without asking the policy ("-"); a grant starts the count
+    over, and a sequence's first decode is always decided ("D")."""
+    from specserve.engine.draft_policy.fixed import FixedPolicy
+    from specserve.engine.scheduler import MAX_QUIET_STEPS
+
+    sched = Scheduler(BlockManager(1024, 4), max_num_seqs=4, max_num_batched_tokens=64, max_draft_per_seq=4,
+                      max_draft_tokens_per_step=64, draft_budget=FixedPolicy(0))
+    seq = make_seq(5, max_tokens=1000)
+    seq.drafters, seq.drafter = ("d",), "d"
+    sched.add(seq)
+    run_step(sched)                                   # prefill
+
+    def kinds(n: int) -> str:
+        out = ""
+        for _ in range(n):
+            batch = run_step(sched)
+            out += "D" if batch.granted else "-"
+            sched.blocks.shrink(seq.seq_id, seq.num_computed_tokens)   # drafts, if any, all rejected
+        return out
+
+    quiet = "D-" + "D--" + "D----" + ("D" + "-" * MAX_QUIET_STEPS) * 2
+    assert kinds(len(quiet)) == quiet
+    sched.policy = FixedPolicy(4)                     # grants every step
+    assert kinds(3) == "DDD"
+    sched.policy = FixedPolicy(0)
+    assert kinds(4) == "D-D-"                         # one step left to ride along
+    other = make_seq(5, "o", max_tokens=1000)         # a new sequence's first decode is decided at once
+    other.drafters, other.drafter = ("d",), "d"
+    sched.add(other)
+    assert kinds(3) == "-D-"                          # its prefill rides along; its first decode is decided
