@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -68,7 +69,10 @@ class LlamaWorker:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError("the llama.cpp worker exited mid-run")
+            rc = self.proc.wait(timeout=60)
+            hint = (" (illegal instruction: llama.cpp was built for instructions this CPU refuses; rebuild it "
+                    "without them, docs/benchmarks.md)" if rc == -signal.SIGILL else "")
+            raise RuntimeError(f"the llama.cpp worker exited mid-run with status {rc}{hint}")
         answer = json.loads(line)
         return answer["tokens"], answer["seconds"]
 
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=4, help="per dataset (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch's and llama.cpp's threads (default: torch's)")
-    ap.add_argument("--drafters", nargs="*", default=["auto", "ngram", "mag", "medusa", "eagle"],
+    ap.add_argument("--drafters", nargs="*", default=["auto", "ngram", "mag", "medusa", "eagle", "eagle3"],
                     help="specserve methods besides plain decoding; auto: the server default (default: %(default)s)")
     ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                     help="specserve's weights (default: %(default)s, as served)")
