@@ -149,13 +149,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         drafts: dict[int, int] = {}
         forced: dict[int, int] = {}
-        if any((s.drafter is not None or s.grammar is not None) and s.num_uncomputed_tokens == 1 for s in self.running):
-            # asked every step while a sequence has a grammar, and at each sequence's first decode
-            if (any(s.grammar is not None or (s.num_output_tokens <= 1 and s.num_uncomputed_tokens == 1)
-                    for s in self.running)
-                    or not self.ride_along()):
-                drafts, forced = self._allocate()
-                self._decided(any(drafts.values()))
+        deciding = [s for s in self.running
+                    if (s.drafter is not None or s.grammar is not None) and s.num_uncomputed_tokens == 1]
+        # the policy is asked every step while a decoding sequence has a grammar, at each such
+        # sequence's first decode, and otherwise unless its sequences ride along (`_decided`)
+        if deciding and (any(s.grammar is not None or s.num_output_tokens <= 1 for s in deciding)
+                         or not self.ride_along()):
+            drafts, forced = self._allocate()
+            self._decided(any(drafts.values()))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
