@@ -3,7 +3,7 @@
     specserve bench cpu [--datasets mt_bench humaneval gsm8k] [--num-prompts 4] [--max-tokens 128]
         [--threads 2] [--drafters auto ngram mag medusa eagle] [--quantization auto]
         [--quantized-activations float|int8] [--compile]
-        [--llama-python PATH] [--streams 16] [--no-hf]
+        [--llama-python PATH] [--streams 16] [--stream-rounds 3] [--no-hf]
 
 Batch 1, greedy, `--max-tokens` new tokens per prompt (EOS ignored), the same chat prompts and the
 same thread count for everyone: specserve plain decoding and with each drafter (the served
@@ -14,7 +14,9 @@ GGUF, plain and with its prompt-lookup decoding. llama.cpp runs in the Python of
 `python -m venv ENV && ENV/bin/pip install llama-cpp-python`) through `llama_worker.py`; without one
 its rows are left out and the table says so. Every method runs prompt by prompt in turn, so a slow
 stretch of the machine hits all alike. Then specserve at `--streams` concurrent requests (plain and
-each drafter, the prompts of all datasets, all admitted at once): aggregate tokens/s. Also reported:
+each drafter, the prompts of all datasets, all admitted at once), `--stream-rounds` rounds of every
+method in turn: aggregate tokens/s, and each drafter's ratio to plain decoding as the median over
+rounds of the ratio to the same round's plain batch, with its range. Also reported:
 the engine's memory at load, and how many prompts each method continues exactly as specserve plain
 decoding does (a drafter must: speculation is lossless; llama.cpp and transformers compute with
 other kernels and may part at near-ties).
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-python", default=None, help="the Python of an environment with llama-cpp-python")
     ap.add_argument("--lookup-tokens", type=int, default=10, help="llama.cpp prompt lookup's draft length")
     ap.add_argument("--streams", type=int, default=16, help="concurrent requests of the last table (0: skip it)")
+    ap.add_argument("--stream-rounds", type=int, default=3,
+                    help="rounds of the concurrent table, every method in turn in each (default: %(default)s)")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers generate")
     ap.add_argument("--out", default="bench/results/cpu_compare.json")
     args = ap.parse_args(argv)
@@ -165,20 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     same = {m: f"{sum(a == b for a, b in zip(outputs[m], outputs[PLAIN]))}/{len(outputs[PLAIN])}"
             for m in methods if m != PLAIN}
 
-    streams, streams_same = {}, {}
+    streams, streams_ratio, streams_same = {}, {}, {}
     if args.streams:
         pool = [p for ps in prompts.values() for p in ps]
-        batch = [pool[i % len(pool)] for i in range(args.streams)]
-        plain_out = None
-        for d in ("none", *args.drafters):
-            run_engine(engine, batch[:2], 8, d, f"warm-{d}")
-            out, s = run_engine(engine, batch, args.max_tokens, d, f"streams-{d}")
-            name = PLAIN if d == "none" else f"specserve {d}"
-            streams[name] = sum(map(len, out)) / s
-            if d == "none":
-                plain_out = out
-            else:
-                streams_same[name] = f"{sum(a == b for a, b in zip(out, plain_out))}/{len(out)}"
+        streams, streams_ratio, streams_same = concurrent(engine, [pool[i % len(pool)] for i in range(args.streams)],
+                                                          args.max_tokens, args.drafters, max(1, args.stream_rounds))
     if llama is not None:
         llama.close()
 
@@ -193,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "llama_cpp": llama.version if llama else None,
         "datasets": list(prompts), "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
         "memory_mib": {k: round(v / 2**20) for k, v in engine.stats.memory_bytes.items()},
-        "batch1_tok_s": batch1, "same_as_plain": same, "streams": args.streams, "streams_tok_s": streams,
-        "streams_same_as_plain": streams_same,
+        "batch1_tok_s": batch1, "same_as_plain": same, "streams": args.streams,
+        "stream_rounds": max(1, args.stream_rounds) if args.streams else 0, "streams_tok_s": streams,
+        "streams_ratio": streams_ratio, "streams_same_as_plain": streams_same,
     }
     text = markdown(result)
     print(text)
@@ -202,6 +198,37 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def concurrent(engine: LLMEngine, batch: list[list[int]], max_tokens: int, drafters: list[str],
+               rounds: int) -> tuple[dict, dict, dict]:
+    """`batch` admitted at once under plain decoding and under each drafter, every method in turn in
+    each of `rounds` rounds, so that a slow stretch of the machine hits one round of all methods:
+    (aggregate tokens/s per method over all rounds, each drafter's {median, min, max} over rounds of
+    its tokens/s divided by that round's plain tokens/s, prompts continued exactly as plain does)."""
+    methods = {PLAIN: "none", **{f"specserve {d}": d for d in drafters}}
+    for d in methods.values():
+        run_engine(engine, batch[:2], 8, d, f"warm-{d}")
+    tokens, seconds = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0.0)
+    rates: dict[str, list[float]] = {m: [] for m in methods}
+    same = {m: 0 for m in methods if m != PLAIN}
+    for r in range(rounds):
+        for m, d in methods.items():
+            out, s = run_engine(engine, batch, max_tokens, d, f"streams-{d}-{r}")
+            n = sum(map(len, out))
+            tokens[m] += n
+            seconds[m] += s
+            rates[m].append(n / s)
+            if m == PLAIN:
+                plain_out = out
+            else:
+                same[m] += sum(a == b for a, b in zip(out, plain_out))
+    ratio = {}
+    for m in same:
+        per_round = [a / b for a, b in zip(rates[m], rates[PLAIN])]
+        ratio[m] = {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
+    return ({m: tokens[m] / seconds[m] for m in methods}, ratio,
+            {m: f"{k}/{len(batch) * rounds}" for m, k in same.items()})
 
 
 def _one(run: tuple[list[list[int]], float]) -> tuple[list[int], float]:
@@ -238,11 +265,16 @@ def markdown(result: dict) -> str:
     notes.append(f"llama.cpp: llama-cpp-python {result['llama_cpp']}." if result.get("llama_cpp") else
                  "llama.cpp: not run (no environment with llama-cpp-python: `--llama-python`).")
     if result.get("streams_tok_s"):
-        lines += ["", f"{result['streams']} concurrent requests (all datasets' prompts), aggregate tokens/s:", "",
+        rounds = result.get("stream_rounds", 1)
+        lines += ["", f"{result['streams']} concurrent requests (all datasets' prompts), {rounds} round(s) of every "
+                  "method in turn: aggregate tokens/s, and the median over rounds of the ratio to the same round's "
+                  "plain decoding (range in brackets):", "",
                   "| method | tokens/s | vs plain | same tokens as plain |", "|---|---|---|---|"]
         base = result["streams_tok_s"].get(PLAIN)
         for m, v in result["streams_tok_s"].items():
-            lines.append(f"| {m} | {v:.1f} | {v / base:.2f}× | {result['streams_same_as_plain'].get(m, '–')} |")
+            r = result.get("streams_ratio", {}).get(m)
+            vs = f"{r['median']:.2f}× ({r['min']:.2f}–{r['max']:.2f})" if r else f"{v / base:.2f}×"
+            lines.append(f"| {m} | {v:.1f} | {vs} | {result['streams_same_as_plain'].get(m, '–')} |")
     return "\n".join(lines + ["", " ".join(notes)]) + "\n"
 
 

@@ -59,7 +59,8 @@ BENCHMARKS: dict[str, Benchmark] = {
         "CPU comparison", "specserve.bench.cpu", "cpu",
         "specserve as served on the CPU (plain decoding and each drafter) against llama.cpp (plain and its prompt "
         "lookup) and transformers `generate` on the same GGUF: batch 1, greedy, the same chat prompts, tokens and "
-        "threads, every method prompt by prompt in turn; then specserve at 16 concurrent requests."),
+        "threads, every method prompt by prompt in turn; then specserve at 16 concurrent requests, in rounds of "
+        "every method in turn."),
     "structured": Benchmark(
         "Structured output", "specserve.bench.structured", "structured",
         "A JSON-extraction workload (GSM8K answered as `{\"reasoning\", \"answer\"}` under a JSON schema) on the "

