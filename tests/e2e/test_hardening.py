@@ -335,7 +335,7 @@ def test_the_default_model_without_native_kernels_or_bf16_is_served_unquantized(
     than the fp32 weights. Here the native kernels are off and oneDNN and ATen are limited to AVX2,
     whatever this machine has."""
     proc = _spawn(["generate", "Hello", "--max-tokens", "5", "--ignore-eos", "--log-level", "info", "--max-num-seqs", "1",
-                   "--max-model-len", "128", "--no-prepack-weights"],
+                   "--max-model-len", "128", "--no-prepack-weights", "--drafter", "none"],
                   env={"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "SPECSERVE_CPU_KERNELS": "0"})
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
