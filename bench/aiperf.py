@@ -10,7 +10,9 @@ AIPerf lives in its own environment: `--aiperf` names its executable; without it
 
 For each `--drafters` setting the bench starts its own server (`python -m specserve.server serve --model
 MODEL --drafter SETTING --host 127.0.0.1 --port P`, the server's defaults otherwise, as `make serve`
-runs it; `auto` is the default) and, for each `--concurrency` C, runs
+runs it; `auto` is the default), all of them before the first run. Then, for each `--concurrency` C,
+each server in turn (the others idle), so that a slow stretch of the machine hits the settings of a
+level alike, it runs
 
     aiperf profile -m MODEL -u URL --endpoint-type chat --streaming --concurrency C
         --request-count max(8, R x C) --input-file PROMPTS --custom-dataset-type single_turn
@@ -231,48 +233,51 @@ def main(argv: list[str] | None = None) -> int:
                  "datasets": args.datasets, "prompts": num_prompts, "max_tokens": args.max_tokens},
         "runs": [],
     }
+    servers: dict[str, tuple[ManagedServer, str]] = {}
     try:
-        for drafter in args.drafters:
+        for drafter in args.drafters:      # every server up first; each waits idle while another is measured
             port = free_port()
-            base = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "specserve.server", "serve", "--model", args.model, "--drafter", drafter,
                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *shlex.split(args.server_args)]
-            server = ManagedServer(cmd, work / f"server-{drafter}.log")
-            server.start()
-            try:
-                server.wait_ready(base, args.ready_timeout)
-                for c in args.concurrency:
-                    n = max(8, args.requests_per_stream * c)
-                    artifacts = raw / f"{drafter}-c{c}"
-                    warm_up(base, model_name, prompts, c, args.max_tokens)
-                    before = scrape_spec_counters(base)
-                    t0 = time.monotonic()
-                    run = subprocess.run(aiperf_command(exe, model_name, base, c, n, prompts, tokenizer,
-                                                        args.max_tokens, artifacts),
-                                         capture_output=True, text=True)
-                    seconds = time.monotonic() - t0
-                    if run.returncode != 0:
-                        raise RuntimeError(f"aiperf failed ({run.returncode}):\n{run.stdout[-3000:]}\n"
-                                           f"{run.stderr[-3000:]}")
-                    after = scrape_spec_counters(base)
-                    row = {"drafter": drafter, "concurrency": c, "requests": n, "seconds": round(seconds, 1),
-                           **read_export(artifacts)}
-                    level = {key: after[key] - before[key] for key in SPEC_COUNTERS}
-                    level["acceptance_length"] = (1 + level["accepted_tokens"] / level["drafts"]
-                                                  if level["drafts"] else None)
-                    row["metrics_endpoint"] = level
-                    result["runs"].append(row)
-                    print(f"{drafter} c={c}: {row.get('output_tok_s', {}).get('avg')} tok/s in {seconds:.0f} s",
-                          file=sys.stderr, flush=True)
-            finally:
-                result.setdefault("servers", {})[drafter] = server.stop(60)
+            servers[drafter] = (ManagedServer(cmd, work / f"server-{drafter}.log"), f"http://127.0.0.1:{port}")
+            servers[drafter][0].start()
+            servers[drafter][0].wait_ready(servers[drafter][1], args.ready_timeout)
+        for c in args.concurrency:         # each level: every setting in turn, so a slow stretch hits them alike
+            for drafter, (_, base) in servers.items():
+                result["runs"].append(run_level(exe, base, drafter, c, args, model_name, prompts, tokenizer, raw))
     finally:
+        for drafter, (server, _) in servers.items():
+            result.setdefault("servers", {})[drafter] = server.stop(60)
         out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
         shutil.rmtree(work, ignore_errors=True)
     text = markdown(result)
     out.with_suffix(".md").write_text(text)
     print(text)
     return 0
+
+
+def run_level(exe: str, base: str, drafter: str, c: int, args, model_name: str, prompts: Path, tokenizer: Path,
+              raw: Path) -> dict:
+    """One AIPerf run at concurrency `c` against the server at `base` (after a warm-up of `c`
+    requests), with the speculation counters /metrics gained over it."""
+    n = max(8, args.requests_per_stream * c)
+    artifacts = raw / f"{drafter}-c{c}"
+    warm_up(base, model_name, prompts, c, args.max_tokens)
+    before = scrape_spec_counters(base)
+    t0 = time.monotonic()
+    run = subprocess.run(aiperf_command(exe, model_name, base, c, n, prompts, tokenizer, args.max_tokens, artifacts),
+                         capture_output=True, text=True)
+    seconds = time.monotonic() - t0
+    if run.returncode != 0:
+        raise RuntimeError(f"aiperf failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    after = scrape_spec_counters(base)
+    row = {"drafter": drafter, "concurrency": c, "requests": n, "seconds": round(seconds, 1), **read_export(artifacts)}
+    level = {key: after[key] - before[key] for key in SPEC_COUNTERS}
+    level["acceptance_length"] = 1 + level["accepted_tokens"] / level["drafts"] if level["drafts"] else None
+    row["metrics_endpoint"] = level
+    print(f"{drafter} c={c}: {row.get('output_tok_s', {}).get('avg')} tok/s in {seconds:.0f} s", file=sys.stderr,
+          flush=True)
+    return row
 
 
 def _num(value, spec: str) -> str:
