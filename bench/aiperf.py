@@ -239,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             cmd = [sys.executable, "-m", "specserve.server", "serve", "--model", args.model, "--drafter", drafter,
                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *shlex.split(args.server_args)]
-            servers[drafter] = (ManagedServer(cmd, work / f"server-{drafter}.log"), f"http://127.0.0.1:{port}")
-            servers[drafter][0].start()
-            servers[drafter][0].wait_ready(servers[drafter][1], args.ready_timeout)
+            server, base = ManagedServer(cmd, work / f"server-{drafter}.log"), f"http://127.0.0.1:{port}"
+            servers[drafter] = (server, base)
+            server.start()
+            server.wait_ready(base, args.ready_timeout)
         for c in args.concurrency:         # each level: every setting in turn, so a slow stretch hits them alike
             for drafter, (_, base) in servers.items():
                 result["runs"].append(run_level(exe, base, drafter, c, args, model_name, prompts, tokenizer, raw))

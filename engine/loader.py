@@ -286,7 +286,11 @@ def gguf_tensor_types(path: Path) -> dict[str, str]:
     field on the way, the vocabulary's strings included: about 3 s for SmolLM2's 49k tokens."""
     import gguf
 
-    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    return _tensor_types(gguf.GGUFReader(path))
+
+
+def _tensor_types(reader) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in reader.tensors}
 
 
 def _cached_tensor_types(path: Path, folder: Path) -> dict[str, str]:
@@ -343,6 +347,7 @@ def _gguf_cache_key(path: Path, chunk: int = 1 << 20) -> str:
 def _convert_gguf(path: Path, out: Path) -> None:
     """Dequantise `path` with transformers and write an HF folder to `out` atomically (temp dir + rename)."""
     import transformers
+    from gguf import GGUFReader
 
     folder, file = str(path.parent), path.name
     try:
@@ -351,7 +356,8 @@ def _convert_gguf(path: Path, out: Path) -> None:
         raise UnsupportedModelError(f"{path}: transformers cannot convert this GGUF: {e}") from e
     _check_supported(config.model_type, getattr(config, "architectures", None), path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    _fix_gguf_tokenizer(tokenizer, path)
+    reader = GGUFReader(path)   # one parse for the tokenizer's fixes and the tensor types
+    _fix_gguf_tokenizer(tokenizer, reader.fields)
     tokenizer.model_max_length = config.max_position_embeddings
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, config=config)
 
@@ -365,7 +371,7 @@ def _convert_gguf(path: Path, out: Path) -> None:
         _save_dequantized(model, tmp)
         # legacy_format=False: tokenizer.json only; the "tokenizer.model" it would write is a copy of the whole GGUF
         tokenizer.save_pretrained(tmp, legacy_format=False)
-        (tmp / TYPES_FILE).write_text(json.dumps(gguf_tensor_types(path), sort_keys=True))
+        (tmp / TYPES_FILE).write_text(json.dumps(_tensor_types(reader), sort_keys=True))
         try:
             os.rename(tmp, out)
         except OSError:
@@ -395,15 +401,12 @@ def _save_dequantized(model: Any, out: Path) -> None:
               metadata={"format": "pt"})
 
 
-def _fix_gguf_tokenizer(tokenizer: Any, path: Path) -> None:
-    """Make the converted tokenizer follow the GGUF metadata.
+def _fix_gguf_tokenizer(tokenizer: Any, fields: dict) -> None:
+    """Make the converted tokenizer follow the GGUF metadata (`fields`: a `gguf.GGUFReader`'s).
 
     transformers 4.57 sets bos and eos both to the bos token and always adds a BOS; the GGUF says which ids are
     bos/eos/pad and whether to add BOS/EOS.
     """
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
 
     def meta(key: str) -> Any:
         field = fields.get(f"tokenizer.ggml.{key}")
