@@ -13,10 +13,11 @@ GGUF, plain and with its prompt-lookup decoding. llama.cpp runs in the Python of
 (`--llama-python`, or $SPECSERVE_LLAMA_PYTHON; it builds from source, ~8 minutes:
 `python -m venv ENV && ENV/bin/pip install llama-cpp-python`) through `llama_worker.py`; without one
 its rows are left out and the table says so. Every method runs prompt by prompt in turn, so a slow
-stretch of the machine hits all alike. Then specserve at `--streams` concurrent requests (plain and
-each drafter, the prompts of all datasets, all admitted at once), `--stream-rounds` rounds of every
-method in turn: aggregate tokens/s, and each drafter's ratio to plain decoding as the median over
-rounds of the ratio to the same round's plain batch, with its range. Also reported:
+stretch of the machine hits all alike. Then specserve at `--streams` concurrent requests (each
+drafter, the prompts of all datasets, all admitted at once, in lockstep with plain decoding of the
+same requests on a twin engine: one step of each in turn), `--stream-rounds` rounds of every
+drafter in turn: aggregate tokens/s, and each drafter's ratio to plain decoding as the median over
+rounds of the ratio to its paired plain run, with its range. Also reported:
 the engine's memory at load, and how many prompts each method continues exactly as specserve plain
 decoding does (a drafter must: speculation is lossless; llama.cpp and transformers compute with
 other kernels and may part at near-ties).
@@ -40,7 +41,7 @@ import torch
 
 from specserve.bench.common import build_hf_model, chat_ids, machine_info, run_hf
 from specserve.bench.datasets import add_dataset_args, load_prompts
-from specserve.bench.spec_decode import run_engine_batch
+from specserve.bench.spec_decode import run_engine_batch, run_lockstep
 from specserve.engine.config import EngineConfig
 from specserve.engine.core import LLMEngine
 from specserve.engine.loader import load_model, locate_default_gguf
@@ -172,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     streams, streams_ratio, streams_same = {}, {}, {}
     if args.streams:
         pool = [p for ps in prompts.values() for p in ps]
-        streams, streams_ratio, streams_same = concurrent(engine, [pool[i % len(pool)] for i in range(args.streams)],
-                                                          args.max_tokens, args.drafters, max(1, args.stream_rounds))
+        twin = LLMEngine(engine.config, loaded=loaded)   # plain decoding's, beside each drafter's runs
+        batch = [pool[i % len(pool)] for i in range(args.streams)]
+        streams, streams_ratio, streams_same = concurrent(engine, twin, batch, args.max_tokens, args.drafters,
+                                                          max(1, args.stream_rounds))
     if llama is not None:
         llama.close()
 
@@ -200,33 +203,37 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def concurrent(engine: LLMEngine, batch: list[list[int]], max_tokens: int, drafters: list[str],
+def concurrent(engine: LLMEngine, twin: LLMEngine, batch: list[list[int]], max_tokens: int, drafters: list[str],
                rounds: int) -> tuple[dict, dict, dict]:
-    """`batch` admitted at once under plain decoding and under each drafter, every method in turn in
-    each of `rounds` rounds, so that a slow stretch of the machine hits one round of all methods:
-    (aggregate tokens/s per method over all rounds, each drafter's {median, min, max} over rounds of
-    its tokens/s divided by that round's plain tokens/s, prompts continued exactly as plain does)."""
-    methods = {PLAIN: "none", **{f"specserve {d}": d for d in drafters}}
-    for d in methods.values():
-        run_engine(engine, batch[:2], 8, d, f"warm-{d}")
+    """`batch` admitted at once under each drafter on `engine`, each run in lockstep with plain
+    decoding of the same batch on `twin` (an engine built alike; `spec_decode.run_lockstep`: one
+    step of each in turn, so the machine's drift hits both), every drafter in turn in each of
+    `rounds` rounds: (aggregate tokens/s per method over all rounds, each drafter's {median, min,
+    max} over rounds of its tokens/s divided by its pair's plain tokens/s, prompts continued
+    exactly as plain does). Without drafters, plain decoding alone on `twin`."""
+    def params() -> list[SamplingParams]:
+        return [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) for _ in batch]
+
+    for e, d in [(twin, "none")] + [(engine, d) for d in drafters]:
+        run_engine(e, batch[:2], 8, d, f"warm-{d}")
+    methods = [PLAIN] + [f"specserve {d}" for d in drafters]
     tokens, seconds = dict.fromkeys(methods, 0), dict.fromkeys(methods, 0.0)
-    rates: dict[str, list[float]] = {m: [] for m in methods}
-    same = {m: 0 for m in methods if m != PLAIN}
+    ratios: dict[str, list[float]] = {m: [] for m in methods[1:]}
+    same = dict.fromkeys(methods[1:], 0)
     for r in range(rounds):
-        for m, d in methods.items():
-            out, s = run_engine(engine, batch, max_tokens, d, f"streams-{d}-{r}")
-            n = sum(map(len, out))
-            tokens[m] += n
-            seconds[m] += s
-            rates[m].append(n / s)
-            if m == PLAIN:
-                plain_out = out
-            else:
-                same[m] += sum(a == b for a, b in zip(out, plain_out))
-    ratio = {}
-    for m in same:
-        per_round = [a / b for a, b in zip(rates[m], rates[PLAIN])]
-        ratio[m] = {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
+        if not drafters:
+            n, s, _, _ = run_engine_batch(twin, batch, params(), "none", f"streams-none-{r}")
+            tokens[PLAIN] += n
+            seconds[PLAIN] += s
+        for d, m in zip(drafters, methods[1:]):
+            plain, spec = run_lockstep([(twin, batch, params(), "none", f"streams-none-{d}-{r}"),
+                                        (engine, batch, params(), d, f"streams-{d}-{r}")])
+            for method, (n, s, _, _) in ((PLAIN, plain), (m, spec)):
+                tokens[method] += n
+                seconds[method] += s
+            ratios[m].append((spec[0] / spec[1]) / (plain[0] / plain[1]))
+            same[m] += sum(a == b for a, b in zip(spec[2], plain[2]))
+    ratio = {m: {"median": statistics.median(v), "min": min(v), "max": max(v)} for m, v in ratios.items()}
     return ({m: tokens[m] / seconds[m] for m in methods}, ratio,
             {m: f"{k}/{len(batch) * rounds}" for m, k in same.items()})
 
@@ -267,8 +274,9 @@ def markdown(result: dict) -> str:
     if result.get("streams_tok_s"):
         rounds = result.get("stream_rounds", 1)
         lines += ["", f"{result['streams']} concurrent requests (all datasets' prompts), {rounds} round(s) of every "
-                  "method in turn: aggregate tokens/s, and the median over rounds of the ratio to the same round's "
-                  "plain decoding (range in brackets):", "",
+                  "drafter in turn, each run in lockstep with plain decoding of the same requests on a twin engine "
+                  "(one step of each in turn): aggregate tokens/s, and the median over rounds of the ratio to "
+                  "the paired plain run (range in brackets):", "",
                   "| method | tokens/s | vs plain | same tokens as plain |", "|---|---|---|---|"]
         base = result["streams_tok_s"].get(PLAIN)
         for m, v in result["streams_tok_s"].items():

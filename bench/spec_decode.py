@@ -14,6 +14,10 @@ batch, in one run. For each dataset x temperature the prompts run in batches of 
 each batch runs once per method before the next batch starts, in an order that reverses from one
 batch to the next (plain first, then last, ...: `method_order`), so a slow drift of the machine's
 speed hits every method alike instead of favouring the methods run nearest to plain. With
+`--pairing lockstep` each drafted method's batch runs beside plain decoding of the same batch on a
+twin engine (built as the first policy's), one engine step of each in turn (`run_lockstep`), and
+its speedup is that pair's: a shared machine's speed moves by several per cent within seconds,
+which the pair sees alike (an A/A pair, plain beside plain, reads 0.99-1.00). With
 `--anchor-every K` plain decoding runs again after every K drafted methods of a batch (and at both
 ends), and each method's batch is compared with plain decoding at the same moment: linear in time
 between the plain runs just before and after it (`anchored`), so a drift that is not linear over
@@ -99,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run plain decoding again after every K drafted methods of a batch (and at both ends) "
                          "and compare each method with plain decoding at the same moment, interpolated in time "
                          "between those runs; 0: plain once per batch (default: %(default)s)")
+    ap.add_argument("--pairing", default="anchored", choices=("anchored", "lockstep"),
+                    help="anchored: each method's batch runs alone, compared with plain decoding's runs of it "
+                         "(--anchor-every); lockstep: each drafted method's batch runs in lockstep with plain "
+                         "decoding of the same batch on a twin engine (one step of each in turn), and its speedup "
+                         "is that pair's, the machine's drift hitting both alike (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=1, metavar="R",
                     help="run each batch's methods R times over (order reversed every other time); a cell's "
                          "speedup is then the median of its R repeats' speedups, each anchored as above "
@@ -273,21 +282,45 @@ def method_order(methods: list[str], batch_no: int) -> list[str]:
 
 def run_engine_batch(engine, prompts: list[list[int]], params: list, drafter: str, tag: str):
     """Decode `prompts` together with `drafter`; (tokens, seconds, outputs, spec figures) in prompt order."""
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    specs: dict[str, object] = {}
-    t0 = time.perf_counter()
-    for rid, prompt, p in zip(ids, prompts, params):
-        engine.add_request(rid, prompt, p, drafter=drafter)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            for d in out.outputs:
-                tokens[out.request_id].extend(d.token_ids)
-            if out.finished:
-                specs[out.request_id] = out.spec
-    seconds = time.perf_counter() - t0
-    outs = [tokens[rid] for rid in ids]
-    return sum(map(len, outs)), seconds, outs, [specs.get(rid) for rid in ids]
+    return run_lockstep([(engine, prompts, params, drafter, tag)])[0]
+
+
+def run_lockstep(runs: list[tuple]) -> list[tuple]:
+    """Each run `(engine, prompts, params, drafter, tag)` on its own engine, one `step` of each
+    engine in turn until all are done, so that the runs see the machine at the same moments;
+    per run `run_engine_batch`'s (tokens, seconds, outputs, spec figures), its seconds those of its
+    own engine's calls (adding its requests, its steps and reading their outputs). One run: its
+    wall-clock time from adding its batch to its last token."""
+    if len({id(r[0]) for r in runs}) != len(runs):
+        raise ValueError("runs in lockstep need an engine each")
+    tokens: list[dict[str, list[int]]] = []
+    specs: list[dict[str, object]] = [{} for _ in runs]
+    seconds = [0.0] * len(runs)
+    for j, (engine, prompts, params, drafter, tag) in enumerate(runs):
+        ids = [f"{tag}-{i}" for i in range(len(prompts))]
+        tokens.append({rid: [] for rid in ids})
+        t0 = time.perf_counter()
+        for rid, prompt, p in zip(ids, prompts, params):
+            engine.add_request(rid, prompt, p, drafter=drafter)
+        seconds[j] += time.perf_counter() - t0
+    live = list(range(len(runs)))
+    while live:
+        for j in list(live):
+            engine = runs[j][0]
+            t0 = time.perf_counter()
+            for out in engine.step():
+                for d in out.outputs:
+                    tokens[j][out.request_id].extend(d.token_ids)
+                if out.finished:
+                    specs[j][out.request_id] = out.spec
+            if not engine.has_unfinished_requests():
+                live.remove(j)
+            seconds[j] += time.perf_counter() - t0
+    results = []
+    for j in range(len(runs)):
+        outs = list(tokens[j].values())
+        results.append((sum(map(len, outs)), seconds[j], outs, [specs[j].get(rid) for rid in tokens[j]]))
+    return results
 
 
 def stats_snapshot(engine, name: str) -> dict:
@@ -440,6 +473,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         engine = LLMEngine(config, loaded=loaded)
         engines[engine.config.draft_budget] = engine
     engine = next(iter(engines.values()))
+    # lockstep: plain decoding on an engine of its own, built as the first policy's (`run_lockstep`)
+    twin = LLMEngine(engine.config, loaded=loaded) if args.pairing == "lockstep" else None
     methods = plan_methods(drafters, engines)
     drafted = [m for m in methods if m.drafter != PLAIN]
     hf = build_hf_model(loaded, engine.device, engine.dtype) if args.hf else None
@@ -460,6 +495,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         for m in methods:
             run_engine_batch(m.engine, first, params_for(t, list(range(len(first))), WARMUP_TOKENS), m.drafter,
                              f"warm-{m.label}-{t}")
+        if twin is not None:
+            run_engine_batch(twin, first, params_for(t, list(range(len(first))), WARMUP_TOKENS), PLAIN,
+                             f"warm-twin-{t}")
         if hf is not None:
             run_hf(hf, first[:1], WARMUP_TOKENS, temperature=t, seeds=[0], pad_token_id=pad_id)
             try:
@@ -491,14 +529,25 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 chunk = ps[start:start + group]
                 seeds = [args.seed + start + i for i in range(len(chunk))]
                 for rep in range(args.repeats):
-                    order = anchored_order(method_order(methods, batch_no), args.anchor_every, methods[0])
-                    for k, m in enumerate(order):
-                        t0 = time.perf_counter()
-                        n, secs, outs, specs = run_engine_batch(
-                            m.engine, chunk, params_for(t, seeds, args.max_tokens), m.drafter,
-                            f"{ds}-{t}-{m.label}-{start}-{rep}-{k}")
-                        tallies[m.label].add(n, secs, outs, specs, batch=start // group,
-                                             at=t0 + secs / 2, repeat=rep)
+                    params = params_for(t, seeds, args.max_tokens)
+                    if twin is not None:   # each drafted method beside plain decoding, step by step
+                        for k, m in enumerate(method_order(drafted, batch_no)):
+                            tag = f"{ds}-{t}-{m.label}-{start}-{rep}-{k}"
+                            t0 = time.perf_counter()
+                            pair = run_lockstep([(twin, chunk, params, PLAIN, f"{tag}-plain"),
+                                                 (m.engine, chunk, params_for(t, seeds, args.max_tokens),
+                                                  m.drafter, tag)])
+                            at = (t0 + time.perf_counter()) / 2   # shared: `anchored` reads the pair's plain run
+                            for label, run in zip((PLAIN, m.label), pair):
+                                tallies[label].add(*run, batch=start // group, at=at, repeat=rep)
+                    else:
+                        order = anchored_order(method_order(methods, batch_no), args.anchor_every, methods[0])
+                        for k, m in enumerate(order):
+                            t0 = time.perf_counter()
+                            n, secs, outs, specs = run_engine_batch(
+                                m.engine, chunk, params, m.drafter, f"{ds}-{t}-{m.label}-{start}-{rep}-{k}")
+                            tallies[m.label].add(n, secs, outs, specs, batch=start // group,
+                                                 at=t0 + secs / 2, repeat=rep)
                     batch_no += 1
                 if hf is not None:
                     hf_tallies["hf_generate"].add(*run_hf(hf, chunk, args.max_tokens, temperature=t, seeds=seeds,
@@ -567,7 +616,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             "mean_prompt_tokens": {ds: sum(map(len, ps)) / len(ps) for ds, ps in prompts.items()},
             "max_tokens": args.max_tokens, "temperatures": args.temperature, "batch_size": args.batch_size,
             "admission": args.admission, "method_order": "reversed every other batch",
-            "anchor_every": args.anchor_every, "repeats": args.repeats,
+            "pairing": args.pairing, "anchor_every": 0 if twin is not None else args.anchor_every,
+            "repeats": args.repeats,
             "hf_batch_size": 1 if hf is not None else None, "seed": args.seed, "drafters": drafters,
             "skipped_drafters": skipped, "drafter_options": options,
             "num_speculative_tokens": args.num_speculative_tokens,
@@ -643,6 +693,9 @@ def markdown(result: dict) -> str:
     every = meta.get("anchor_every") or 0
     anchor = (f" at the same moment (plain decoding run again after every {every} drafted method(s) of a batch, "
               "interpolated in time between its runs)" if every else " in the same run")
+    if meta.get("pairing") == "lockstep":
+        anchor = (" on the same batch in lockstep (each run beside plain decoding on a twin engine, one step of "
+                  "each in turn)")
     repeats = meta.get("repeats") or 1
     median = f", the median of {repeats} repeats of every batch" if repeats > 1 else ""
     lines += ["", f"speedup: tok/s over our plain decoding{anchor}{median}; per batch: the lowest and highest "

@@ -282,6 +282,85 @@ def test_anchor_every_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, monkeyp
     assert "at the same moment" in out.with_suffix(".md").read_text()
 
 
+def test_lockstep_pairing_end_to_end(tiny_llama_dir, tiny_dataset, tmp_path, monkeypatch):
+    """--pairing lockstep: every drafted method's batch runs in lockstep with plain decoding of the
+    same batch on a second engine, each batch speedup is that pair's ratio of tokens/s, and plain
+    decoding gives the same greedy output in every pair."""
+    out = tmp_path / "lockstep"
+    pairs = []
+    real_lockstep = spec_decode.run_lockstep
+
+    def recording_lockstep(runs):
+        results = real_lockstep(runs)
+        if not any(r[4].startswith("warm-") for r in runs):
+            pairs.append(([(r[0], r[3]) for r in runs], results))
+        return results
+
+    monkeypatch.setattr(spec_decode, "run_lockstep", recording_lockstep)
+    rc = spec_decode.main(["--model", str(tiny_llama_dir), "--datasets", str(tiny_dataset), "--num-prompts", "2",
+                           "--max-tokens", "8", "--drafters", "ngram", "draft_model", "--drafter-option",
+                           "draft_model.draft_layers=1", "--temperature", "0", "--no-hf", "--draft-budget", "fixed",
+                           "--batch-size", "2", "--admission", "continuous", "--repeats", "2",
+                           "--pairing", "lockstep", "--out", str(out)])
+    assert rc == 0
+    # one pair per drafted method and repeat, the order reversing; plain on its own engine
+    assert [[d for _, d in runs] for runs, _ in pairs] == [["none", "ngram"], ["none", "draft_model"],
+                                                           ["none", "draft_model"], ["none", "ngram"]]
+    twins = {id(runs[0][0]) for runs, _ in pairs}
+    drafting = {id(runs[1][0]) for runs, _ in pairs}
+    assert len(twins) == 1 and len(drafting) == 1 and twins != drafting
+    assert all(res[0][2] == pairs[0][1][0][2] for _, res in pairs)
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["meta"]["pairing"] == "lockstep" and result["num_greedy_mismatches"] == 0
+    cells = {r["method"]: r for r in result["results"]}
+    assert cells["none"]["num_tokens"] == 4 * 2 * 8                  # a plain run in every pair
+    for d in ("ngram", "draft_model"):
+        expected = [(n / s) / (pn / ps) for runs, ((pn, ps, _, _), (n, s, _, _)) in pairs if runs[1][1] == d]
+        assert cells[d]["speedup_by_batch"] == pytest.approx(expected)
+        assert cells[d]["num_tokens"] == 2 * 2 * 8 and cells[d]["greedy_mismatches"] == 0
+    assert "in lockstep" in out.with_suffix(".md").read_text()
+
+
+def test_run_lockstep_steps_the_engines_in_turn(tiny_llama_dir):
+    """Two engines decode their batches one step each in turn, each run's outputs are those it
+    gives alone, and its seconds count its own engine's calls only."""
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.core import LLMEngine
+    from specserve.engine.sampling_params import SamplingParams
+
+    engines = [LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128,
+                                      drafters=("none", "ngram"))) for _ in range(2)]
+    log = []
+    for k, engine in enumerate(engines):
+        real_step = engine.step
+
+        def step(real_step=real_step, k=k):
+            log.append(k)
+            return real_step()
+        engine.step = step
+    prompts = [[1, 5, 9, 5, 9, 5], [2, 7, 3]]
+
+    def params(max_tokens):
+        return [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) for _ in prompts]
+
+    alone = [spec_decode.run_engine_batch(engines[0], prompts, params(m), d, f"alone-{d}")
+             for d, m in (("none", 4), ("ngram", 12))]
+    log.clear()
+    t0 = __import__("time").perf_counter()
+    pair = spec_decode.run_lockstep([(engines[0], prompts, params(4), "none", "a"),
+                                     (engines[1], prompts, params(12), "ngram", "b")])
+    wall = __import__("time").perf_counter() - t0
+    steps_a = log.count(0)
+    assert log[:2 * steps_a] == [0, 1] * steps_a and set(log[2 * steps_a:]) == {1}   # in turn, then the rest
+    for (n, s, outs, specs), (n1, _, outs1, _) in zip(pair, alone):
+        assert (n, outs) == (n1, outs1) and 0 < s < wall
+    assert pair[0][1] + pair[1][1] <= wall
+    assert all(spec is not None for spec in pair[1][3])
+    with pytest.raises(ValueError, match="an engine each"):
+        spec_decode.run_lockstep([(engines[0], prompts, params(2), "none", "c"),
+                                  (engines[0], prompts, params(2), "none", "d")])
+
+
 def test_anchored_order():
     assert spec_decode.anchored_order(["none", "a", "b", "c"], 0, "none") == ["none", "a", "b", "c"]
     assert spec_decode.anchored_order(["none", "a", "b", "c"], 2, "none") == ["none", "a", "b", "none", "c", "none"]
