@@ -88,9 +88,13 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, dra
                tag: str) -> tuple[list[list[int]], float]:
     """`prompts` admitted together under `drafter` and decoded to the end, greedy, exactly
     `max_tokens` each (`spec_decode.run_engine_batch`): (tokens per prompt, wall seconds)."""
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) for _ in prompts]
-    _, seconds, outs, _ = run_engine_batch(engine, prompts, params, drafter, tag)
+    _, seconds, outs, _ = run_engine_batch(engine, prompts, greedy(prompts, max_tokens), drafter, tag)
     return outs, seconds
+
+
+def greedy(prompts: list[list[int]], max_tokens: int) -> list[SamplingParams]:
+    """Greedy parameters for `prompts`, exactly `max_tokens` each (EOS ignored), a fresh set per run."""
+    return [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) for _ in prompts]
 
 
 def llama_python(given: str | None) -> str | None:
@@ -211,9 +215,6 @@ def concurrent(engine: LLMEngine, twin: LLMEngine, batch: list[list[int]], max_t
     `rounds` rounds: (aggregate tokens/s per method over all rounds, each drafter's {median, min,
     max} over rounds of its tokens/s divided by its pair's plain tokens/s, prompts continued
     exactly as plain does). Without drafters, plain decoding alone on `twin`."""
-    def params() -> list[SamplingParams]:
-        return [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) for _ in batch]
-
     for e, d in [(twin, "none")] + [(engine, d) for d in drafters]:
         run_engine(e, batch[:2], 8, d, f"warm-{d}")
     methods = [PLAIN] + [f"specserve {d}" for d in drafters]
@@ -222,12 +223,12 @@ def concurrent(engine: LLMEngine, twin: LLMEngine, batch: list[list[int]], max_t
     same = dict.fromkeys(methods[1:], 0)
     for r in range(rounds):
         if not drafters:
-            n, s, _, _ = run_engine_batch(twin, batch, params(), "none", f"streams-none-{r}")
+            n, s, _, _ = run_engine_batch(twin, batch, greedy(batch, max_tokens), "none", f"streams-none-{r}")
             tokens[PLAIN] += n
             seconds[PLAIN] += s
         for d, m in zip(drafters, methods[1:]):
-            plain, spec = run_lockstep([(twin, batch, params(), "none", f"streams-none-{d}-{r}"),
-                                        (engine, batch, params(), d, f"streams-{d}-{r}")])
+            plain, spec = run_lockstep([(twin, batch, greedy(batch, max_tokens), "none", f"streams-none-{d}-{r}"),
+                                        (engine, batch, greedy(batch, max_tokens), d, f"streams-{d}-{r}")])
             for method, (n, s, _, _) in ((PLAIN, plain), (m, spec)):
                 tokens[method] += n
                 seconds[method] += s

@@ -4,6 +4,7 @@ checked for shape and sense, never for speed), its option parsing, and its `spec
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -346,10 +347,10 @@ def test_run_lockstep_steps_the_engines_in_turn(tiny_llama_dir):
     alone = [spec_decode.run_engine_batch(engines[0], prompts, params(m), d, f"alone-{d}")
              for d, m in (("none", 4), ("ngram", 12))]
     log.clear()
-    t0 = __import__("time").perf_counter()
+    t0 = time.perf_counter()
     pair = spec_decode.run_lockstep([(engines[0], prompts, params(4), "none", "a"),
                                      (engines[1], prompts, params(12), "ngram", "b")])
-    wall = __import__("time").perf_counter() - t0
+    wall = time.perf_counter() - t0
     steps_a = log.count(0)
     assert log[:2 * steps_a] == [0, 1] * steps_a and set(log[2 * steps_a:]) == {1}   # in turn, then the rest
     for (n, s, outs, specs), (n1, _, outs1, _) in zip(pair, alone):
