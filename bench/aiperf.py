@@ -1,7 +1,7 @@
 """AIPerf, NVIDIA's load generator, against `specserve serve`: how an external client sees the server.
 
     specserve bench aiperf [--aiperf PATH] [--drafters none auto] [--concurrency 1 4 16 32]
-        [--requests-per-stream 4] [--max-tokens 128] [--out bench/results/aiperf_cpu]
+        [--requests-per-stream 4] [--max-tokens 128] [--rounds 1] [--out bench/results/aiperf_cpu]
     (or: python -m specserve.bench.aiperf ...)
 
 AIPerf lives in its own environment: `--aiperf` names its executable; without it the bench uses
@@ -11,8 +11,8 @@ AIPerf lives in its own environment: `--aiperf` names its executable; without it
 For each `--drafters` setting the bench starts its own server (`python -m specserve.server serve --model
 MODEL --drafter SETTING --host 127.0.0.1 --port P`, the server's defaults otherwise, as `make serve`
 runs it; `auto` is the default), all of them before the first run. Then, for each `--concurrency` C,
-each server in turn (the others idle), so that a slow stretch of the machine hits the settings of a
-level alike, it runs
+each server in turn (the others idle), `--rounds` times with the order reversed every other round
+(ABBA: a drift of the machine hits the settings of a level alike; `schedule`), it runs
 
     aiperf profile -m MODEL -u URL --endpoint-type chat --streaming --concurrency C
         --request-count max(8, R x C) --input-file PROMPTS --custom-dataset-type single_turn
@@ -25,7 +25,8 @@ It reads AIPerf's JSON export: time to first token, inter-token latency, output 
 requests/s, and the acceptance AIPerf computes from our responses' `metrics.speculative_decoding`
 (vLLM's per-request shape): acceptance length (tokens per verification step, bonus included), per
 request and pooled, and the draft acceptance rate; beside them the acceptance length from the
-`vllm:spec_decode_*` counters of /metrics over the same requests. Writes PREFIX.json and PREFIX.md,
+`vllm:spec_decode_*` counters of /metrics over the same requests; with several rounds, each
+setting's ratio to plain decoding per round (its own pair) and their median. Writes PREFIX.json and PREFIX.md,
 and AIPerf's own exports in PREFIX.aiperf/ (git-ignored).
 """
 
@@ -37,6 +38,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -201,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--datasets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"],
                    help="our benchmark names or dataset files/ids (bench/datasets.py)")
     add_dataset_args(p)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of every level, the settings' order reversed every other round (ABBA), so that a "
+                        "drift of the machine hits them alike; each round's ratio to plain decoding is its own "
+                        "pair's, and the table gives their median (default: %(default)s)")
     p.add_argument("--server-args", default="", help="extra `specserve serve` arguments (one string)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--out", default="bench/results/aiperf_cpu", help="PREFIX of PREFIX.json and PREFIX.md")
@@ -243,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
             servers[drafter] = (server, base)
             server.start()
             server.wait_ready(base, args.ready_timeout)
-        for c in args.concurrency:         # each level: every setting in turn, so a slow stretch hits them alike
-            for drafter, (_, base) in servers.items():
-                result["runs"].append(run_level(exe, base, drafter, c, args, model_name, prompts, tokenizer, raw))
+        for c, r, drafter in schedule(args.concurrency, list(servers), max(1, args.rounds)):
+            result["runs"].append(run_level(exe, servers[drafter][1], drafter, c, args, model_name, prompts,
+                                            tokenizer, raw, r if args.rounds > 1 else None))
     finally:
         for drafter, (server, _) in servers.items():
             result.setdefault("servers", {})[drafter] = server.stop(60)
@@ -257,12 +263,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def schedule(concurrency: list[int], settings: list[str], rounds: int) -> list[tuple[int, int, str]]:
+    """The runs in order, as (concurrency, round, setting): each level's rounds one after the other,
+    every setting in turn within a round, in reverse order every other round (ABBA), so that a slow
+    stretch of the machine, or a steady drift, hits the settings of a level alike."""
+    return [(c, r, s) for c in concurrency for r in range(rounds)
+            for s in (settings if r % 2 == 0 else settings[::-1])]
+
+
 def run_level(exe: str, base: str, drafter: str, c: int, args, model_name: str, prompts: Path, tokenizer: Path,
-              raw: Path) -> dict:
+              raw: Path, round_no: int | None = None) -> dict:
     """One AIPerf run at concurrency `c` against the server at `base` (after a warm-up of `c`
-    requests), with the speculation counters /metrics gained over it."""
+    requests), with the speculation counters /metrics gained over it; `round_no` when the level
+    runs more than once (`--rounds`)."""
     n = max(8, args.requests_per_stream * c)
-    artifacts = raw / f"{drafter}-c{c}"
+    artifacts = raw / (f"{drafter}-c{c}" + (f"-r{round_no}" if round_no is not None else ""))
     warm_up(base, model_name, prompts, c, args.max_tokens)
     before = scrape_spec_counters(base)
     t0 = time.monotonic()
@@ -273,10 +288,13 @@ def run_level(exe: str, base: str, drafter: str, c: int, args, model_name: str, 
         raise RuntimeError(f"aiperf failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
     after = scrape_spec_counters(base)
     row = {"drafter": drafter, "concurrency": c, "requests": n, "seconds": round(seconds, 1), **read_export(artifacts)}
+    if round_no is not None:
+        row["round"] = round_no
     level = {key: after[key] - before[key] for key in SPEC_COUNTERS}
     level["acceptance_length"] = 1 + level["accepted_tokens"] / level["drafts"] if level["drafts"] else None
     row["metrics_endpoint"] = level
-    print(f"{drafter} c={c}: {row.get('output_tok_s', {}).get('avg')} tok/s in {seconds:.0f} s", file=sys.stderr,
+    print(f"{drafter} c={c}{f' round {round_no}' if round_no is not None else ''}: "
+          f"{row.get('output_tok_s', {}).get('avg')} tok/s in {seconds:.0f} s", file=sys.stderr,
           flush=True)
     return row
 
@@ -301,15 +319,21 @@ def markdown(result: dict) -> str:
              "| ITL ms (p50 / p99) | acceptance length (AIPerf: per request / pooled) | draft acceptance (AIPerf) "
              "| acceptance length (/metrics) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    plain = {r["concurrency"]: r for r in result.get("runs", []) if r["drafter"] == "none"}
-    for r in result.get("runs", []):
+    runs = result.get("runs", [])
+    rounds = any("round" in r for r in runs)
+    if rounds:
+        lines[-2] = lines[-2].replace("| concurrency |", "| concurrency | round |")
+        lines[-1] += "---|"
+    ratios = level_ratios(runs) if rounds else {}
+    plain = {(r["concurrency"], r.get("round")): r for r in runs if r["drafter"] == "none"}
+    for r in runs:
         tok = _fmt(r, "output_tok_s")
-        base = plain.get(r["concurrency"])
+        base = plain.get((r["concurrency"], r.get("round")))
         if base is not None and base is not r and (base.get("output_tok_s") or {}).get("avg"):
             tok += f" ({r['output_tok_s']['avg'] / base['output_tok_s']['avg']:.2f}×)"
         ml = (r.get("metrics_endpoint") or {}).get("acceptance_length")
-        lines.append(f"| {r['drafter']} | {r['concurrency']} | {r['requests']} | {tok} "
-                     f"| {_fmt(r, 'requests_s', spec='.2f')} "
+        cells = f"| {r['drafter']} | {r['concurrency']} |" + (f" {r.get('round', '–')} |" if rounds else "")
+        lines.append(f"{cells} {r['requests']} | {tok} | {_fmt(r, 'requests_s', spec='.2f')} "
                      f"| {_fmt(r, 'ttft_ms', 'p50', '.0f')} / {_fmt(r, 'ttft_ms', 'p99', '.0f')} "
                      f"| {_fmt(r, 'itl_ms', 'p50', '.1f')} / {_fmt(r, 'itl_ms', 'p99', '.1f')} "
                      f"| {_fmt(r, 'acceptance_length', spec='.2f')} / {_num(r.get('pooled_acceptance_length'), '.2f')} "
@@ -322,7 +346,28 @@ def markdown(result: dict) -> str:
               "pooled over every step, from its histogram), and from the `vllm:spec_decode_*` counters of /metrics "
               "as `vllm bench serve` reads them (pooled over the level's requests; a warm-up of C requests "
               "precedes each level); draft acceptance: accepted / drafted tokens, the mean of the requests'.", ""]
+    if rounds and ratios:
+        lines += ["Over plain decoding, each round's pair (the settings' order reversed every other round), the "
+                  "median over rounds and the range:", "", "| drafter | concurrency | output tok/s vs plain |",
+                  "|---|---|---|"]
+        lines += [f"| {d} | {c} | {statistics.median(v):.2f}× ({min(v):.2f}–{max(v):.2f}) |"
+                  for (d, c), v in ratios.items()]
+        lines.append("")
     return "\n".join(lines)
+
+
+def level_ratios(runs: list[dict]) -> dict[tuple[str, int], list[float]]:
+    """(setting, concurrency) -> each round's output tokens/s over plain decoding's in the same
+    level and round, for every setting but plain."""
+    plain = {(r["concurrency"], r.get("round")): (r.get("output_tok_s") or {}).get("avg")
+             for r in runs if r["drafter"] == "none"}
+    out: dict[tuple[str, int], list[float]] = {}
+    for r in runs:
+        base = plain.get((r["concurrency"], r.get("round")))
+        tok = (r.get("output_tok_s") or {}).get("avg")
+        if r["drafter"] != "none" and base and tok:
+            out.setdefault((r["drafter"], r["concurrency"]), []).append(tok / base)
+    return out
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from specserve.bench.aiperf import aiperf_command, markdown, read_export
+from specserve.bench.aiperf import aiperf_command, markdown, read_export, schedule
 
 
 def export(folder, tok_s: float, hist: dict | None) -> None:
@@ -45,3 +45,19 @@ def test_the_command_asks_for_a_stream_of_exactly_the_tokens(tmp_path):
     assert cmd[cmd.index("--concurrency") + 1] == "16" and cmd[cmd.index("--request-count") + 1] == "64"
     extra = json.loads(cmd[cmd.index("--extra-inputs") + 1])
     assert extra == {"max_tokens": 128, "ignore_eos": True, "temperature": 0}
+
+
+def test_rounds_alternate_the_order_and_pair_within_a_round(tmp_path):
+    assert schedule([1, 4], ["none", "auto"], 2) == [(1, 0, "none"), (1, 0, "auto"), (1, 1, "auto"), (1, 1, "none"),
+                                                      (4, 0, "none"), (4, 0, "auto"), (4, 1, "auto"), (4, 1, "none")]
+    assert schedule([16], ["none", "auto"], 1) == [(16, 0, "none"), (16, 0, "auto")]
+    rows = []
+    for r, (plain, auto) in enumerate([(100.0, 90.0), (50.0, 55.0), (80.0, 84.0)]):   # a slow second round
+        for name, tok in (("none", plain), ("auto", auto)):
+            export(tmp_path / f"{name}-c4-r{r}", tok, None)
+            rows.append({"drafter": name, "concurrency": 4, "requests": 16, "round": r,
+                         **read_export(tmp_path / f"{name}-c4-r{r}")})
+    text = markdown({"meta": {"aiperf": "0.13.0", "max_tokens": 128}, "runs": rows})
+    assert "| auto | 4 | 1 | 16 | 55.0 (1.10×) |" in text        # against plain of its own round, not the first
+    assert "| auto | 4 | 1.05× (0.90–1.10) |" in text            # the median of 0.90, 1.10 and 1.05
+    assert "| drafter | concurrency | round | requests |" in text
