@@ -325,12 +325,12 @@ def markdown(result: dict) -> str:
         lines[-2] = lines[-2].replace("| concurrency |", "| concurrency | round |")
         lines[-1] += "---|"
     ratios = level_ratios(runs) if rounds else {}
-    plain = {(r["concurrency"], r.get("round")): r for r in runs if r["drafter"] == "none"}
+    plain = _plain_tok_s(runs)
     for r in runs:
         tok = _fmt(r, "output_tok_s")
         base = plain.get((r["concurrency"], r.get("round")))
-        if base is not None and base is not r and (base.get("output_tok_s") or {}).get("avg"):
-            tok += f" ({r['output_tok_s']['avg'] / base['output_tok_s']['avg']:.2f}×)"
+        if r["drafter"] != "none" and base and (r.get("output_tok_s") or {}).get("avg"):
+            tok += f" ({r['output_tok_s']['avg'] / base:.2f}×)"
         ml = (r.get("metrics_endpoint") or {}).get("acceptance_length")
         cells = f"| {r['drafter']} | {r['concurrency']} |" + (f" {r.get('round', '–')} |" if rounds else "")
         lines.append(f"{cells} {r['requests']} | {tok} | {_fmt(r, 'requests_s', spec='.2f')} "
@@ -359,8 +359,7 @@ def markdown(result: dict) -> str:
 def level_ratios(runs: list[dict]) -> dict[tuple[str, int], list[float]]:
     """(setting, concurrency) -> each round's output tokens/s over plain decoding's in the same
     level and round, for every setting but plain."""
-    plain = {(r["concurrency"], r.get("round")): (r.get("output_tok_s") or {}).get("avg")
-             for r in runs if r["drafter"] == "none"}
+    plain = _plain_tok_s(runs)
     out: dict[tuple[str, int], list[float]] = {}
     for r in runs:
         base = plain.get((r["concurrency"], r.get("round")))
@@ -368,6 +367,12 @@ def level_ratios(runs: list[dict]) -> dict[tuple[str, int], list[float]]:
         if r["drafter"] != "none" and base and tok:
             out.setdefault((r["drafter"], r["concurrency"]), []).append(tok / base)
     return out
+
+
+def _plain_tok_s(runs: list[dict]) -> dict[tuple[int, int | None], float | None]:
+    """(concurrency, round) -> plain decoding's output tokens/s in that level and round."""
+    return {(r["concurrency"], r.get("round")): (r.get("output_tok_s") or {}).get("avg")
+            for r in runs if r["drafter"] == "none"}
 
 
 if __name__ == "__main__":

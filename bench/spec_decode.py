@@ -529,12 +529,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 chunk = ps[start:start + group]
                 seeds = [args.seed + start + i for i in range(len(chunk))]
                 for rep in range(args.repeats):
-                    params = params_for(t, seeds, args.max_tokens)
                     if twin is not None:   # each drafted method beside plain decoding, step by step
                         for k, m in enumerate(method_order(drafted, batch_no)):
                             tag = f"{ds}-{t}-{m.label}-{start}-{rep}-{k}"
                             t0 = time.perf_counter()
-                            pair = run_lockstep([(twin, chunk, params, PLAIN, f"{tag}-plain"),
+                            pair = run_lockstep([(twin, chunk, params_for(t, seeds, args.max_tokens), PLAIN,
+                                                  f"{tag}-plain"),
                                                  (m.engine, chunk, params_for(t, seeds, args.max_tokens),
                                                   m.drafter, tag)])
                             at = (t0 + time.perf_counter()) / 2   # shared: `anchored` reads the pair's plain run
@@ -545,7 +545,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                         for k, m in enumerate(order):
                             t0 = time.perf_counter()
                             n, secs, outs, specs = run_engine_batch(
-                                m.engine, chunk, params, m.drafter, f"{ds}-{t}-{m.label}-{start}-{rep}-{k}")
+                                m.engine, chunk, params_for(t, seeds, args.max_tokens), m.drafter,
+                                f"{ds}-{t}-{m.label}-{start}-{rep}-{k}")
                             tallies[m.label].add(n, secs, outs, specs, batch=start // group,
                                                  at=t0 + secs / 2, repeat=rep)
                     batch_no += 1
