@@ -78,6 +78,14 @@ typedef float v4 __attribute__((vector_size(16)));
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
+/* AVX2 + FMA without AVX-512: a 16-lane value is two of the 16 ymm registers, so code that keeps
+ * many of them live (the attention's 16-key blocks, the matmul blocks) is written for it apart */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define AVX2_ONLY 1
+#else
+#define AVX2_ONLY 0
+#endif
+
 static inline v16 load16(const float *p) { return *(const v16u *)p; }
 
 static inline v16 select16(i32x16 mask, v16 a, v16 b) { return (v16)(((i32x16)a & mask) | ((i32x16)b & ~mask)); }
@@ -359,10 +367,46 @@ static inline v16 hsum16x16(const v16 *a) {
     }
 #define load16f load16
 #define load16h load_half16
+#if AVX2_ONLY
+/* The same per lane with AVX2 intrinsics, a 16-lane value as two ymm registers (lanes 0-7, 8-15):
+ * gcc's lowering of the 16-lane vectors to AVX2 went through the stack at every step. Products and
+ * adds stay separate (no FMA), and the fold is hsum16's tree, so the numbers are those above. */
+static inline __m256 load8f(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline float hsum_2x8(__m256 lo, __m256 hi) {
+    const __m256 s8 = _mm256_add_ps(lo, hi);                                                /* l + (l + 8) */
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1)); /* l + (l + 4) */
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));           /* s4[0] + s4[2], s4[1] + s4[3] */
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#define SCORES_AVX2(CH, SFX, T)                                                                        \
+    static inline float scores_##CH##SFX(const float *q, const T *k, const int32_t *keys, int64_t n,  \
+                                         int64_t stride, float scale, float *e) {                     \
+        __m256 qa[2 * CH];                                                                             \
+        for (int c = 0; c < 2 * CH; c++) qa[c] = _mm256_loadu_ps(q + 8 * c);                           \
+        float mx = -INFINITY;                                                                          \
+        for (int64_t t = 0; t < n; t++) {                                                              \
+            const T *row = k + (int64_t)keys[t] * stride;                                              \
+            __m256 lo = _mm256_mul_ps(qa[0], load8##SFX(row)), hi = _mm256_mul_ps(qa[1], load8##SFX(row + 8)); \
+            _Pragma("GCC unroll 8") for (int c = 1; c < CH; c++) {                                     \
+                lo = _mm256_add_ps(lo, _mm256_mul_ps(qa[2 * c], load8##SFX(row + 16 * c)));            \
+                hi = _mm256_add_ps(hi, _mm256_mul_ps(qa[2 * c + 1], load8##SFX(row + 16 * c + 8)));    \
+            }                                                                                          \
+            e[t] = hsum_2x8(lo, hi) * scale;                                                           \
+            mx = e[t] > mx ? e[t] : mx;                                                                \
+        }                                                                                              \
+        return mx;                                                                                     \
+    }
+SCORES_AVX2(4, f, float)
+SCORES_AVX2(8, f, float)
+SCORES_AVX2(4, h, uint16_t)
+SCORES_AVX2(8, h, uint16_t)
+#else
 SCORES(4, f, float)
 SCORES(8, f, float)
 SCORES(4, h, uint16_t)
 SCORES(8, h, uint16_t)
+#endif
 
 /* any head_dim: an fp16 row is widened to fp32 first */
 static inline float scores_any(const float *q, const void *k, int kv_f16, const int32_t *keys, int64_t n,
@@ -391,10 +435,30 @@ static inline float scores_any(const float *q, const void *k, int kv_f16, const 
         }                                                                                               \
         for (int c = 0; c < CH; c++) *(v16u *)(acc + 16 * c) = a[c];                                    \
     }
+#if AVX2_ONLY
+#define WSUM_AVX2(CH, SFX, T)                                                                           \
+    static inline void wsum_##CH##SFX(const float *p, const T *v, const int32_t *keys, int64_t n,       \
+                                      int64_t stride, float *acc) {                                     \
+        __m256 a[2 * CH];                                                                               \
+        for (int c = 0; c < 2 * CH; c++) a[c] = _mm256_setzero_ps();                                    \
+        for (int64_t t = 0; t < n; t++) {                                                               \
+            const T *row = v + (int64_t)keys[t] * stride;                                               \
+            const __m256 pt = _mm256_set1_ps(p[t]);                                                     \
+            _Pragma("GCC unroll 16") for (int c = 0; c < 2 * CH; c++)                                   \
+                a[c] = _mm256_add_ps(a[c], _mm256_mul_ps(pt, load8##SFX(row + 8 * c)));                 \
+        }                                                                                               \
+        for (int c = 0; c < 2 * CH; c++) _mm256_storeu_ps(acc + 8 * c, a[c]);                           \
+    }
+WSUM_AVX2(4, f, float)
+WSUM_AVX2(8, f, float)
+WSUM_AVX2(4, h, uint16_t)
+WSUM_AVX2(8, h, uint16_t)
+#else
 WSUM(4, f, float)
 WSUM(8, f, float)
 WSUM(4, h, uint16_t)
 WSUM(8, h, uint16_t)
+#endif
 
 static inline void wsum_any(const float *p, const void *v, int kv_f16, const int32_t *keys, int64_t n,
                             int64_t stride, int64_t D, float *acc) {
@@ -620,11 +684,7 @@ static inline i32x16 widen_i8(const int8_t *p) { return __builtin_convertvector(
  * AVX2 measured 5-10x slower than this at one row (it went through memory between the halves).
  * The operations per output are the same -- w = fma(q, s, z) or the widened code, then
  * y = fma(x[k], w, y) in order over k -- so the numbers are bit for bit those of the generic code. */
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define QMM_AVX2 1
-#else
-#define QMM_AVX2 0
-#endif
+#define QMM_AVX2 AVX2_ONLY
 #define QMM_CHUNK 8         /* tiles whose weights every row block reads while they are in cache */
 
 #if QMM_AVX2
@@ -666,7 +726,8 @@ static inline __attribute__((always_inline)) void q4_block_avx2(const float *x, 
                 for (int m = 0; m < M; m++) {
                     const __m256 a = _mm256_broadcast_ss(x + m * ldx + k), b = _mm256_broadcast_ss(x + m * ldx + k + 1);
 #pragma GCC unroll 2
-                    for (int h = 0; h < 2; h++) acc[m][t][h] = _mm256_fmadd_ps(b, hi[h], _mm256_fmadd_ps(a, lo[h], acc[m][t][h]));
+                    for (int h = 0; h < 2; h++)
+                        acc[m][t][h] = _mm256_fmadd_ps(b, hi[h], _mm256_fmadd_ps(a, lo[h], acc[m][t][h]));
                 }
             }
         }
