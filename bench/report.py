@@ -183,6 +183,9 @@ def describe_machine(machine) -> str:
     if isinstance(machine, str):
         return machine
     parts = [machine.get("platform") or machine.get("machine") or "?"]
+    cpu = " ".join(filter(None, (machine.get("cpu_model"), machine.get("cpu_isa") and f"[{machine['cpu_isa']}]")))
+    if cpu:
+        parts.append(cpu)
     if machine.get("cpu_count"):
         parts.append(f"{machine['cpu_count']} CPUs")
     if machine.get("torch_threads"):
