@@ -864,9 +864,83 @@ static inline i32x16 dot_u8_s8(i32x16 acc, u8x64 w, const int8_t *x4) {
 #endif
 }
 
+#if QMM_AVX2
+/* AVX2: the u8 x s8 dot product of 4 inputs per 32-bit lane as two instructions (pairs into 16 bits,
+ * at most 2 * 15 * 127 in magnitude, then pairs of those into 32), the same exact integer sums */
+static inline __attribute__((always_inline)) void q4a8_block_avx2(const int8_t *qx, const float *dx,
+                                                                  const float *sx, int M, int NT,
+                                                                  const uint8_t *codes, const uint16_t *sz,
+                                                                  int64_t K, float *y, int64_t ldy) {
+    __m256 acc[QMM_MAX_ROWS_A8][2][2];
+    const int64_t G = K / 32, tile_codes = K * 8, tile_sz = G * 32;
+    const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+    for (int m = 0; m < M; m++)
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; t++) acc[m][t][0] = acc[m][t][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256i isum[QMM_MAX_ROWS_A8][2][2];
+#pragma GCC unroll 4
+        for (int m = 0; m < M; m++)
+#pragma GCC unroll 2
+            for (int t = 0; t < NT; t++) isum[m][t][0] = isum[m][t][1] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+#pragma GCC unroll 2
+            for (int t = 0; t < NT; t++) {
+                const uint8_t *c = codes + t * tile_codes + (g * 4 + j) * 64;
+                __m256i lo[2], hi[2];
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(c + 32 * h));
+                    lo[h] = _mm256_and_si256(w, nib);
+                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
+                }
+#pragma GCC unroll 4
+                for (int m = 0; m < M; m++) {
+                    int32_t xl, xh;
+                    memcpy(&xl, qx + m * K + g * 32 + 8 * j, 4);
+                    memcpy(&xh, qx + m * K + g * 32 + 8 * j + 4, 4);
+                    const __m256i a = _mm256_set1_epi32(xl), b = _mm256_set1_epi32(xh);
+#pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], a), ones),
+                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h], b), ones));
+                        isum[m][t][h] = _mm256_add_epi32(isum[m][t][h], d);
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; t++) {
+            const uint16_t *p = sz + t * tile_sz + g * 32;
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8 * h)));
+                const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 + 8 * h)));
+#pragma GCC unroll 4
+                for (int m = 0; m < M; m++) {
+                    const __m256 f = _mm256_cvtepi32_ps(isum[m][t][h]);
+                    acc[m][t][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(s, _mm256_set1_ps(dx[m * G + g])), acc[m][t][h]);
+                    acc[m][t][h] = _mm256_fmadd_ps(z, _mm256_set1_ps(sx[m * G + g]), acc[m][t][h]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < M; m++)
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; t++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + m * ldy + 16 * t + 8 * h, acc[m][t][h]);
+}
+#endif
+
 static inline __attribute__((always_inline)) void q4a8_block(const int8_t *qx, const float *dx, const float *sx,
                                                              int M, int NT, const uint8_t *codes, const uint16_t *sz,
                                                              int64_t K, float *y, int64_t ldy) {
+#if QMM_AVX2
+    q4a8_block_avx2(qx, dx, sx, M, NT, codes, sz, K, y, ldy);
+    return;
+#endif
     v16 acc[QMM_MAX_ROWS_A8][QMM_MAX_TILES];
     const int64_t G = K / 32, tile_codes = K * 8, tile_sz = G * 32;
 #pragma GCC unroll 8
