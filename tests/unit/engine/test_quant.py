@@ -157,7 +157,7 @@ def test_gguf_tensor_types_say_what_each_weight_is_served_as():
     types["output.weight"] = "F16"                           # an untied head of its own
     assert gguf_weight_kinds(types, 2)[0]["lm_head"] == "none"
     cpu = torch.device("cpu")
-    assert auto_quantization(types, cpu) == ("gguf" if native_bf16() else "none")
+    assert auto_quantization(types, cpu) == ("gguf" if cpu_kernels.available() or native_bf16() else "none")
     assert auto_quantization({"blk.0.attn_q.weight": "F16"}, cpu) == "none"     # a float GGUF
     assert auto_quantization({}, cpu) == "none"                                   # an HF folder
 
@@ -165,8 +165,8 @@ def test_gguf_tensor_types_say_what_each_weight_is_served_as():
 def test_a_gguf_model_is_served_quantized_by_default_and_an_hf_folder_is_not(default_model, tiny_llama_dir):
     engine = make_llm_engine("default", loaded=default_model, max_model_len=256, num_kv_blocks=32, block_size=16)
     layer = engine.model.layers[0]
-    if native_bf16():
-        assert engine.quantization == "gguf"
+    if cpu_kernels.available() or native_bf16():          # a fast int4 path: the native kernels (AVX2 or
+        assert engine.quantization == "gguf"              # AVX-512) or torch's with native bf16
         assert quantized(layer.qkv.weight).kind == quantized(layer.down.weight).kind == "int4"    # Q4_1
         assert quantized(engine.model.lm_head_weight).kind == "int8"                               # Q8_0
         # fp16 where the native CPU kernels run the layer stack (fp32 maths, tree rows computed as
