@@ -678,17 +678,14 @@ static inline i32x16 widen_i8(const int8_t *p) { return __builtin_convertvector(
 #define QMM_MAX_ROWS_A8 4
 #endif
 #define QMM_MAX_TILES 8     /* tiles of 16 outputs per step */
-
-/* AVX2 + FMA without AVX-512: the int4 and int8 blocks below are written with 8-lane intrinsics
- * (each 16-output tile as two halves), because GCC's lowering of the 16-lane generic vectors to
- * AVX2 measured 5-10x slower than this at one row (it went through memory between the halves).
- * The operations per output are the same -- w = fma(q, s, z) or the widened code, then
- * y = fma(x[k], w, y) in order over k -- so the numbers are bit for bit those of the generic code. */
-#define QMM_AVX2 AVX2_ONLY
 #define QMM_CHUNK 8         /* tiles whose weights every row block reads while they are in cache */
 
-#if QMM_AVX2
-static inline __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#if AVX2_ONLY
+/* AVX2 + FMA without AVX-512: the int4, int8 and int4 x int8 blocks in 8-lane intrinsics (each
+ * 16-output tile as two halves), because gcc's lowering of the 16-lane generic vectors to AVX2
+ * measured 5-10x slower at one row (it went through memory between the halves). The operations per
+ * output are the same -- w = fma(q, s, z) or the widened code, then y = fma(x[k], w, y) in order
+ * over k; exact integer sums for int8 activations -- so the numbers are bit for bit the generic code's. */
 static inline __m256i widen8_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 static inline __m256i widen8_i8(const int8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 
@@ -708,7 +705,7 @@ static inline __attribute__((always_inline)) void q4_block_avx2(const float *x, 
 #pragma GCC unroll 2
         for (int t = 0; t < NT; t++) {
             const uint16_t *p = sz + t * tile_sz + g * 32;
-            s[t][0] = half8(p), s[t][1] = half8(p + 8), z[t][0] = half8(p + 16), z[t][1] = half8(p + 24);
+            s[t][0] = load8h(p), s[t][1] = load8h(p + 8), z[t][0] = load8h(p + 16), z[t][1] = load8h(p + 24);
         }
         for (int j = 0; j < 16; j++) {
             const int64_t k = g * 32 + 2 * j;
@@ -775,10 +772,9 @@ static inline __attribute__((always_inline)) void q8_block_avx2(const float *x, 
 static inline __attribute__((always_inline)) void q4_block(const float *x, int64_t ldx, const int M, const int NT,
                                                            const uint8_t *codes, const uint16_t *sz, int64_t K,
                                                            float *y, int64_t ldy) {
-#if QMM_AVX2
+#if AVX2_ONLY
     q4_block_avx2(x, ldx, M, NT, codes, sz, K, y, ldy);
-    return;
-#endif
+#else
     v16 acc[QMM_MAX_ROWS][QMM_MAX_TILES];
     const int64_t G = K / 32, tile_codes = K * 8, tile_sz = G * 32;
 #pragma GCC unroll 12
@@ -811,15 +807,15 @@ static inline __attribute__((always_inline)) void q4_block(const float *x, int64
     for (int m = 0; m < M; m++)
 #pragma GCC unroll 8
         for (int t = 0; t < NT; t++) *(v16u *)(y + m * ldy + 16 * t) = acc[m][t];
+#endif
 }
 
 static inline __attribute__((always_inline)) void q8_block(const float *x, int64_t ldx, const int M, const int NT,
                                                            const int8_t *codes, const float *scale, int64_t K,
                                                            float *y, int64_t ldy) {
-#if QMM_AVX2
+#if AVX2_ONLY
     q8_block_avx2(x, ldx, M, NT, codes, scale, K, y, ldy);
-    return;
-#endif
+#else
     v16 acc[QMM_MAX_ROWS][QMM_MAX_TILES];
     const int64_t tile_codes = K * 16;
 #pragma GCC unroll 12
@@ -838,6 +834,7 @@ static inline __attribute__((always_inline)) void q8_block(const float *x, int64
     for (int m = 0; m < M; m++)
 #pragma GCC unroll 8
         for (int t = 0; t < NT; t++) *(v16u *)(y + m * ldy + 16 * t) = acc[m][t] * load16(scale + 16 * t);
+#endif
 }
 
 /* int4 weights times int8 activations (kind 5; `pack_int4_a8`): per row and group of 32 inputs the
@@ -864,7 +861,7 @@ static inline i32x16 dot_u8_s8(i32x16 acc, u8x64 w, const int8_t *x4) {
 #endif
 }
 
-#if QMM_AVX2
+#if AVX2_ONLY
 /* AVX2: the u8 x s8 dot product of 4 inputs per 32-bit lane as two instructions (pairs into 16 bits,
  * at most 2 * 15 * 127 in magnitude, then pairs of those into 32), the same exact integer sums */
 static inline __attribute__((always_inline)) void q4a8_block_avx2(const int8_t *qx, const float *dx,
@@ -915,8 +912,7 @@ static inline __attribute__((always_inline)) void q4a8_block_avx2(const int8_t *
             const uint16_t *p = sz + t * tile_sz + g * 32;
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
-                const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8 * h)));
-                const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 + 8 * h)));
+                const __m256 s = load8h(p + 8 * h), z = load8h(p + 16 + 8 * h);
 #pragma GCC unroll 4
                 for (int m = 0; m < M; m++) {
                     const __m256 f = _mm256_cvtepi32_ps(isum[m][t][h]);
@@ -937,10 +933,9 @@ static inline __attribute__((always_inline)) void q4a8_block_avx2(const int8_t *
 static inline __attribute__((always_inline)) void q4a8_block(const int8_t *qx, const float *dx, const float *sx,
                                                              int M, int NT, const uint8_t *codes, const uint16_t *sz,
                                                              int64_t K, float *y, int64_t ldy) {
-#if QMM_AVX2
+#if AVX2_ONLY
     q4a8_block_avx2(qx, dx, sx, M, NT, codes, sz, K, y, ldy);
-    return;
-#endif
+#else
     v16 acc[QMM_MAX_ROWS_A8][QMM_MAX_TILES];
     const int64_t G = K / 32, tile_codes = K * 8, tile_sz = G * 32;
 #pragma GCC unroll 8
@@ -980,6 +975,7 @@ static inline __attribute__((always_inline)) void q4a8_block(const int8_t *qx, c
     for (int m = 0; m < M; m++)
 #pragma GCC unroll 8
         for (int t = 0; t < NT; t++) *(v16u *)(y + m * ldy + 16 * t) = acc[m][t];
+#endif
 }
 
 /* x [M, K] -> qx int8 [M, K], dx and sx fp32 [M, K / 32] (the q4a8 kernel's activations, above):
