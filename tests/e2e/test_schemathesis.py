@@ -1,7 +1,7 @@
 """The server against its own OpenAPI document: schemathesis generates request bodies from
 /openapi.json -- valid ones and invalid ones, boundary values (its coverage phase), the documented
 examples and random ones (fuzzing, derandomized) -- and sends them to a real uvicorn server over
-the tiny random Llama, with a 64-token context so that generations stay short.
+the tiny random Llama, with a 32-token context so that generations stay short.
 
 Checks: no 5xx; every status, content type, body (streamed events included) and header as
 documented; every body the schema calls invalid refused with a 4xx (negative_data_rejection).
@@ -47,7 +47,7 @@ COMPLETION_ERRORS = {"400", "401", "404", "408", "413", "429", "500", "503"}
 
 @pytest.fixture(scope="module")
 def server(serve, make_tiny_engine):
-    with serve(make_tiny_engine(max_model_len=64), served_model_name="tiny") as live:
+    with serve(make_tiny_engine(max_model_len=32), served_model_name="tiny") as live:
         yield live
 
 
