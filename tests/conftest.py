@@ -2,7 +2,9 @@
 
 * Every test session gets its own empty specserve cache (``$SPECSERVE_CACHE``), so converted models never leak
   between runs. The exception is `default_model`: it uses the user's real cache so that the ~45 s GGUF
-  conversion of SmolLM2 happens once per machine.
+  conversion of SmolLM2 happens once per machine, and the session cache links to the user cache's GGUF
+  conversions (each a folder named by its file's content), so that commands the tests run on "default"
+  read that conversion too instead of making their own.
 * `tiny_llama_dir`: a saved, seeded, random 2-layer Llama with a working byte-level BPE tokenizer (320 tokens;
   ids 0/1/2 are ``<unk>``/``<s>``/``</s>``) and a chat template; `tiny_model_factory` saves variants
   (Mistral, Qwen2, tied embeddings, ...). `peaky_target` (one per test module) is a tiny Llama with large
@@ -43,10 +45,25 @@ _TINY_CORPUS = [
 ] * 20
 
 
+def share_user_conversions(session_cache: Path) -> None:
+    """Link each GGUF conversion of the user's cache (``gguf/<key>/``, keyed by the file's content,
+    written once, then only read) into `session_cache` where that has none of its own."""
+    user = USER_SPECSERVE_CACHE / "gguf"
+    if not user.is_dir() or user.resolve() == (session_cache / "gguf").resolve():
+        return
+    (session_cache / "gguf").mkdir(parents=True, exist_ok=True)
+    for folder in user.iterdir():
+        link = session_cache / "gguf" / folder.name
+        if folder.is_dir() and not folder.name.startswith(".") and not link.exists():
+            link.symlink_to(folder, target_is_directory=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_specserve_cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("specserve_cache")
+    share_user_conversions(cache)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECSERVE_CACHE", str(tmp_path_factory.mktemp("specserve_cache")))
+        mp.setenv("SPECSERVE_CACHE", str(cache))
         yield
 
 
@@ -120,7 +137,9 @@ def default_model():
         locate_default_gguf()
     except ModelNotFoundError as e:
         pytest.skip(f"default model unavailable: {e}")
-    return load_model("default", cache_dir=USER_SPECSERVE_CACHE)
+    loaded = load_model("default", cache_dir=USER_SPECSERVE_CACHE)
+    share_user_conversions(Path(os.environ["SPECSERVE_CACHE"]))   # converted just now on a fresh machine
+    return loaded
 
 
 # ---- live servers -------------------------------------------------------------------------------

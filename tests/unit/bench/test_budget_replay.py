@@ -94,7 +94,7 @@ def test_cost_table_interpolates_and_extrapolates():
         cost_table({}, 3)
 
 
-def test_command_on_the_default_model(tmp_path):
+def test_command_on_the_default_model(default_model, tmp_path):
     out = tmp_path / "replay"
     assert main(["--drafters", "ngram", "--datasets", "gsm8k", "--num-prompts", "1", "--max-tokens", "12",
                  "--out", str(out)]) == 0
