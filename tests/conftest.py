@@ -49,7 +49,7 @@ def share_user_conversions(session_cache: Path) -> None:
     """Link each GGUF conversion of the user's cache (``gguf/<key>/``, keyed by the file's content,
     written once, then only read) into `session_cache` where that has none of its own."""
     user = USER_SPECSERVE_CACHE / "gguf"
-    if not user.is_dir() or user.resolve() == (session_cache / "gguf").resolve():
+    if not user.is_dir():
         return
     (session_cache / "gguf").mkdir(parents=True, exist_ok=True)
     for folder in user.iterdir():

@@ -329,15 +329,14 @@ def test_bfloat16_generation_on_a_cpu_without_a_bf16_inner_product(tiny_llama_di
     assert "5 generated" in out
 
 
-def test_the_default_model_without_native_kernels_or_bf16_is_served_unquantized(default_model, user_specserve_cache):
+def test_the_default_model_without_native_kernels_or_bf16_is_served_unquantized(default_model):
     """`--quantization auto` serves the GGUF's int4 where the native CPU kernels build or the CPU
     has native bf16: elsewhere torch's packed kernels would take fp32 activations and run slower
     than the fp32 weights. Here the native kernels are off and oneDNN and ATen are limited to AVX2,
-    whatever this machine has. (The child reads the conversion `default_model` cached.)"""
+    whatever this machine has."""
     proc = _spawn(["generate", "Hello", "--max-tokens", "5", "--ignore-eos", "--log-level", "info", "--max-num-seqs", "1",
                    "--max-model-len", "128", "--no-prepack-weights", "--drafter", "none"],
-                  env={"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "SPECSERVE_CPU_KERNELS": "0",
-                       "SPECSERVE_CACHE": str(user_specserve_cache)})
+                  env={"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "SPECSERVE_CPU_KERNELS": "0"})
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     assert "5 generated" in out
