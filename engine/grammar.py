@@ -22,6 +22,7 @@ cannot finish within max_tokens ends with "length".
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections import OrderedDict
@@ -72,6 +73,29 @@ def grammar_text(kind: str, text: str) -> str:
     raise InvalidRequestError(f"unknown structured output kind {kind!r}", "structured_outputs")
 
 
+def tokenizer_json(hf_tokenizer) -> str:
+    """The fast tokenizer's JSON as llguidance should read it (padding and truncation off).
+
+    llguidance takes each token's bytes from the JSON, choosing how to read token strings from the
+    decoder. The tokenizer transformers builds from a GGUF's byte-level BPE (SmolLM2's) has the
+    decoder Sequence[ByteFallback, Fuse, Replace("▁", " "), ByteLevel]: on a byte-level vocabulary
+    only the ByteLevel part ever changes a token, but llguidance, seeing ByteFallback, reads the
+    strings as their own UTF-8 bytes, so "Ġbecause" became b"\\xc4\\xa0because" and no grammar could
+    emit a space. Where the pre-tokenizer is ByteLevel (every token string is byte-level encoded)
+    and the decoder a Sequence holding a ByteLevel step, llguidance gets that ByteLevel step alone."""
+    backend = copy.copy(hf_tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    decoder, pre = spec.get("decoder") or {}, spec.get("pre_tokenizer") or {}
+    pre_steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if decoder.get("type") == "Sequence" and any(step.get("type") == "ByteLevel" for step in pre_steps):
+        byte_level = [step for step in decoder.get("decoders", []) if step.get("type") == "ByteLevel"]
+        if byte_level:
+            spec["decoder"] = byte_level[0]
+    return json.dumps(spec)
+
+
 class Grammars:
     """One engine's llguidance tokenizer and its cache of compiled grammars."""
 
@@ -85,7 +109,8 @@ class Grammars:
     def tokenizer(self):
         if self._tokenizer is None:
             llg = _llguidance()
-            self._tokenizer = llg.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self._eos)
+            self._tokenizer = llg.LLTokenizer(tokenizer_json(self._hf), n_vocab=self.vocab_size,
+                                              eos_token=self._eos)
         return self._tokenizer
 
     def compile(self, guided: tuple[str, str]):

@@ -1,7 +1,7 @@
 """Fixtures shared by every test folder.
 
 * Every test session gets its own empty specserve cache (``$SPECSERVE_CACHE``), so converted models never leak
-  between runs. The exception is `default_model`: it uses the user's real cache so that the ~45 s GGUF
+  between runs. The exception is `default_model`: it uses the user's real cache so that the ~16 s GGUF
   conversion of SmolLM2 happens once per machine, and the session cache links to the user cache's GGUF
   conversions (each a folder named by its file's content), so that commands the tests run on "default"
   read that conversion too instead of making their own.

@@ -108,20 +108,21 @@ def step_and_collect(engine, got: dict[str, list[int]]) -> None:
 
 def run_requests(engine, prompts, params, *, stagger: bool = True, prefix: str = "r", every: int = 2,
                  drafter: str | None = None, max_steps: int = 5000) -> dict[str, list[int]]:
-    """Add `prompts` as requests f"{prefix}{i}" (drafted by `drafter`, when given), one every
-    `every` steps (`stagger`, so that prefills, plain decodes and trees share steps) or one per
-    step, and step until all are finished (in fewer than `max_steps` steps); request id ->
-    generated token ids."""
+    """Add `prompts` as requests f"{prefix}{i}" (drafted by `drafter`, when given; `params` one
+    SamplingParams for all, or a list with one per prompt), one every `every` steps (`stagger`, so
+    that prefills, plain decodes and trees share steps) or one per step, and step until all are
+    finished (in fewer than `max_steps` steps); request id -> generated token ids."""
     got: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))
     step = 0
     while pending or engine.has_unfinished_requests():
         if pending and (not stagger or step % every == 0):
             i, p = pending.pop(0)
+            request_params = params[i] if isinstance(params, list) else params
             if drafter is None:
-                engine.add_request(f"{prefix}{i}", p, params)
+                engine.add_request(f"{prefix}{i}", p, request_params)
             else:
-                engine.add_request(f"{prefix}{i}", p, params, drafter=drafter)
+                engine.add_request(f"{prefix}{i}", p, request_params, drafter=drafter)
         step_and_collect(engine, got)
         step += 1
         assert step < max_steps

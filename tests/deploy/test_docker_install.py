@@ -1,8 +1,10 @@
 """The container image's install steps (deploy/docker/install.sh), run here against a fresh venv.
 
 No Docker engine is needed: the test copies the build context the way .dockerignore lets it through, then runs the
-same `install.sh` steps the Dockerfile's RUN lines run, with the CPU torch build of this environment (pinned to the
-exact local version, so pip can never fetch a multi-gigabyte CUDA torch). pip's own cache and configuration are used.
+same `install.sh` steps the Dockerfile's RUN lines run. The venv stands for the default base image
+(pytorch/pytorch): torch is already importable from outside the venv's own site-packages, here this environment's
+CPU build and what it requires, through a `.pth` folder of links, so no test copies torch's 700 MB again and pip can
+never fetch a multi-gigabyte CUDA torch. pip's own cache and configuration are used.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "deploy" / "docker" / "install.sh"
@@ -38,6 +41,38 @@ def build_context(dest: Path) -> Path:
     return dest
 
 
+def requirement_closure(name: str) -> list[importlib.metadata.Distribution]:
+    """The installed distribution `name` and every distribution it requires, transitively (no extras)."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    todo = [name]
+    while todo:
+        dist = importlib.metadata.distribution(todo.pop())
+        key = re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()
+        if key in found:
+            continue
+        found[key] = dist
+        for spec in dist.requires or []:
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return list(found.values())
+
+
+def base_image_torch(venv: Path, site: Path) -> None:
+    """Make this environment's torch and its requirements importable in `venv` from `site`, a folder of links
+    named by a `.pth` file, as a base image's torch is: installed, visible to pip, outside the venv's own
+    site-packages (so pip would never uninstall it from there)."""
+    site.mkdir()
+    for dist in requirement_closure("torch"):
+        tops = {Path(f).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
+        for top in tops:
+            target = Path(dist.locate_file(top))
+            if target.exists() and not (site / top).exists():
+                (site / top).symlink_to(target)
+    (site_packages,) = (venv / "lib").glob("python*/site-packages")
+    (site_packages / "base_image_torch.pth").write_text(f"{site}\n")
+
+
 def run_step(venv: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": str(venv / "bin" / "python"), **(env or {})}
     env.pop("PYTHONPATH", None)
@@ -57,7 +92,11 @@ def image_venv(tmp_path_factory):
     context = build_context(base / "context")
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    run_step(venv, "torch", env={"TORCH_SPEC": f"torch=={TORCH_VERSION}", "TORCH_INDEX_URL": ""})
+    base_image_torch(venv, base / "base-image-site")
+    run_step(venv, "torch", env={"TORCH_SPEC": ""})        # the default: the base image's torch as it is
+    # a pinned TORCH_SPEC that the base image already satisfies: pip keeps it (the step must not fail or reinstall)
+    proc = run_step(venv, "torch", env={"TORCH_SPEC": f"torch=={TORCH_VERSION}", "TORCH_INDEX_URL": ""})
+    assert "already satisfied" in proc.stdout, proc.stdout[-2000:]
     run_step(venv, "deps", str(context / "pyproject.toml"))
     run_step(venv, "model")
     run_step(venv, "app", str(context))
@@ -79,6 +118,7 @@ def test_install_steps_give_a_working_specserve(image_venv):
     assert out.returncode == 0, out.stderr
     torch_version, model_file, gguf, smollm2 = out.stdout.split()
     assert torch_version == TORCH_VERSION                    # the deps step did not replace torch
+    assert not list((venv / "lib").glob("python*/site-packages/torch"))     # nor put a copy of it into the venv
     assert Path(model_file).is_relative_to(venv)            # the installed package, not this checkout
     assert Path(gguf).is_file() and smollm2 == re.search(r"SMOLLM2_VERSION:-([^}]+)}", INSTALL.read_text())[1]
 

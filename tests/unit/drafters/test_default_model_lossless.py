@@ -2,12 +2,14 @@
 on the embedded SmolLM2-135M as served (`--quantization auto`: the GGUF's int4 weights): a batch of
 chat prompts of different lengths, arriving at different steps, decodes exactly the tokens plain
 decoding gives, with one engine serving all drafters side by side (per-request choice); the same
-under a JSON schema (structured output), where the output also parses and validates; and under the
-logits processors (penalties, logit_bias) and the other grammar kinds (regex, choice, EBNF)."""
+under structured output, one grammar kind per prompt in the same steps (a JSON schema, whose output
+also parses and validates, a regex, a choice, an EBNF grammar); and under the logits processors
+(penalties, logit_bias)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from helpers import run_requests
@@ -36,8 +38,12 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLeng
 
 def run_staggered(engine: LLMEngine, prompts: list[list[int]], drafter: str, max_tokens: int = 24,
                   guided=None, **processing) -> list[list[int]]:
-    """Greedy requests drafted by `drafter`, one added every third step; outputs in prompt order."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, guided=guided, **processing)
+    """Greedy requests drafted by `drafter`, one added every third step; outputs in prompt order.
+    `guided` is one grammar for every request, or a list with one per prompt."""
+    if isinstance(guided, list):
+        params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, guided=g, **processing) for g in guided]
+    else:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, guided=guided, **processing)
     got = run_requests(engine, prompts, params, every=3, prefix=f"{drafter}-", drafter=drafter)
     return [got[f"{drafter}-{i}"] for i in range(len(prompts))]
 
@@ -72,47 +78,39 @@ def test_every_drafter_reproduces_plain_greedy_decoding(engine, prompts):
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
-def test_every_drafter_reproduces_plain_decoding_under_a_json_schema(engine, prompts):
-    guided = ("json", json.dumps(SCHEMA))
-    plain = run_staggered(engine, prompts, "none", max_tokens=48, guided=guided)
-    for tokens in plain:
+# one grammar kind per prompt, side by side in the same steps: a JSON schema, a regex, a choice, an EBNF grammar
+# (test_grammar.py has their validity on the tiny target)
+CHOICES = ["Paris", "London", "Berlin", "Madrid"]
+GRAMMARS = [("json", json.dumps(SCHEMA)), ("regex", r"(Yes|No), because [a-z ]{5,40}\."),
+            ("choice", json.dumps(CHOICES)), ("grammar", 'root ::= "The answer is " [0-9]+ "."')]
+
+
+def test_every_drafter_reproduces_plain_decoding_under_each_grammar_kind(engine, prompts):
+    plain = run_staggered(engine, prompts, "none", max_tokens=48, guided=GRAMMARS)
+    for tokens in plain:     # every kind ends its output with an EOS well inside 48 tokens
         assert tokens[-1] in engine.eos_token_ids, engine.tokenizer.decode(tokens)
-        value = json.loads(engine.tokenizer.decode(tokens[:-1]))
-        assert set(value) == {"answer", "confidence"} and 0 <= value["confidence"] <= 10
+    texts = [engine.tokenizer.decode(t[:-1]) for t in plain]
+    value = json.loads(texts[0])
+    assert set(value) == {"answer", "confidence"} and 0 <= value["confidence"] <= 10
+    assert re.fullmatch(GRAMMARS[1][1], texts[1]) and texts[2] in CHOICES, texts
+    assert re.fullmatch(r"The answer is [0-9]+\.", texts[3]), texts
     for name in DRAFTERS:
-        assert run_staggered(engine, prompts, name, max_tokens=48, guided=guided) == plain, name
+        assert run_staggered(engine, prompts, name, max_tokens=48, guided=GRAMMARS) == plain, name
         assert engine.drafter_stats[name].num_fallbacks == 0, name
     assert engine.drafter_stats["grammar"].num_accepted_tokens > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
-# penalties and a bias that bans the plain output's most common token and favours another; the
-# grammar kinds besides JSON schemas (test_grammar.py has their validity on the tiny target)
-KINDS = {"processors": dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3),
-         "regex": dict(guided=("regex", r"(Yes|No), because [a-z ]{5,40}\.")),
-         "choice": dict(guided=("choice", json.dumps(["Paris", "London", "Berlin", "Madrid"]))),
-         "ebnf": dict(guided=("grammar", 'root ::= "The answer is " [0-9]+ "."'))}
-
-
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_every_drafter_reproduces_plain_decoding_under_processors_and_grammars(engine, prompts, kind):
-    options = dict(KINDS[kind])
-    if kind == "processors":   # ban the token plain greedy decoding emits most, favour a common word
-        plain_ids = [t for p in run_staggered(engine, prompts, "none") for t in p]
-        top = max(set(plain_ids), key=plain_ids.count)
-        favoured = engine.tokenizer.encode(" the", add_special_tokens=False)[0]
-        options["logit_bias"] = {top: -100.0, favoured: 2.0}
-    max_tokens = 20 if kind == "processors" else 32    # the grammars end their outputs sooner
-    plain = run_staggered(engine, prompts, "none", max_tokens=max_tokens, **options)
-    if kind == "processors":
-        assert top not in {t for p in plain for t in p}
-    else:
-        texts = [engine.tokenizer.decode(t[:-1] if t[-1] in engine.eos_token_ids else t) for t in plain]
-        assert any(t[-1] in engine.eos_token_ids for t in plain), texts
-        if kind == "choice":
-            assert all(t in ("Paris", "London", "Berlin", "Madrid") for t, p in zip(texts, plain)
-                       if p[-1] in engine.eos_token_ids), texts
+def test_every_drafter_reproduces_plain_decoding_under_penalties_and_logit_bias(engine, prompts):
+    """Penalties, and a bias that bans the plain output's most common token and favours a common word."""
+    plain_ids = [t for p in run_staggered(engine, prompts, "none") for t in p]
+    top = max(set(plain_ids), key=plain_ids.count)
+    favoured = engine.tokenizer.encode(" the", add_special_tokens=False)[0]
+    options = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3,
+                   logit_bias={top: -100.0, favoured: 2.0})
+    plain = run_staggered(engine, prompts, "none", max_tokens=20, **options)
+    assert top not in {t for p in plain for t in p}
     for name in DRAFTERS:
-        assert run_staggered(engine, prompts, name, max_tokens=max_tokens, **options) == plain, (kind, name)
+        assert run_staggered(engine, prompts, name, max_tokens=20, **options) == plain, name
         assert engine.drafter_stats[name].num_fallbacks == 0, name
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

@@ -16,7 +16,7 @@ from helpers import TINY_DRAFTERS as DRAFTERS
 from helpers import empirical_first_two_law, make_llm_engine, step_and_collect, total_variation
 
 from specserve.engine.errors import InvalidRequestError
-from specserve.engine.grammar import GrammarState
+from specserve.engine.grammar import Grammars, GrammarState, allows
 from specserve.engine.sampling_params import SamplingParams
 
 pytest.importorskip("llguidance")
@@ -288,3 +288,17 @@ def test_a_drafter_drafts_after_the_forced_tokens_in_the_same_tree(engine, promp
     assert parts == drafted                                                   # per request, the same split
     assert sum(s.num_draft_tokens for s in specs.values()) == sum(drafted.values())
     assert after[drafter].num_fallbacks == before[drafter].num_fallbacks
+
+
+@pytest.mark.slow
+def test_the_default_models_byte_level_tokens_reach_the_grammar_as_their_bytes(default_model):
+    """SmolLM2's tokenizer (converted from its GGUF) spells a leading space "Ġ" and a newline "Ċ":
+    the grammar must read those tokens as b" ..." and b"\\n", or no grammar could emit either."""
+    tok = default_model.tokenizer
+    state = Grammars(tok, len(tok), default_model.eos_token_ids).state(("regex", r"No, because it is\n[a-z]+\."))
+    ids = tok.encode("No, because it is\nwet.", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(ids[2]) == "Ġbecause" and "Ċ" in tok.convert_ids_to_tokens(ids)
+    for token in ids:
+        assert allows(state.mask(), token), tok.convert_ids_to_tokens(token)
+        state.advance([token])
+    assert allows(state.mask(), default_model.eos_token_ids[0])
