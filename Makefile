@@ -6,6 +6,7 @@ MODEL  ?= default
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
+WORKERS ?= auto
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 
@@ -31,7 +32,7 @@ serve: $(VENV)/.installed
 	$(VENV)/bin/specserve serve --model $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile $(ARGS)
 
 bench: $(VENV)/.installed-dev
 	$(PY) -m specserve.bench.plain_decode $(ARGS)

@@ -9,6 +9,11 @@
   ids 0/1/2 are ``<unk>``/``<s>``/``</s>``) and a chat template; `tiny_model_factory` saves variants
   (Mistral, Qwen2, tied embeddings, ...). `peaky_target` (one per test module) is a tiny Llama with large
   initial weights, whose peaked next-token laws the sampling-losslessness tests measure.
+* `make test` runs the tests in worker processes (pytest-xdist, `-n auto --dist loadfile`: a file's tests stay on
+  one worker, with its module fixtures): one worker per core, at most MAX_TEST_WORKERS, and each worker's torch,
+  and every process a test starts, gets OMP_NUM_THREADS = its share of the cores. Most tests here are
+  small-model steps whose Python holds one core; two workers on two cores halve the suite's time where one
+  process with two torch threads did not (measured: docs/journal/2026-11-29-suite-workers.md).
 * Plain helpers (building and running an LLMEngine, exact and empirical first-two-token laws) live in
   tests/helpers.py; test modules import them with ``from helpers import ...``.
 * Live servers (tests/e2e, tests/deploy): `serve(engine, **create_app_kwargs)` runs a real uvicorn server on a
@@ -43,6 +48,26 @@ _TINY_CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world! def fibonacci(n): return n",
     "What is the capital of France? Paris is the capital of France.",
 ] * 20
+
+
+MAX_TEST_WORKERS = 4     # each worker loads its own models: SmolLM2's tests hold 2-4 GB per worker
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (make test): one worker per core this process may run on, at most MAX_TEST_WORKERS."""
+    return max(1, min(_cores(), MAX_TEST_WORKERS))
+
+
+def pytest_configure(config) -> None:
+    workers = getattr(config.option, "numprocesses", None)
+    if workers and "PYTEST_XDIST_WORKER" not in os.environ:
+        # the controller, before it starts the workers (they and the processes tests start inherit it): each
+        # worker's share of the cores, so that the workers' torch thread pools do not oversubscribe the CPU
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // workers)))
 
 
 def share_user_conversions(session_cache: Path) -> None:
