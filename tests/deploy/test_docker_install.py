@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "deploy" / "docker" / "install.sh"
@@ -47,7 +48,7 @@ def requirement_closure(name: str) -> list[importlib.metadata.Distribution]:
     todo = [name]
     while todo:
         dist = importlib.metadata.distribution(todo.pop())
-        key = re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()
+        key = canonicalize_name(dist.metadata["Name"])
         if key in found:
             continue
         found[key] = dist

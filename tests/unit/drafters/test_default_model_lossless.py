@@ -40,10 +40,8 @@ def run_staggered(engine: LLMEngine, prompts: list[list[int]], drafter: str, max
                   guided=None, **processing) -> list[list[int]]:
     """Greedy requests drafted by `drafter`, one added every third step; outputs in prompt order.
     `guided` is one grammar for every request, or a list with one per prompt."""
-    if isinstance(guided, list):
-        params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, guided=g, **processing) for g in guided]
-    else:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, guided=guided, **processing)
+    guides = guided if isinstance(guided, list) else [guided] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, guided=g, **processing) for g in guides]
     got = run_requests(engine, prompts, params, every=3, prefix=f"{drafter}-", drafter=drafter)
     return [got[f"{drafter}-{i}"] for i in range(len(prompts))]
 
