@@ -570,9 +570,10 @@ def _add_train(sub) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the drafter's trainer (repeatable), e.g. num_heads=4; values are parsed as "
                         "int, float, true/false or text")
-    p.add_argument("--distilled", default=d["distilled"], metavar="DIR",
-                   help="train on the target's own answers in a `specserve train distill` folder (the pool they "
-                        "answered must be --data) instead of the pool's reference answers")
+    p.add_argument("--distilled", nargs="+", default=d["distilled"], metavar="DIR",
+                   help="train on the target's own answers in `specserve train distill` folders (the pool they "
+                        "answered must be --data; several folders must not answer one prompt at one temperature "
+                        "twice) instead of the pool's reference answers")
     p.add_argument("--features", default=d["features"], choices=("auto", "live", "shards"),
                    help="where the target's hidden states and top-k come from: 'live' computes them in the "
                         "training loop from token ids (nothing cached on disk), 'shards' builds teacher shards "
@@ -595,6 +596,10 @@ def _add_train(sub) -> None:
                    help="take no new prompt after this long; the answers in flight are finished and kept")
     g.add_argument("--max-prompts", type=int, default=None, metavar="N",
                    help="answer only the first N prompts of the pool's balanced order (default: all)")
+    g.add_argument("--exclude-answered", nargs="+", default=[], metavar="DIR",
+                   help="skip the prompts these distill folders (same pool) answered at a temperature already: "
+                        "a machine serving the target otherwise (e.g. a GPU) answers the rest into a folder of its "
+                        "own; train on both with --distilled A B")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
     p.set_defaults(func=_cmd_train)
@@ -626,7 +631,7 @@ def _cmd_distill(args: argparse.Namespace) -> int:
     options = DistillOptions(out=args.out, model=args.model, data=args.data, temperatures=tuple(args.temperatures),
                              max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs, shard_size=args.shard_size,
                              time_limit=args.time_limit, max_prompts=args.max_prompts, seed=args.seed,
-                             device=args.device, progress=args.progress)
+                             device=args.device, progress=args.progress, exclude=tuple(args.exclude_answered))
     report, code = _train_job("specserve train distill", lambda: distill(options),
                               "written shards are kept and continued next time")
     if report is not None:

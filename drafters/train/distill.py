@@ -23,6 +23,11 @@ into compact shards that later runs continue and every trainer can read.
   of the shard it was filling). A run with other settings is refused: choose another --out.
 * **Time cap.** `--time-limit` stops taking new prompts after that many seconds; the answers in
   flight are finished and written.
+* **Beside other folders.** `--exclude-answered DIR ...` skips the prompts those distill folders
+  (the same pool) answered at a temperature already: a machine whose served target differs (a GPU
+  serves the weights in bf16, a CPU the GGUF's int4 tensors, so the settings differ and the folder
+  cannot be continued there) answers the rest of the pool into a folder of its own, and a trainer
+  reads both (`--distilled A B`) without a prompt answered twice.
 
 Every run appends its generation speed (answer tokens per second, device, streams) to the manifest.
 `read_answers` gives the answers back as `Example`s (`output_ids` set) for `build_teacher_shards`.
@@ -63,6 +68,7 @@ class DistillOptions:
     shard_size: int = 256
     time_limit: float | None = None        # seconds
     max_prompts: int | None = None         # per temperature, in the pool's balanced order
+    exclude: tuple[str, ...] = ()          # distill folders whose answered prompts are skipped
     seed: int = 0
     device: str = "auto"
     progress: bool = True
@@ -129,6 +135,35 @@ def read_answers(out: str | os.PathLike, data: str | None = None,
     return examples
 
 
+def read_folders(folders: str | os.PathLike | Seq[str | os.PathLike], data: str | None = None) -> list[Example]:
+    """`read_answers` of one distill folder or of several in turn; ValueError when two of them
+    answered one prompt at one temperature (distill the later one with `--exclude-answered`)."""
+    folders = [folders] if isinstance(folders, (str, os.PathLike)) else list(folders)
+    examples, seen = [], {}
+    for folder in folders:
+        for ex in read_answers(folder, data):
+            if ex.id in seen:
+                raise ValueError(f"{seen[ex.id]} and {folder} both answered {ex.id!r}: distill the later folder "
+                                 f"with --exclude-answered {seen[ex.id]}")
+            seen[ex.id] = folder
+            examples.append(ex)
+    return examples
+
+
+def answered_rows(folders: Seq[str | os.PathLike], pool: dict[str, Any], temperature: float) -> set[int]:
+    """The pool rows that the distill `folders` answered at `temperature`; ValueError when one of
+    them answered another pool (`pool`: `pool_identity` of this one) or is no distill folder."""
+    rows: set[int] = set()
+    for folder in map(Path, folders):
+        path = folder / MANIFEST
+        if not path.is_file():
+            raise ValueError(f"{folder} is not a `specserve train distill` folder (no {MANIFEST})")
+        if json.loads(path.read_text())["pool"] != pool:
+            raise ValueError(f"{folder} answered another prompt pool (its content differs)")
+        rows.update(row for shard in _shards(folder, temperature) for row in _shard_index(shard)[0])
+    return rows
+
+
 def _check_manifest(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """The folder's manifest, made if new; ValueError when it was made with other settings."""
     path = out / MANIFEST
@@ -177,10 +212,13 @@ def distill(options: DistillOptions) -> dict[str, Any]:
     deadline = time.monotonic() + options.time_limit if options.time_limit is not None else None
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(engine.device),
               "max_num_seqs": options.max_num_seqs, "answers": 0, "tokens": 0, "seconds": 0.0, "skipped": 0}
+    if options.exclude:
+        report["excluded"] = [str(f) for f in options.exclude]
     t_start = time.perf_counter()
     for temperature in sorted(options.temperatures):
         shards = _shards(out, temperature)
         done = {row for shard in shards for row in _shard_index(shard)[0]}
+        done |= answered_rows(options.exclude, settings["pool"], temperature)
         wanted = balanced[:options.max_prompts] if options.max_prompts else balanced
         todo = [row for row in wanted if row not in done]
         next_shard = len(shards)

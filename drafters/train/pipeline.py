@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any, Mapping
@@ -26,7 +27,7 @@ from specserve.drafters.train import TrainData, TrainTarget, get_trainer
 from specserve.drafters.train.data import (Example, ShardDataset, balance_by_source, build_teacher_shards,
                                            load_prompt_pool, render_example, self_distill_examples,
                                            teacher_build_config)
-from specserve.drafters.train.distill import read_answers
+from specserve.drafters.train.distill import read_folders
 from specserve.drafters.train.live import LiveDataset, LiveFeatures
 from specserve.engine.config import EngineConfig, ModelConfig
 from specserve.engine.core import LLMEngine
@@ -45,7 +46,7 @@ DEFAULTS: dict[str, Any] = dict(
 TRAIN_STATE = "train-state.pt"
 FEATURES = ("auto", "live", "shards")   # auto: live with --distilled, teacher shards otherwise
 # `specserve train distill`'s own flags: not options of a drafter's training
-DISTILL_FLAGS = ("temperatures", "max_tokens", "max_num_seqs", "time_limit", "max_prompts")
+DISTILL_FLAGS = ("temperatures", "max_tokens", "max_num_seqs", "time_limit", "max_prompts", "exclude_answered")
 
 
 def parse_options(items) -> dict[str, Any]:
@@ -103,7 +104,7 @@ def prepare_data(target: TrainTarget, options: Mapping[str, Any], capture_layers
     if o["distilled"]:   # the served target's own answers (`specserve train distill`)
         if o["self_distill"]:
             raise ValueError("--distilled and --self-distill both name the answers to train on: choose one")
-        examples = balance_by_source(read_answers(o["distilled"], data), o["max_examples"], o["seed"])
+        examples = balance_by_source(read_folders(o["distilled"], data), o["max_examples"], o["seed"])
     else:
         examples = load_prompt_pool(data, max_examples=o["max_examples"], seed=o["seed"],
                                     require_output=not o["self_distill"], prompt_field=o["prompt_field"],
@@ -174,7 +175,7 @@ def live_data(target: TrainTarget, examples: list[Example], o: Mapping[str, Any]
                 "num_tokens": sum(len(r.input_ids) for r in rendered),
                 "num_answer_tokens": sum(r.num_answer_tokens for r in rendered),
                 "sources": dict(sorted(sources.items())),
-                "distilled": str(o["distilled"]) if o["distilled"] else None}
+                "distilled": _folders(o["distilled"])}
     features = LiveFeatures(target.model, [r.input_ids for r in rendered], top_k=o["top_k"], device=target.device,
                             batch_tokens=o["batch_tokens"], memory_bytes=int(o["feature_memory_gb"] * (1 << 30)),
                             capture_layers=capture_layers)
@@ -183,9 +184,18 @@ def live_data(target: TrainTarget, examples: list[Example], o: Mapping[str, Any]
     held_back = LiveDataset(features, kept, rendered, split="eval", **split)
     logger.info("%d examples (%d tokens) as token ids; the target's rows are computed in the training loop",
                 len(kept), manifest["num_tokens"])
-    folder = Path(o["distilled"]).expanduser() if o["distilled"] else Path(".")
+    folders = _folders(o["distilled"]) or "."
+    folder = Path(folders[0] if isinstance(folders, list) else folders).expanduser()   # the first one
     return _with_train_split(TrainData(shard_dir=folder, manifest=manifest, train=train, held_back=held_back,
                                        examples=kept), o["eval_examples"])
+
+
+def _folders(distilled) -> str | list[str] | None:
+    """The `--distilled` folder(s) as the checkpoint's meta records them: one path, or a list of several."""
+    if not distilled:
+        return None
+    folders = [str(distilled)] if isinstance(distilled, (str, os.PathLike)) else [str(f) for f in distilled]
+    return folders[0] if len(folders) == 1 else folders
 
 
 def run_training(drafter: str, options: Mapping[str, Any], *, target: TrainTarget | None = None) -> Path:

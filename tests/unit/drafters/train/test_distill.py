@@ -72,3 +72,29 @@ def test_distill_answers_continue_and_refuse_other_settings(tiny_llama_dir, pool
     # a time cap of 0: no prompt is taken
     assert cli.main(distill_argv(tiny_llama_dir, pool, tmp_path / "capped", "--time-limit", "0")) == 0
     assert json.loads((tmp_path / "capped" / "manifest.json").read_text())["runs"][0]["answers"] == 0
+
+
+def test_a_folder_beside_another_answers_only_the_rest(tiny_llama_dir, pool_writer, tmp_path, capsys):
+    """`--exclude-answered`: a second machine (another served target, so another folder) answers the
+    prompts the first folder has not, at each temperature; the two together hold each prompt once."""
+    pool = pool_writer(tmp_path / "train_prompts.jsonl", {"a": 5, "b": 4}, with_output=False)
+    first, second = tmp_path / "cpu", tmp_path / "gpu"
+    assert cli.main(distill_argv(tiny_llama_dir, pool, first, "--max-prompts", "3", "--temperatures", "0")) == 0
+    assert cli.main(distill_argv(tiny_llama_dir, pool, second, "--exclude-answered", str(first))) == 0
+    manifest = json.loads((second / "manifest.json").read_text())
+    assert manifest["answers"] == {"0": 6, "0.7": 9}      # T=0: the 3 answered beside it are skipped
+    assert manifest["runs"][0]["excluded"] == [str(first)]
+    taken = {row for s in first.glob("t0-*.npz") for row in read_shard(s)}
+    again = {row for s in second.glob("t0-*.npz") for row in read_shard(s)}
+    assert len(taken) == 3 and not taken & again and taken | again == set(range(9))
+    # the answers are the target's own, as in one folder
+    assert {row: ids for s in second.glob("t0-*.npz") for row, ids in read_shard(s).items()} == \
+        answers_alone(tiny_llama_dir, pool, sorted(again), 0.0)
+
+    # a folder of another pool, or no distill folder at all, is refused before anything is answered
+    other = pool_writer(tmp_path / "other.jsonl", {"a": 3}, with_output=False)
+    capsys.readouterr()
+    assert cli.main(distill_argv(tiny_llama_dir, other, tmp_path / "x", "--exclude-answered", str(first))) == 1
+    assert "answered another prompt pool" in capsys.readouterr().err
+    assert cli.main(distill_argv(tiny_llama_dir, pool, tmp_path / "y", "--exclude-answered", str(tmp_path))) == 1
+    assert "not a `specserve train distill` folder" in capsys.readouterr().err

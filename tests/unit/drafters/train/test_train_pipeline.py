@@ -138,7 +138,7 @@ def test_training_on_distilled_answers(dummy_trainer, tiny_llama_dir, pool_write
     out = tmp_path / "ckpt"
     assert cli.main(_argv(tiny_llama_dir, pool, tmp_path, out, "--distilled", str(answers))) == 0
     options, _, data = dummy_trainer[-1]
-    assert options["distilled"] == str(answers) and "temperatures" not in options
+    assert options["distilled"] == [str(answers)] and "temperatures" not in options
     assert {ex.id for ex in data.examples} <= {f"{s}-{i}@t0" for s, n in (("a", 6), ("b", 4)) for i in range(n)}
     assert len(data.examples) == 10 and all(ex.output_ids for ex in data.examples)
     assert (out / "meta.json").is_file()
@@ -184,3 +184,24 @@ def test_measure_tau_through_the_engine(tiny_loaded):
     assert got["tau"] == pytest.approx(got["num_tokens"] / got["num_forwards"]) and got["tau"] >= 1.0
     assert 0.0 <= got["alpha"] <= 1.0
     assert got["accepted_per_step"] == pytest.approx(got["num_accepted_tokens"] / got["num_forwards"])
+
+
+def test_training_on_answers_of_two_folders(dummy_trainer, tiny_llama_dir, pool_writer, tmp_path, capsys):
+    """`--distilled A B`: the answers of a folder and of one made beside it (`--exclude-answered`)
+    train together; two folders answering one prompt at one temperature are refused."""
+    pool = pool_writer(tmp_path / "train_prompts.jsonl", {"a": 6, "b": 4}, with_output=False)
+    first, second = tmp_path / "cpu", tmp_path / "gpu"
+    base = ["train", "distill", "--model", str(tiny_llama_dir), "--data", str(pool), "--device", "cpu",
+            "--max-tokens", "6", "--temperatures", "0", "--no-progress"]
+    assert cli.main([*base, "--out", str(first), "--max-prompts", "4"]) == 0
+    assert cli.main([*base, "--out", str(second), "--exclude-answered", str(first)]) == 0
+    out = tmp_path / "ckpt"
+    assert cli.main(_argv(tiny_llama_dir, pool, tmp_path, out, "--distilled", str(first), str(second))) == 0
+    options, _, data = dummy_trainer[-1]
+    assert sorted(ex.id for ex in data.examples) == sorted(f"{s}-{i}@t0" for s, n in (("a", 6), ("b", 4))
+                                                           for i in range(n))
+    assert load_checkpoint(out, kind=NAME)[1].data["distilled"] == [str(first), str(second)]
+    capsys.readouterr()
+    assert cli.main(_argv(tiny_llama_dir, pool, tmp_path, tmp_path / "ckpt2", "--distilled", str(first),
+                          str(first))) == 1
+    assert "both answered" in capsys.readouterr().err and not (tmp_path / "ckpt2").exists()
