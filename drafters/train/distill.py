@@ -150,17 +150,24 @@ def read_folders(folders: str | os.PathLike | Seq[str | os.PathLike], data: str 
     return examples
 
 
-def answered_rows(folders: Seq[str | os.PathLike], pool: dict[str, Any], temperature: float) -> set[int]:
-    """The pool rows that the distill `folders` answered at `temperature`; ValueError when one of
+def _answered(folder: Path, temperature: float) -> set[int]:
+    """The pool rows that `folder`'s shards answered at `temperature`."""
+    return {row for shard in _shards(folder, temperature) for row in _shard_index(shard)[0]}
+
+
+def answered_rows(folders: Seq[str | os.PathLike], pool: dict[str, Any], temperatures: Seq[float]
+                  ) -> dict[float, set[int]]:
+    """Per temperature, the pool rows that the distill `folders` answered; ValueError when one of
     them answered another pool (`pool`: `pool_identity` of this one) or is no distill folder."""
-    rows: set[int] = set()
+    rows: dict[float, set[int]] = {t: set() for t in temperatures}
     for folder in map(Path, folders):
         path = folder / MANIFEST
         if not path.is_file():
             raise ValueError(f"{folder} is not a `specserve train distill` folder (no {MANIFEST})")
         if json.loads(path.read_text())["pool"] != pool:
             raise ValueError(f"{folder} answered another prompt pool (its content differs)")
-        rows.update(row for shard in _shards(folder, temperature) for row in _shard_index(shard)[0])
+        for t in temperatures:
+            rows[t] |= _answered(folder, t)
     return rows
 
 
@@ -199,12 +206,14 @@ def distill(options: DistillOptions) -> dict[str, Any]:
     order = {ex.id: i for i, ex in enumerate(pool)}
     if len(order) != len(pool):
         raise ValueError(f"{path}: example ids repeat; rows could not be told apart")
+    pool_id = pool_identity(path)
+    excluded = answered_rows(options.exclude, pool_id, options.temperatures)   # checked before the model loads
     engine = LLMEngine(EngineConfig(model=options.model, drafters=(), device=options.device,
                                     max_num_seqs=options.max_num_seqs, seed=options.seed))
     if engine.model_config.vocab_size > 65536:
         raise ValueError("answers are stored as uint16: a vocabulary above 65536 tokens does not fit")
     settings = {"model": engine.model_name, "fingerprint": target_fingerprint(engine.model_config, engine.model),
-                "pool": pool_identity(path), "rows": len(pool), "max_tokens": options.max_tokens, "seed": options.seed,
+                "pool": pool_id, "rows": len(pool), "max_tokens": options.max_tokens, "seed": options.seed,
                 "quantization": engine.quantization, "temperatures": sorted(options.temperatures)}
     out.mkdir(parents=True, exist_ok=True)
     manifest = _check_manifest(out, settings)
@@ -217,8 +226,7 @@ def distill(options: DistillOptions) -> dict[str, Any]:
     t_start = time.perf_counter()
     for temperature in sorted(options.temperatures):
         shards = _shards(out, temperature)
-        done = {row for shard in shards for row in _shard_index(shard)[0]}
-        done |= answered_rows(options.exclude, settings["pool"], temperature)
+        done = _answered(out, temperature) | excluded[temperature]
         wanted = balanced[:options.max_prompts] if options.max_prompts else balanced
         todo = [row for row in wanted if row not in done]
         next_shard = len(shards)

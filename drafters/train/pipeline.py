@@ -158,6 +158,7 @@ def live_data(target: TrainTarget, examples: list[Example], o: Mapping[str, Any]
               capture_layers: tuple[int, ...] = ()) -> TrainData:
     """`examples` rendered to token ids, their target rows computed in the training loop (live.py),
     split into train and held-back by prompt."""
+    folders = _folder_list(o["distilled"])
     config = teacher_build_config(target.model, target.tokenizer, max_len=o["max_len"], top_k=o["top_k"],
                                   hidden_dtype=torch.float16, eos_token_id=None)
     if capture_layers:   # the rows hold these layers too
@@ -175,7 +176,7 @@ def live_data(target: TrainTarget, examples: list[Example], o: Mapping[str, Any]
                 "num_tokens": sum(len(r.input_ids) for r in rendered),
                 "num_answer_tokens": sum(r.num_answer_tokens for r in rendered),
                 "sources": dict(sorted(sources.items())),
-                "distilled": _folders(o["distilled"])}
+                "distilled": folders[0] if len(folders) == 1 else (folders or None)}
     features = LiveFeatures(target.model, [r.input_ids for r in rendered], top_k=o["top_k"], device=target.device,
                             batch_tokens=o["batch_tokens"], memory_bytes=int(o["feature_memory_gb"] * (1 << 30)),
                             capture_layers=capture_layers)
@@ -184,18 +185,16 @@ def live_data(target: TrainTarget, examples: list[Example], o: Mapping[str, Any]
     held_back = LiveDataset(features, kept, rendered, split="eval", **split)
     logger.info("%d examples (%d tokens) as token ids; the target's rows are computed in the training loop",
                 len(kept), manifest["num_tokens"])
-    folders = _folders(o["distilled"]) or "."
-    folder = Path(folders[0] if isinstance(folders, list) else folders).expanduser()   # the first one
+    folder = Path(folders[0] if folders else ".").expanduser()   # the first answers' folder
     return _with_train_split(TrainData(shard_dir=folder, manifest=manifest, train=train, held_back=held_back,
                                        examples=kept), o["eval_examples"])
 
 
-def _folders(distilled) -> str | list[str] | None:
-    """The `--distilled` folder(s) as the checkpoint's meta records them: one path, or a list of several."""
+def _folder_list(distilled) -> list[str]:
+    """The `--distilled` folder(s): one path or several, as a list (empty without)."""
     if not distilled:
-        return None
-    folders = [str(distilled)] if isinstance(distilled, (str, os.PathLike)) else [str(f) for f in distilled]
-    return folders[0] if len(folders) == 1 else folders
+        return []
+    return [str(distilled)] if isinstance(distilled, (str, os.PathLike)) else [str(f) for f in distilled]
 
 
 def run_training(drafter: str, options: Mapping[str, Any], *, target: TrainTarget | None = None) -> Path:
