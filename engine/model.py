@@ -178,11 +178,15 @@ def pack_weights_in(*objects) -> int:
 def quantize_weights_in(*objects, kind: str, int8_act: bool = False) -> int:
     """Quantize the weights a drafter owns (`engine/quant.py`), as `pack_weights_in` prepacks them:
     every decoder layer inside `objects` (its four projections to `kind`), a draft model's LM head
-    (int8), and whatever has a `quantize_weights(kind, int8_act)` method (a drafter's
-    draft-vocabulary head, int8). A drafter's proposals then come from the quantized weights;
-    verification against the target is unchanged, so speculation stays lossless. A weight that has
-    a quantized copy already (shared with the target, quantized with it) keeps it. Returns the
-    weights quantized."""
+    (int8), every `nn.Linear` (a feature head's fc or lift: int8, whose fp32 activations keep
+    EAGLE-3's τ, where int4 lost 0.1 on GSM8K; one that `engine.model.linear` does not compute, as
+    a decision MLP's, keeps an unused copy), and
+    whatever has a `quantize_weights(kind, int8_act)` method (a drafter's draft-vocabulary head:
+    int4 with `int8_act`, else int8). With `int8_act` the int4 weights multiply int8 activations
+    where the native kernels serve them (`quantize_weight`). A drafter's proposals then come from
+    the quantized weights; verification against the target is unchanged, so speculation stays
+    lossless whatever the drafter's numbers. A weight that has a quantized copy already (shared with
+    the target, quantized with it) keeps it. Returns the weights quantized."""
     def own(weight: torch.Tensor, k: str) -> int:
         return 0 if quantized(weight) is not None else int(quantize_weight(weight, k, int8_act=int8_act))
 
@@ -192,8 +196,10 @@ def quantize_weights_in(*objects, kind: str, int8_act: bool = False) -> int:
             done += own(part.lm_head_weight, "int8")
         elif isinstance(part, DecoderLayer):
             done += sum(own(getattr(part, name).weight, kind) for name in ("qkv", "o", "gate_up", "down"))
+        elif isinstance(part, nn.Linear):
+            done += own(part.weight, "int8")
         elif not isinstance(part, nn.Module) and callable(getattr(part, "quantize_weights", None)):
-            done += part.quantize_weights("int8", int8_act)
+            done += part.quantize_weights("int4" if int8_act else "int8", int8_act)
     return done
 
 

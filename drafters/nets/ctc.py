@@ -46,7 +46,7 @@ from torch import nn
 from specserve.drafters.nets.base import RankedDraftNet
 from specserve.drafters.nets.checkpoint import find_shipped, load_checkpoint, target_fingerprint
 from specserve.engine.config import ModelConfig
-from specserve.engine.model import DecoderLayer, apply_rope, rms_norm
+from specserve.engine.model import DecoderLayer, apply_rope, linear, rms_norm
 
 KIND = "ctc"
 DEFAULT_SLOTS = 5            # T: raw slots after the root
@@ -115,7 +115,7 @@ class CTCDraftNet(RankedDraftNet):
 
     def rows(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """[..., H] features f_p and [..., H] embeddings of x_{p+1} -> [..., H] rows r_p."""
-        return F.linear(torch.cat([features, token_embeds], dim=-1), self.fc.weight, self.fc.bias)
+        return linear(torch.cat([features, token_embeds], dim=-1), self.fc.weight, self.fc.bias)
 
     def row_kv(self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows [..., T, H] (cos/sin [..., T, D] of their positions) -> k, v [..., T, kv_heads, D], RoPE on k."""

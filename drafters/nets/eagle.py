@@ -15,7 +15,7 @@ from specserve.drafters.nets.base import RankedDraftNet
 from specserve.drafters.nets.checkpoint import (CheckpointMeta, find_shipped, load_checkpoint, save_checkpoint,
                                                 target_fingerprint)
 from specserve.engine.config import ModelConfig
-from specserve.engine.model import DecoderLayer, rms_norm, rope_tables
+from specserve.engine.model import DecoderLayer, linear, rms_norm, rope_tables
 
 KIND = "eagle"
 INITS = ("random", "last")
@@ -88,7 +88,7 @@ class EagleHead(RankedDraftNet):
 
     def fuse(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """[..., H] + [..., H] -> [..., H]: the decoder layer's input."""
-        return F.linear(torch.cat([features, token_embeds], dim=-1), self.fc.weight, self.fc.bias)
+        return linear(torch.cat([features, token_embeds], dim=-1), self.fc.weight, self.fc.bias)
 
     def _qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [B, T, H] -> q [B, heads, T, D], k, v [B, kv_heads, T, D] (RoPE applied; cos/sin [T, D] or [B, T, D])."""

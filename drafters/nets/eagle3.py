@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.drafters.nets import eagle as eagle_net
 from specserve.drafters.nets.checkpoint import load_checkpoint, target_fingerprint
 from specserve.drafters.nets.eagle import EagleHead
 from specserve.engine.config import ModelConfig
+from specserve.engine.model import linear
 
 KIND = "eagle3"
 INITS = ("random", "eagle")
@@ -109,7 +109,7 @@ class Eagle3Head(EagleHead):
         x = layers.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.layer.eps)
         x = (x * self.layer_norms.float()).to(self.lift.weight.dtype)
-        return F.linear(x.flatten(-2), self.lift.weight)
+        return linear(x.flatten(-2), self.lift.weight)
 
     def features_of(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.lift_features(batch["layers"])

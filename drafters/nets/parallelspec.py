@@ -15,7 +15,7 @@ from specserve.drafters.nets.checkpoint import load_checkpoint
 from specserve.engine.attention import build_attn_metadata
 from specserve.engine.config import ModelConfig
 from specserve.engine.kv_cache import KVCache
-from specserve.engine.model import DecoderLayer, rms_norm, rope_at, rope_tables
+from specserve.engine.model import DecoderLayer, linear, rms_norm, rope_at, rope_tables
 
 KIND = "parallelspec"
 
@@ -131,7 +131,7 @@ class ParallelSpecModule(nn.Module):
         eps = self.cfg.rms_norm_eps
         e = rms_norm(F.embedding(token_ids, self.embed_weight).to(self.fc.weight.dtype), self.norm_e, eps)
         f = rms_norm(prev_features.to(e.dtype), self.norm_f, eps)
-        return F.linear(torch.cat([f, e], dim=-1), self.fc.weight, self.fc.bias)
+        return linear(torch.cat([f, e], dim=-1), self.fc.weight, self.fc.bias)
 
     def out_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """Layer output -> the LM head's input (the EAGLE variant regresses this onto f)."""

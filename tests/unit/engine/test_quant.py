@@ -118,7 +118,11 @@ def test_drafters_are_lossless_against_the_quantized_target(tiny_llama_dir, kind
                              quantized_activations=activations, kv_cache_dtype=kv)
     assert engine.cache.kv.dtype == (torch.float32 if kv == "float32" or not cpu_kernels.available() else torch.float16)
     layer = engine.model.layers[0]
-    assert quantized(engine.drafters["eagle"].head.layer.qkv.weight).kind == kind     # the drafter's own layer
+    head = engine.drafters["eagle"].head
+    assert quantized(head.layer.qkv.weight).kind == kind     # the drafter's own layer ...
+    # ... with int8 activations wherever the native kernels take int4, whatever the target's are
+    assert quantized(head.layer.qkv.weight).int8_act == (kind == "int4" and cpu_kernels.available())
+    assert quantized(head.fc.weight).kind == "int8" and not quantized(head.fc.weight).int8_act
     assert all(quantized(w).kind == kind for w in (layer.qkv.weight, layer.down.weight))
     assert quantized(layer.qkv.weight).int8_act == (activations == "int8")
     assert quantized(engine.model.lm_head_weight).kind == "int8"     # the LM head keeps 8 bits
