@@ -144,9 +144,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "as llama.cpp's Q4 x Q8 dot products; a 9-row draft tree's forward ~20 %% cheaper on a "
                         "CPU with AVX-512 VNNI; needs the native kernels) (default: %(default)s)")
     g.add_argument("--quantize-drafters", action=argparse.BooleanOptionalAction, default=d["quantize_drafters"],
-                   help="with --quantization, quantize the drafters' own weights (layers like the target's, "
-                        "draft-vocabulary heads int4, both with int8 activations on the native kernels; fc/lift "
-                        "maps int8): cheaper drafting, the same lossless output (default: on)")
+                   help="with --quantization, quantize the drafters' own weights (layers like the target's "
+                        "with int8 activations on the native kernels; draft-vocabulary heads and fc/lift maps "
+                        "int8): cheaper drafting, the same lossless output (default: on)")
     g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
                    help="the KV cache's dtype; auto: float16 where the layer stack runs in the native CPU "
                         "kernels (half the memory, attention still in fp32), else the model's, except float64 on "
