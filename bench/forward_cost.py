@@ -10,7 +10,10 @@ goodput budget learns (what a draft tree of n - 1 nodes adds to a step) and what
     python -m specserve.bench.forward_cost --prefix 256 --tokens 1 2 3 5 9 17 33 [--variants unpacked prepacked int8 int4]
 
 The variants run on the same model, interleaved (A B C A B C ...), and each figure is the median of
-`--repeats` timings, so a machine that slows down during the run slows all alike.
+`--repeats` timings, so a machine that slows down during the run slows all alike. After each swap
+one untimed forward reads the variant's weights into the caches, as a decode step finds them: the
+first timed size had read them cold, which made a 2-token forward look almost free (1.04x a 1-token
+one on the AVX2 VM, 1.30x warm).
 """
 
 from __future__ import annotations
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             _take(model)
             _put(model, copies[v])
+            forward(args.tokens[0])   # untimed: the first forward after a swap reads its weights cold
             for n in args.tokens:
                 s = forward(n)
                 if r:
