@@ -71,13 +71,13 @@ class DraftVocab:
         which the target packs). Returns the weights packed."""
         return 0 if self.weight is None else int(pack_linear_weight(self.weight, min_rows=2))
 
-    def quantize_weights(self, kind: str = "int8", int8_act: bool = False) -> int:
+    def quantize_weights(self, kind: str = "int8") -> int:
         """Quantize the derived N x H head (int8 by default, as the target's LM head: `engine/quant.py`;
         the whole-vocabulary case reads the target's head, quantized with the target). Returns the
         weights quantized."""
         if self.weight is None or quantized(self.weight) is not None:
             return 0
-        return int(quantize_weight(self.weight, kind, int8_act=int8_act))
+        return int(quantize_weight(self.weight, kind))
 
     @property
     def size(self) -> int | None:

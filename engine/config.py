@@ -76,9 +76,10 @@ class EngineConfig:
     # torch's kernels) | int8 (opt-in, lossy: activations quantized per group of 32, as llama.cpp's
     # Q4 x Q8 dot products; native kernels only)
     quantized_activations: str = "float"
-    # CPU, with a quantized target: the drafters' own layers quantized like the target's (int4, or
-    # int8 under --quantization int8) and their draft-vocabulary heads int8 (engine.model
-    # `quantize_weights_in`); their drafting costs about half (EAGLE: 10.7 -> 5.0 ms a step)
+    # CPU, with a quantized target: the drafters' own layers quantized like the target's (int4 with
+    # int8 activations, or int8 under --quantization int8), their draft-vocabulary heads and fc/lift
+    # maps int8 (engine.model `quantize_weights_in`); their drafting costs about half (EAGLE: 10.7 ->
+    # 5.0 ms a step), and int8 activations took ~30 % more off EAGLE-3's
     quantize_drafters: bool = True
     # the KV cache's dtype, in which attention runs: auto | float32 | float64. auto is the model's
     # dtype, except float64 on the CPU when the quantized kernels take bf16 activations: there a

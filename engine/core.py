@@ -76,9 +76,7 @@ class LLMEngine:
         self.features = FeatureStore(mc.hidden_size, self.dtype, self.device)
         self.drafters = self._load_drafters(config.drafters)
         if self.quantization != "none" and config.quantize_drafters and self.drafters:
-            # int8 activations whatever --quantized-activations says: a drafter's numbers never reach the output
-            done = quantize_weights_in(*self.drafters.values(), kind="int8" if self.quantization == "int8" else "int4",
-                                       int8_act=True)
+            done = quantize_weights_in(*self.drafters.values(), kind="int8" if self.quantization == "int8" else "int4")
             logger.info("quantized %d weight matrices of the drafters", done)
         if config.prepack_weights and self.device.type == "cpu":
             packed = self.model.pack_weights() + pack_weights_in(*self.drafters.values())

@@ -175,20 +175,20 @@ def pack_weights_in(*objects) -> int:
     return packed
 
 
-def quantize_weights_in(*objects, kind: str, int8_act: bool = False) -> int:
+def quantize_weights_in(*objects, kind: str) -> int:
     """Quantize the weights a drafter owns (`engine/quant.py`), as `pack_weights_in` prepacks them:
-    every decoder layer inside `objects` (its four projections to `kind`), a draft model's LM head
-    (int8), every `nn.Linear` (a feature head's fc or lift: int8, whose fp32 activations keep
-    EAGLE-3's τ, where int4 lost 0.1 on GSM8K; one that `engine.model.linear` does not compute, as
-    a decision MLP's, keeps an unused copy), and
-    whatever has a `quantize_weights(kind, int8_act)` method (a drafter's draft-vocabulary head:
-    int8, as int4 x int8 lost 1-4 % of EAGLE's τ at 8 nodes). With `int8_act` the layers' int4
-    weights multiply int8 activations where the native kernels serve them (`quantize_weight`). A drafter's proposals then come from
-    the quantized weights; verification against the target is unchanged, so speculation stays
-    lossless whatever the drafter's numbers. A weight that has a quantized copy already (shared with
-    the target, quantized with it) keeps it. Returns the weights quantized."""
+    every decoder layer inside `objects` (its four projections to `kind`; int4 ones multiply int8
+    activations where the native kernels serve them, whatever the target's activations: a
+    drafter's numbers never reach the output), a draft model's LM head (int8), every `nn.Linear` (a
+    feature head's fc or lift: int8, whose fp32 activations keep EAGLE-3's τ, where int4 x int8 lost
+    0.1 on GSM8K; one that `engine.model.linear` does not compute, as a decision MLP's, keeps an
+    unused copy), and whatever has a `quantize_weights(kind)` method (a drafter's draft-vocabulary
+    head: int8, as int4 x int8 lost 1-4 % of EAGLE's τ at 8 nodes). A drafter's proposals then come
+    from the quantized weights; verification against the target is unchanged, so speculation stays
+    lossless. A weight that has a quantized copy already (shared with the target, quantized with it)
+    keeps it. Returns the weights quantized."""
     def own(weight: torch.Tensor, k: str) -> int:
-        return 0 if quantized(weight) is not None else int(quantize_weight(weight, k, int8_act=int8_act))
+        return 0 if quantized(weight) is not None else int(quantize_weight(weight, k, int8_act=True))
 
     done = 0
     for part in _parts_in(objects):
@@ -199,7 +199,7 @@ def quantize_weights_in(*objects, kind: str, int8_act: bool = False) -> int:
         elif isinstance(part, nn.Linear):
             done += own(part.weight, "int8")
         elif not isinstance(part, nn.Module) and callable(getattr(part, "quantize_weights", None)):
-            done += part.quantize_weights("int8", int8_act)
+            done += part.quantize_weights("int8")
     return done
 
 
