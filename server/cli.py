@@ -525,7 +525,8 @@ def _add_train(sub) -> None:
                     "the engine with the draft model's fork, logs every drafted token's verification outcome and "
                     "trains the early-stop decision models into --out/type1 and --out/type2. `distill` trains "
                     "nothing: the served target answers the prompt pool into --out, and `--distilled DIR` trains on "
-                    "those answers.")
+                    "those answers; `prompts` writes a prompt pool of the target's own user messages (for "
+                    "distill --data).")
     p.add_argument("drafter", metavar="DRAFTER", help="the drafter to train (an unknown name lists the available ones)")
     p.add_argument("--model", default=d["model"], help=MODEL_HELP)
     p.add_argument("--data", default=d["data"], metavar="PATH",
@@ -601,6 +602,14 @@ def _add_train(sub) -> None:
                    help="skip the prompts these distill folders (same pool) answered at a temperature already: "
                         "a machine serving the target otherwise (e.g. a GPU) answers the rest into a folder of its "
                         "own; train on both with --distilled A B")
+    g = p.add_argument_group("specserve train prompts", "the served target writes user messages of its own into "
+                             "--out/train_prompts.jsonl, a prompt pool for distill (drafters/train/prompts.py)")
+    g.add_argument("--num-prompts", type=int, default=1000, metavar="N",
+                   help="prompts wanted in the pool in all (default: %(default)s)")
+    g.add_argument("--prompt-temperature", type=float, default=1.0, metavar="T",
+                   help="sampling temperature of the messages (default: %(default)s)")
+    g.add_argument("--prompt-max-tokens", type=int, default=128, metavar="N",
+                   help="longest message; a longer one is dropped (default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: %(default)s)")
     p.set_defaults(func=_cmd_train)
@@ -612,6 +621,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     if args.drafter == "distill":
         return _cmd_distill(args)
+    if args.drafter == "prompts":
+        return _cmd_prompts(args)
     try:
         get_trainer(args.drafter)   # before anything heavy is loaded
     except UnknownTrainerError as exc:
@@ -638,6 +649,22 @@ def _cmd_distill(args: argparse.Namespace) -> int:
     if report is not None:
         print(f"{report['answers']} answers, {report['tokens']} tokens in {report['seconds']} s "
               f"({report['tok_s']} tok/s on {report['device']}) written to {args.out}")
+    return code
+
+
+def _cmd_prompts(args: argparse.Namespace) -> int:
+    from specserve.drafters.train.prompts import PromptOptions, self_prompts
+
+    options = PromptOptions(out=args.out, model=args.model, num_prompts=args.num_prompts,
+                            temperature=args.prompt_temperature, max_tokens=args.prompt_max_tokens,
+                            max_num_seqs=args.max_num_seqs, seed=args.seed, time_limit=args.time_limit,
+                            device=args.device, progress=args.progress)
+    report, code = _train_job("specserve train prompts", lambda: self_prompts(options),
+                              "written prompts are kept and continued next time")
+    if report is not None:
+        print(f"{report['kept']} prompts kept of {report['requests']} written in {report['seconds']} s "
+              f"({report['tok_s']} tok/s on {report['device']}) into {args.out}; answer them with "
+              f"specserve train distill --data {args.out} --out {args.out}")
     return code
 
 

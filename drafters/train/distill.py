@@ -79,6 +79,12 @@ def pool_path(data: str | None) -> Path:
     return path / "train_prompts.jsonl" if path.is_dir() else path
 
 
+def own_pool(folder: Path) -> Path | None:
+    """The prompt pool a distill folder holds itself (`specserve train prompts` wrote it there), if any."""
+    path = folder / "train_prompts.jsonl"
+    return path if path.is_file() else None
+
+
 def pool_identity(path: Path) -> dict[str, Any]:
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     return {"file": path.name, "sha256": digest}
@@ -118,10 +124,11 @@ def _write_shard(path: Path, answers: list[tuple[int, list[int]]], temperature: 
 def read_answers(out: str | os.PathLike, data: str | None = None,
                  temperatures: Seq[float] | None = None) -> list[Example]:
     """The answers of a distill folder as `Example`s (the pool's turns, `output_ids` the answer), in
-    shard order, for every temperature (or those given). The pool must be the one they answered."""
+    shard order, for every temperature (or those given). The pool must be the one they answered: the
+    folder's own `train_prompts.jsonl` when it holds one, else `data`."""
     out = Path(out)
     manifest = json.loads((out / MANIFEST).read_text())
-    path = pool_path(data)
+    path = own_pool(out) or pool_path(data)
     if pool_identity(path) != manifest["pool"]:
         raise ValueError(f"{out} answered another prompt pool than {path} (its content differs)")
     pool = read_examples(path)
