@@ -20,7 +20,9 @@ into compact shards that later runs continue and every trainer can read.
   content hash) and the settings; a run with the same ones answers only the prompts no shard holds
   yet, in the same order (round-robin over the pool's sources, so any prefix is balanced), and
   writes a shard every `--shard-size` answers (atomically: a killed run loses at most the answers
-  of the shard it was filling). A run with other settings is refused: choose another --out.
+  of the shard it was filling). A run with other settings is refused: choose another --out. A pool
+  that only grew at its end (`specserve train prompts` run again) is the same pool: its new rows
+  are answered too.
 * **Time cap.** `--time-limit` stops taking new prompts after that many seconds; the answers in
   flight are finished and written.
 * **Beside other folders.** `--exclude-answered DIR ...` skips the prompts those distill folders
@@ -129,7 +131,7 @@ def read_answers(out: str | os.PathLike, data: str | None = None,
     out = Path(out)
     manifest = json.loads((out / MANIFEST).read_text())
     path = own_pool(out) or pool_path(data)
-    if pool_identity(path) != manifest["pool"]:
+    if pool_identity(path) != manifest["pool"] and not _grown(path, manifest):
         raise ValueError(f"{out} answered another prompt pool than {path} (its content differs)")
     pool = read_examples(path)
     examples = []
@@ -178,11 +180,22 @@ def answered_rows(folders: Seq[str | os.PathLike], pool: dict[str, Any], tempera
     return rows
 
 
-def _check_manifest(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
-    """The folder's manifest, made if new; ValueError when it was made with other settings."""
+def _grown(pool: Path, manifest: dict[str, Any]) -> bool:
+    """Whether `pool` is the pool `manifest` answered with rows appended after it (as `specserve
+    train prompts` grows a folder's own pool): its first `manifest["rows"]` lines hash as it did."""
+    lines = pool.read_bytes().splitlines(keepends=True)
+    head = b"".join(lines[:manifest.get("rows", 0)])
+    return len(lines) > manifest.get("rows", 0) and hashlib.sha256(head).hexdigest()[:16] == manifest["pool"]["sha256"]
+
+
+def _check_manifest(out: Path, settings: dict[str, Any], pool: Path) -> dict[str, Any]:
+    """The folder's manifest, made if new; ValueError when it was made with other settings (a pool
+    that only grew at its end is the same one: its new rows are answered too)."""
     path = out / MANIFEST
     if path.is_file():
         manifest = json.loads(path.read_text())
+        if manifest.get("pool") != settings["pool"] and _grown(pool, manifest):
+            manifest["pool"], manifest["rows"] = settings["pool"], settings["rows"]
         differ = [k for k, v in settings.items() if k != "temperatures" and manifest.get(k) != v]
         if differ:
             raise ValueError(f"{out} holds answers made with other settings ({', '.join(differ)}): choose another "
@@ -223,7 +236,7 @@ def distill(options: DistillOptions) -> dict[str, Any]:
                 "pool": pool_id, "rows": len(pool), "max_tokens": options.max_tokens, "seed": options.seed,
                 "quantization": engine.quantization, "temperatures": sorted(options.temperatures)}
     out.mkdir(parents=True, exist_ok=True)
-    manifest = _check_manifest(out, settings)
+    manifest = _check_manifest(out, settings, path)
     balanced = [order[ex.id] for ex in balance_by_source(pool, None, options.seed)]
     deadline = time.monotonic() + options.time_limit if options.time_limit is not None else None
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(engine.device),

@@ -105,3 +105,28 @@ def test_distill_answers_the_folders_own_pool(talker, tiny_llama_dir, pool_write
     assert len(examples) == 4 and {ex.turns[0] for ex in examples} == turns
     assert all(ex.source == "self-chat" and 1 <= len(ex.output_ids) <= 5 for ex in examples)
     assert [ex.id for ex in read_folders([out], str(other))] == [ex.id for ex in examples]
+
+
+def test_a_grown_pool_is_read_and_continued(talker, tmp_path):
+    """`train prompts` run again appends to the folder's pool: its answers stay readable, and distill
+    continues the folder, answering the new rows only; a pool changed otherwise is refused."""
+    out = tmp_path / "chat"
+    assert cli.main(prompts_argv(talker, out, "--num-prompts", "3")) == 0
+    distill = ["train", "distill", "--model", str(talker), "--data", str(out), "--out", str(out), "--device", "cpu",
+               "--temperatures", "0", "--max-tokens", "4", "--max-num-seqs", "3", "--no-progress",
+               "--log-level", "warning"]
+    assert cli.main(distill) == 0
+    first = {ex.id: ex.output_ids for ex in read_answers(out)}
+    assert cli.main(prompts_argv(talker, out, "--num-prompts", "5")) == 0
+    assert {ex.id: ex.output_ids for ex in read_answers(out)} == first        # grown: still readable
+    assert cli.main(distill) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["rows"] == 5 and manifest["runs"][1]["answers"] == 2
+    later = {ex.id: ex.output_ids for ex in read_answers(out)}
+    assert len(later) == 5 and all(later[k] == v for k, v in first.items())
+
+    pool = out / "train_prompts.jsonl"
+    pool.write_text("".join(reversed(pool.read_text().splitlines(keepends=True))))   # changed, not grown
+    with pytest.raises(ValueError, match="another prompt pool"):
+        read_answers(out)
+    assert cli.main(distill) == 1
