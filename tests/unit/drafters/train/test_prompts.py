@@ -34,6 +34,13 @@ def prompts_argv(model, out, *extra):
             "--prompt-max-tokens", "12", "--no-progress", "--log-level", "warning", *extra]
 
 
+def distill_own_argv(model, folder, max_tokens):
+    """`train distill` answering the folder's own pool into the folder, greedy."""
+    return ["train", "distill", "--model", str(model), "--data", str(folder), "--out", str(folder), "--device", "cpu",
+            "--temperatures", "0", "--max-tokens", str(max_tokens), "--max-num-seqs", "3", "--no-progress",
+            "--log-level", "warning"]
+
+
 def messages_alone(model, requests):
     """Request i sampled by its own engine request (seed i, temperature 1), as the server would."""
     engine = LLMEngine(EngineConfig(model=str(model), device="cpu", drafters=()))
@@ -95,9 +102,7 @@ def test_a_model_that_never_ends_its_turn_stops_the_run(tiny_llama_dir, tmp_path
 def test_distill_answers_the_folders_own_pool(talker, tiny_llama_dir, pool_writer, tmp_path):
     out = tmp_path / "chat"
     assert cli.main(prompts_argv(talker, out, "--num-prompts", "4")) == 0
-    distill = ["train", "distill", "--model", str(talker), "--data", str(out), "--out", str(out), "--device", "cpu",
-               "--temperatures", "0", "--max-tokens", "5", "--max-num-seqs", "3", "--no-progress",
-               "--log-level", "warning"]
+    distill = distill_own_argv(talker, out, 5)
     assert cli.main(distill) == 0
     other = pool_writer(tmp_path / "train_prompts.jsonl", {"a": 3}, with_output=False)
     examples = read_answers(out, str(other))           # the folder's own pool wins over --data
@@ -112,9 +117,7 @@ def test_a_grown_pool_is_read_and_continued(talker, tmp_path):
     continues the folder, answering the new rows only; a pool changed otherwise is refused."""
     out = tmp_path / "chat"
     assert cli.main(prompts_argv(talker, out, "--num-prompts", "3")) == 0
-    distill = ["train", "distill", "--model", str(talker), "--data", str(out), "--out", str(out), "--device", "cpu",
-               "--temperatures", "0", "--max-tokens", "4", "--max-num-seqs", "3", "--no-progress",
-               "--log-level", "warning"]
+    distill = distill_own_argv(talker, out, 4)
     assert cli.main(distill) == 0
     first = {ex.id: ex.output_ids for ex in read_answers(out)}
     assert cli.main(prompts_argv(talker, out, "--num-prompts", "5")) == 0
