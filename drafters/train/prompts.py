@@ -20,7 +20,8 @@ the user turn writes a user's message).
   pool; a distill folder that holds its own `train_prompts.jsonl` is read against it.
 * **Resumable.** `DIR/prompts.json` names the target and the settings and counts the requests
   made; a run with the same ones continues after them (rows are written in request order, a block
-  of `--max-num-seqs` x 8 requests at a time), a run with others is refused. `--num-prompts` is
+  of `--max-num-seqs` x 8 requests at a time; those after the last prompt wanted count as not made,
+  so a later run with a larger `--num-prompts` uses them), a run with others is refused. `--num-prompts` is
   the number of kept prompts wanted in all; a block that keeps none stops the run.
 """
 
@@ -128,10 +129,13 @@ def self_prompts(options: PromptOptions) -> dict[str, Any]:
         requests = ((i, list(prefix), SamplingParams(temperature=options.temperature, max_tokens=options.max_tokens,
                                                      seed=options.seed + i)) for i in range(first, first + block))
         written = dict(engine_answers(engine, requests, max_in_flight=2 * options.max_num_seqs))
-        new = []
+        report["tokens"] += sum(len(ids) for ids in written.values())
+        new, used = [], first + block
         for i in range(first, first + block):
+            if len(rows) + len(new) == options.num_prompts:   # enough: the rest count as not made
+                used = i
+                break
             ids = written[i]
-            report["tokens"] += len(ids)
             if not ids or ids[-1] not in ends:
                 report["unfinished"] += 1
                 continue
@@ -140,14 +144,14 @@ def self_prompts(options: PromptOptions) -> dict[str, Any]:
                 report["short"] += 1
             elif _key(text) in seen:
                 report["repeated"] += 1
-            elif len(rows) + len(new) < options.num_prompts:
+            else:
                 seen.add(_key(text))
                 new.append({"id": f"{SOURCE}-{i}", "category": "chat", "source": SOURCE, "turns": [text]})
         with open(out / POOL, "a") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in new)
         rows += new
-        manifest["requests"] = first + block
-        report["requests"] += block
+        manifest["requests"] = used
+        report["requests"] += used - first
         report["kept"] += len(new)
         bar.update(len(new))
         _save(path, manifest, len(rows))

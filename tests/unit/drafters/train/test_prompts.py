@@ -61,8 +61,10 @@ def test_prompts_are_the_models_own_ended_messages_and_continue(talker, tmp_path
     out = tmp_path / "chat"
     assert cli.main(prompts_argv(talker, out, "--num-prompts", "3")) == 0
     manifest = json.loads((out / "prompts.json").read_text())
-    assert manifest["requests"] % 32 == 0 and manifest["prompts"] == 3 and manifest["temperature"] == 1.0
     first = (out / "train_prompts.jsonl").read_text()
+    last = int(json.loads(first.splitlines()[-1])["id"].rsplit("-", 1)[1])
+    assert manifest["prompts"] == 3 and manifest["temperature"] == 1.0
+    assert manifest["requests"] == last + 1          # the requests after the last prompt wanted count as not made
 
     # continued: the first rows stay, later requests follow them
     assert cli.main(prompts_argv(talker, out, "--num-prompts", "6")) == 0
