@@ -527,7 +527,8 @@ def _add_train(sub) -> None:
                     "nothing: the served target answers the prompt pool into --out, and `--distilled DIR` trains on "
                     "those answers; `prompts` writes a prompt pool of the target's own user messages (for "
                     "distill --data).")
-    p.add_argument("drafter", metavar="DRAFTER", help="the drafter to train (an unknown name lists the available ones); `distill` answers a "
+    p.add_argument("drafter", metavar="DRAFTER",
+                   help="the drafter to train (an unknown name lists the available ones); `distill` answers a "
                         "prompt pool, `prompts` writes one")
     p.add_argument("--model", default=d["model"], help=MODEL_HELP)
     p.add_argument("--data", default=d["data"], metavar="PATH",

@@ -191,6 +191,13 @@ def source_counts(examples: Iterable[Example]) -> dict[str, int]:
 
 # ---- rendering ------------------------------------------------------------------------------------------------------
 
+def write_json(path: Path, obj: Any) -> None:
+    """`obj` as indented JSON at `path`, atomically (a reader sees the old file or the new one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def render_prompt(tokenizer, turns: Seq[str]) -> list[int]:
     """Token ids of the prompt as the server builds it: the user turn(s) in the chat template with
     the generation prompt (several turns, which the pool never has, are joined into one message).
@@ -362,9 +369,7 @@ def build_teacher_shards(model, tokenizer, examples: Seq[Example], out_dir: str 
         "build_seconds": round(time.time() - start_time, 2),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out / MANIFEST)
+    write_json(out / MANIFEST, manifest)
     return manifest
 
 

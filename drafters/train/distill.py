@@ -49,8 +49,8 @@ from typing import Any, Sequence as Seq
 
 import numpy as np
 
-from specserve.drafters.train.data import (Example, balance_by_source, default_pool_path, engine_answers,
-                                           read_examples, render_prompt)
+from specserve.drafters.train.data import (DEFAULT_POOL, Example, balance_by_source, default_pool_path,
+                                           engine_answers, read_examples, render_prompt, write_json)
 
 logger = logging.getLogger("specserve")
 
@@ -78,18 +78,21 @@ class DistillOptions:
 
 def pool_path(data: str | None) -> Path:
     path = Path(data).expanduser() if data not in (None, "default") else default_pool_path()
-    return path / "train_prompts.jsonl" if path.is_dir() else path
+    return path / DEFAULT_POOL if path.is_dir() else path
 
 
 def own_pool(folder: Path) -> Path | None:
     """The prompt pool a distill folder holds itself (`specserve train prompts` wrote it there), if any."""
-    path = folder / "train_prompts.jsonl"
+    path = folder / DEFAULT_POOL
     return path if path.is_file() else None
 
 
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
 def pool_identity(path: Path) -> dict[str, Any]:
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    return {"file": path.name, "sha256": digest}
+    return {"file": path.name, "sha256": _digest(path.read_bytes())}
 
 
 def _shard_name(temperature: float, index: int) -> str:
@@ -183,9 +186,8 @@ def answered_rows(folders: Seq[str | os.PathLike], pool: dict[str, Any], tempera
 def _grown(pool: Path, manifest: dict[str, Any]) -> bool:
     """Whether `pool` is the pool `manifest` answered with rows appended after it (as `specserve
     train prompts` grows a folder's own pool): its first `manifest["rows"]` lines hash as it did."""
-    lines = pool.read_bytes().splitlines(keepends=True)
-    head = b"".join(lines[:manifest.get("rows", 0)])
-    return len(lines) > manifest.get("rows", 0) and hashlib.sha256(head).hexdigest()[:16] == manifest["pool"]["sha256"]
+    lines, rows = pool.read_bytes().splitlines(keepends=True), manifest.get("rows", 0)
+    return len(lines) > rows and _digest(b"".join(lines[:rows])) == manifest["pool"]["sha256"]
 
 
 def _check_manifest(out: Path, settings: dict[str, Any], pool: Path) -> dict[str, Any]:
@@ -285,9 +287,7 @@ def distill(options: DistillOptions) -> dict[str, Any]:
     index = {f"{t:g}": [_shard_index(s) for s in _shards(out, t)] for t in manifest["temperatures"]}
     manifest["answers"] = {t: sum(len(rows) for rows, _ in shards) for t, shards in index.items()}
     manifest["answer_tokens"] = {t: sum(n for _, n in shards) for t, shards in index.items()}
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    write_json(out / MANIFEST, manifest)
     logger.info("distill: %d answers, %d tokens in %.0f s (%.1f tok/s on %s, %d streams); %s", report["answers"],
                 report["tokens"], report["seconds"], report["tok_s"], report["device"], options.max_num_seqs,
                 ", ".join(f"T={t}: {n} answers" for t, n in manifest["answers"].items()))

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -37,11 +36,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from specserve.drafters.train.data import engine_answers
+from specserve.drafters.train.data import DEFAULT_POOL, engine_answers, write_json
 
 logger = logging.getLogger("specserve")
 
-POOL = "train_prompts.jsonl"
+POOL = DEFAULT_POOL
 MANIFEST = "prompts.json"
 SOURCE = "self-chat"
 MIN_TOKENS = 4
@@ -82,9 +81,7 @@ def _read_pool(path: Path) -> list[dict[str, Any]]:
 
 def _save(path: Path, manifest: dict[str, Any], prompts: int) -> None:
     manifest["prompts"] = prompts
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json(path, manifest)
 
 
 def self_prompts(options: PromptOptions) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from helpers import step_and_collect
 
 from specserve.drafters.train.data import read_examples, render_prompt
 from specserve.drafters.train.distill import read_answers, read_shard
@@ -31,12 +32,10 @@ def answers_alone(model, pool, rows, temperature):
         seed = row if temperature > 0 else None
         engine.add_request(f"r{row}", render_prompt(engine.tokenizer, examples[row].turns),
                            SamplingParams(temperature=temperature, max_tokens=6, seed=seed))
-        ids = []
+        got: dict[str, list[int]] = {}
         while engine.has_unfinished_requests():
-            for res in engine.step():
-                for d in res.outputs:
-                    ids.extend(d.token_ids)
-        out[row] = ids
+            step_and_collect(engine, got)
+        out[row] = got.get(f"r{row}", [])
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import step_and_collect
 
 from specserve.drafters.train.distill import read_answers, read_folders
 from specserve.drafters.train.prompts import MIN_TOKENS, user_turn_prefix
@@ -48,12 +49,10 @@ def messages_alone(model, requests):
     out = {}
     for i in range(requests):
         engine.add_request(f"r{i}", prefix, SamplingParams(temperature=1.0, max_tokens=12, seed=i))
-        ids = []
+        got: dict[str, list[int]] = {}
         while engine.has_unfinished_requests():
-            for res in engine.step():
-                for d in res.outputs:
-                    ids.extend(d.token_ids)
-        out[i] = ids
+            step_and_collect(engine, got)
+        out[i] = got.get(f"r{i}", [])
     return engine, out
 
 
