@@ -23,8 +23,9 @@ By default the softmax runs over a *shared candidate set* per batch instead of t
 vocabulary (sampled softmax): every label of the batch, the target's own top-4 ids at the
 position and at each label position (the hard negatives: what the heads predict at
 initialisation and what the target itself hesitated over), plus `num_negatives` (2048) uniformly
-drawn ids -- a few thousand columns instead of 49152, and on the CPU the product runs in bf16
-(avx512_bf16 / AMX: about 3x the fp32 speed). `full_vocab=true` trains on the exact softmax. The
+drawn ids -- a few thousand columns instead of 49152, and on a CPU that computes bf16 natively
+(avx512_bf16 / AMX: about 3x the fp32 speed) the product runs in bf16; elsewhere it stays fp32 (an
+AVX2 CPU emulates bf16 matmuls some 70x slower than fp32). `full_vocab=true` trains on the exact softmax. The
 held-back evaluation always ranks over the full vocabulary in fp32.
 
 τ (held-back). The rank of the right token (labels[t+k]) in head k's full-vocabulary logits at
@@ -59,6 +60,7 @@ from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import draft_vocab_ranking
 from specserve.drafters.train.evaluate import option, served_tau
 from specserve.drafters.train.loop import TrainConfig, train
+from specserve.engine.quant import native_bf16
 from specserve.engine.tree import preference_prefix
 
 logger = logging.getLogger("specserve")
@@ -354,13 +356,15 @@ class PositionBatches:
 def fit_medusa(target_model, train_examples: MedusaExamples, eval_examples: MedusaExamples, *,
                num_heads: int = DEFAULT_NUM_HEADS, decay: float = DEFAULT_DECAY, batch_size: int = 256,
                num_negatives: int | None = 2048, eval_budget: int = 8, template: Sequence[Sequence[int]] | None = None,
-               config=None, seed: int = 0, device=None, bf16_matmul: bool = True):
+               config=None, seed: int = 0, device=None, bf16_matmul: bool | None = None):
     """Train fresh heads on `train_examples`; returns (heads, TrainResult). The loop's τ (early
     stopping, best state) is the held-back τ of the template cut to `eval_budget` nodes (the
     chain τ without a template)."""
     config = config or TrainConfig()
     device = torch.device(device or config.device)
     W = target_model.lm_head_weight
+    if bf16_matmul is None:   # only where the CPU computes bf16 natively
+        bf16_matmul = native_bf16()
     if bf16_matmul and device.type == "cpu" and W.dtype == torch.float32:
         W = W.detach().to(torch.bfloat16)     # a training-time copy for the loss only (eval uses the real one)
     heads = MedusaHeads(num_heads, W.shape[1], device=device)
@@ -393,8 +397,8 @@ def train_medusa(options: dict, target, data) -> Path:
     max_seconds, eval_every, seed, device, ...): num_heads (4), decay (0.8), batch_size (256
     positions), num_negatives (2048; `full_vocab=true` for the exact softmax), max_train_positions
     (all), eval_positions (4096 held-back positions), eval_budget (8: the tree size of the τ the loop
-    watches and of the engine τ), tuned_nodes (64), bf16_matmul (true: the LM-head product of the
-    loss in bf16 on the CPU), engine_tau_prompts (8 held-back prompts through the engine at the end;
+    watches and of the engine τ), tuned_nodes (64), bf16_matmul (the LM-head product of the loss in bf16
+    on the CPU; default: where the CPU computes bf16 natively), engine_tau_prompts (8 held-back prompts through the engine at the end;
     0 = offline τ only), engine_tau_max_tokens (64)."""
     if not options.get("out"):
         raise ValueError("medusa trainer: no output folder (--out)")
@@ -421,7 +425,7 @@ def train_medusa(options: dict, target, data) -> Path:
     heads, result = fit_medusa(target.model, train_ex, loop_eval, num_heads=num_heads, decay=decay,
                                batch_size=batch_size, num_negatives=num_negatives, eval_budget=eval_budget,
                                template=template, config=config, seed=seed, device=target.device,
-                               bf16_matmul=bool(option(options, "bf16_matmul", True)))
+                               bf16_matmul=option(options, "bf16_matmul", None))
     with torch.no_grad():   # measure what is saved: bf16 weights
         heads.weight.copy_(heads.weight.to(torch.bfloat16).float())
         heads.bias.copy_(heads.bias.to(torch.bfloat16).float())
