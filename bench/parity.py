@@ -212,8 +212,7 @@ CLAIMS = [
     Claim("ctc_vs_medusa", "CTC-drafter τ > Medusa τ (greedy, same node budget)",
           "β 3.56 vs 2.58 (MT-Bench), 3.53 vs 2.78 (GSM8K)", "CTC-drafter Table 1, Vicuna-7B",
           ("ctc", "medusa"), ordered("tau", "ctc", "medusa", speedup=True),
-          "β is the paper's τ (bonus included). The shipped CTC checkpoint was stopped by its CPU time cap at "
-          "258 steps on 1000 prompts; the shipped Medusa one trained on 2000."),
+          "β is the paper's τ (bonus included). Each checkpoint's training data and steps are in its meta.json."),
     Claim("falcon_tree_vs_topk", "Falcon (CSGD): custom decoding tree τ > plain top-k tree",
           "τ 3.34 vs 2.13, 3.10× vs 2.27× (tree vs chain of equal height)", "Falcon Table 4, Vicuna-7B MT-Bench",
           ("falcon", "falcon_topk"), ordered("tau", "falcon", "falcon_topk", speedup=True),
