@@ -25,8 +25,8 @@ position and at each label position (the hard negatives: what the heads predict 
 initialisation and what the target itself hesitated over), plus `num_negatives` (2048) uniformly
 drawn ids -- a few thousand columns instead of 49152, and on a CPU that computes bf16 natively
 (avx512_bf16 / AMX: about 3x the fp32 speed) the product runs in bf16; elsewhere it stays fp32 (an
-AVX2 CPU emulates bf16 matmuls some 70x slower than fp32). `full_vocab=true` trains on the exact softmax. The
-held-back evaluation always ranks over the full vocabulary in fp32.
+AVX2 CPU emulates bf16 matmuls some 70x slower than fp32). `full_vocab=true` trains on the exact
+softmax. The held-back evaluation always ranks over the full vocabulary in fp32.
 
 τ (held-back). The rank of the right token (labels[t+k]) in head k's full-vocabulary logits at
 every held-back position gives, for the chain of top-1 drafts and for any Cartesian tree (the
@@ -397,9 +397,9 @@ def train_medusa(options: dict, target, data) -> Path:
     max_seconds, eval_every, seed, device, ...): num_heads (4), decay (0.8), batch_size (256
     positions), num_negatives (2048; `full_vocab=true` for the exact softmax), max_train_positions
     (all), eval_positions (4096 held-back positions), eval_budget (8: the tree size of the τ the loop
-    watches and of the engine τ), tuned_nodes (64), bf16_matmul (the LM-head product of the loss in bf16
-    on the CPU; default: where the CPU computes bf16 natively), engine_tau_prompts (8 held-back prompts through the engine at the end;
-    0 = offline τ only), engine_tau_max_tokens (64)."""
+    watches and of the engine τ), tuned_nodes (64), bf16_matmul (the LM-head product of the loss in
+    bf16 on the CPU; default: where the CPU computes bf16 natively), engine_tau_prompts (8 held-back
+    prompts through the engine at the end; 0 = offline τ only), engine_tau_max_tokens (64)."""
     if not options.get("out"):
         raise ValueError("medusa trainer: no output folder (--out)")
     start = time.time()
