@@ -6,7 +6,7 @@
   `nets.checkpoint.target_fingerprint`), the one with the best held-back τ (tokens per target
   forward, recorded in its meta.json at training), if it is at least MIN_TAU: below it a drafter's
   network costs about what it saves. On the default model that is eagle3 (τ 2.59; then eagle
-  2.05, parallelspec 1.92, medusa 1.60, student 1.39, ctc 1.39, falcon 1.16). For any other
+  2.05, parallelspec 1.92, medusa 1.61, ctc 1.52, student 1.39, falcon 1.25). For any other
   target, only the lookups.
 
 One trained drafter, not every one above MIN_TAU: each drafter a sequence may choose from is one
