@@ -10,7 +10,9 @@ its options, the temperature, the datasets, the draft-node budget) and how ours 
 rows. Configurations sharing a temperature and a budget run together as one `bench/spec_decode.py`
 run (one engine, every configuration a drafter of it, plain decoding beside them, interleaved
 batches, batch 1, `--draft-budget fixed` so every step drafts its full tree: τ, α and SWI are the
-figures the papers compare). A configuration that is the same drafter with other options runs
+figures the papers compare). Sampled runs are unseeded (`--unseeded`), as the papers sample: a
+seeded request drafts top-k tokens and gets no target-initialised roots, which would leave MCSD's
+TI configuration the same as its static tree. A configuration that is the same drafter with other options runs
 under an alias name (e.g. `falcon_topk` = `falcon` with `tree=topk`), registered for the run only.
 When a run fails to start (a checkpoint that does not load), each of its configurations runs again
 on its own, so that only the failing one is "not measured" (their speeds then come from separate
@@ -338,6 +340,8 @@ def spec_argv(args: argparse.Namespace, configs: list[Config], temperature: floa
             "--drafters", *[c.name for c in configs], "--num-speculative-tokens", str(budget),
             "--max-draft-tokens-per-step", str(max(64, budget)), "--draft-budget", "fixed", "--no-hf",
             "--device", args.device, "--dtype", args.dtype, "--seed", str(args.seed), "--out", str(out)]
+    if temperature > 0:   # the papers' speculative sampling: drafts drawn from q, rejection-sampling verification
+        argv.append("--unseeded")   # (a seeded request gets top-k drafts and no target-initialised roots)
     if args.threads:
         argv += ["--threads", str(args.threads)]
     for c in configs:

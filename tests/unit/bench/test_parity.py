@@ -210,6 +210,8 @@ def test_parity_end_to_end_on_the_tiny_model(tiny_llama_dir, tmp_path, capsys):
     assert [(r["temperature"], r["budget"]) for r in result["runs"]] == [(0.0, parity.GREEDY_BUDGET),
                                                                         (0.7, parity.MCSD_BUDGET)]
     assert all(r["exit_status"] == 0 and "error" not in r for r in result["runs"])
+    # sampled runs sample as the papers do (no seeds: drafts from q, target-initialised roots for TI)
+    assert ["--unseeded" in r["invocation"].split() for r in result["runs"]] == [False, True]
     methods = {(r["method"], r["temperature"]) for r in result["results"]}
     for name, cfg in result["configs"].items():
         assert (name, cfg["temperature"]) in methods
