@@ -513,7 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="float32 keeps the greedy check exact (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the engines' sampling seed (sampled runs send unseeded requests; default: %(default)s)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), metavar="PREFIX",
                     help="writes PREFIX.json and PREFIX.md (default: bench/results/parity)")
     ap.add_argument("--no-readme", dest="readme", action="store_false",
