@@ -27,7 +27,7 @@ from specserve.drafters.nets.eagle3 import Eagle3Head, load_head, parse_layers, 
 class Eagle3Drafter(EagleDrafter):
     """Options as eagle's: `checkpoint=PATH` (an eagle3 checkpoint folder; default: the shipped one
     for this target), `depth` (6), `top_k` (4), `width` (4), `draft_vocab` (default 8192; 0 = the
-    whole vocabulary), `block_size`/`num_blocks`. For tests: `random_init=true` (an untrained head
+    whole vocabulary), `block_size`/`num_blocks`, `device_tree`. For tests: `random_init=true` (an untrained head
     over `layers`, default EAGLE-3's (2, L // 2, L - 3); `init=last`: its decoder layer copied
     from the target's last one) or `head=` an in-memory Eagle3Head."""
 
@@ -36,14 +36,14 @@ class Eagle3Drafter(EagleDrafter):
     def __init__(self, ctx: DrafterContext, *, checkpoint: str | None = None, random_init: bool = False,
                  init: str = "random", layers: str | None = None, head: Eagle3Head | None = None, depth: int = 6,
                  top_k: int = 4, width: int = 4, draft_vocab: int | None = None, block_size: int = 16,
-                 num_blocks: int | None = None):
+                 num_blocks: int | None = None, device_tree: bool | str = "auto"):
         if ctx.features is None:
             raise ValueError("eagle3 reads the target's intermediate layers from the engine's feature store: "
                              "it drafts inside an engine only")
         self._layers = layers
         super().__init__(ctx, checkpoint=checkpoint, random_init=random_init, init=init, head=head, depth=depth,
                          top_k=top_k, width=width, draft_vocab=draft_vocab, block_size=block_size,
-                         num_blocks=num_blocks)
+                         num_blocks=num_blocks, device_tree=device_tree)
         self.capture_layers = self.head.layers       # what the engine's feature store keeps for this drafter
 
     def build_head(self, ctx: DrafterContext, checkpoint: str | None, random_init: bool, init: str) -> Eagle3Head:

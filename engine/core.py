@@ -14,7 +14,7 @@ import torch
 
 from specserve.engine.config import AUTO_DRAFTER, EngineConfig, ModelConfig, check_prompt_fits
 from specserve.engine.detokenizer import IncrementalDetokenizer
-from specserve.engine.draft_policy import DraftCall, StepReport, TreeOutcome
+from specserve.engine.draft_policy import DraftCall, StepReport, TreeOutcome, budget_sizes
 from specserve.engine.errors import InvalidRequestError, is_unrecoverable
 from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import BlockManager, KVCache, activation_reserve_bytes, kv_pool_bytes
@@ -219,6 +219,17 @@ class LLMEngine:
                     ", ".join(map(str, graphs.node_sizes)), ", ".join(map(str, graphs.chain_sizes)) or "-")
         graphs.capture()
         self.runner.graphs = graphs
+        # drafters that grow their trees on the device (eagle, eagle3: drafters/device_tree.py), for
+        # the node budgets the draft policy grants
+        budgets = budget_sizes(cfg.num_speculative_tokens)
+        for name, drafter in self.drafters.items():
+            capture = getattr(drafter, "capture_graphs", None)
+            if capture is not None:
+                t0 = time.perf_counter()
+                n = capture(backend, budgets)
+                if n:
+                    logger.info("%s: captured %d draft graphs (budgets %s) in %.1f s", name, n,
+                                ", ".join(map(str, budgets)), time.perf_counter() - t0)
 
     def _load_drafters(self, names: tuple[str, ...]) -> dict:
         """The drafters called `names`; "auto" stands for those `drafters.auto` picks for this model

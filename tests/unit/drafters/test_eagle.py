@@ -185,6 +185,77 @@ def test_dynamic_trees_fit_the_budget_and_are_level_major(tiny_llama_dir, traine
     assert any(t.num_draft_tokens == b >= 6 for b, t in seen)          # wide budgets are filled
 
 
+def trees_drafted(engine, drafter_name: str, prompts) -> tuple[dict, list]:
+    """(outputs, every propose call's (budgets, trees as token/parent lists)) of greedy `prompts`."""
+    drafter, calls = engine.drafters[drafter_name], []
+    original = drafter.propose
+
+    def spy(seqs, budgets):
+        trees = original(seqs, budgets)
+        calls.append((list(budgets), [(t.tokens, t.parents) if t is not None else None for t in trees]))
+        return trees
+
+    drafter.propose = spy
+    return run_requests(engine, prompts, GREEDY), calls
+
+
+@pytest.mark.parametrize("name,shape", [("eagle", {}), ("eagle", {"depth": 4, "top_k": 1, "width": 1}),
+                                        ("eagle", {"depth": 3, "top_k": 6, "width": 2}), ("eagle3", {})],
+                         ids=["eagle", "chain", "wide", "eagle3"])
+def test_the_device_tree_drafts_the_host_trees(tiny_llama_dir, prompts_and_plain, name, shape):
+    """drafters/device_tree.py: the tree grown on the device in the fixed shape of the step's largest
+    budget, eagerly and replayed through the graph stand-in, is the host tree at every step and
+    every budget (the fixed policy's budgets shrink as requests near their end)."""
+    from specserve.engine.cuda_graphs import EagerReplay
+
+    prompts, plain = prompts_and_plain[0][:6], {f"r{i}": prompts_and_plain[1][f"r{i}"] for i in range(6)}
+    runs = {}
+    for mode in ("host", "device", "graphs"):
+        options = {"random_init": True, "init": "last", "device_tree": mode != "host", **shape}
+        engine = make_engine(tiny_llama_dir, [name], {name: options}, num_speculative_tokens=12)
+        drafter = engine.drafters[name]
+        assert (drafter.device_tree is None) == (mode == "host")
+        if mode == "graphs":   # batch buckets 1, 2, 4, 6 x the shapes of budgets 1, 2, 4, 8, 12
+            assert drafter.capture_graphs(EagerReplay(), [0, 1, 2, 4, 8, 12]) == 4 * len(
+                {(min(d, b), min(w, b), min(k, b)) for d, w, k in [(shape.get("depth", 6), shape.get("width", 4),
+                                                                    shape.get("top_k", 4))] for b in (1, 2, 4, 8, 12)})
+        runs[mode] = trees_drafted(engine, name, prompts)
+        assert runs[mode][0] == plain
+        if mode == "graphs":
+            assert drafter.device_tree.num_replays == len(runs[mode][1])
+    host, device, graphs = (runs[m][1] for m in ("host", "device", "graphs"))
+    assert len({b for budgets, _ in host for b in budgets}) >= 4 and any(len(b) > 1 for b, _ in host)
+    assert device == host and graphs == host
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_draft_graphs_give_the_host_trees(tiny_llama_dir, prompts_and_plain):
+    """On CUDA the engine captures the device tree's graphs at start-up (device_tree=auto); replayed,
+    they draft the host's trees (fp32: up to the last bit of logits computed in other batch shapes)
+    and the greedy output of the eager host tree."""
+    prompts = prompts_and_plain[0][:6]
+    runs = {}
+    for mode in ("host", "auto"):
+        options = {"random_init": True, "init": "last", "device_tree": "auto" if mode == "auto" else "false"}
+        engine = make_engine(tiny_llama_dir, ["eagle3"], {"eagle3": options}, device="cuda", num_speculative_tokens=12)
+        drafter = engine.drafters["eagle3"]
+        assert (drafter.device_tree is not None and len(drafter.device_tree.replays) > 0) == (mode == "auto")
+        runs[mode] = trees_drafted(engine, "eagle3", prompts)
+        if mode == "auto":
+            assert drafter.device_tree.num_replays == len(runs[mode][1])
+    assert runs["auto"][0] == runs["host"][0]
+    same = sum(a == b for a, b in zip(runs["host"][1], runs["auto"][1]))
+    assert same >= 0.9 * len(runs["host"][1]), (same, len(runs["host"][1]))
+
+
+def test_the_device_tree_option_is_checked(tiny_llama_dir):
+    with pytest.raises(ValueError, match="device_tree must be auto, true or false"):
+        make_engine(tiny_llama_dir, ["eagle"], {"eagle": {"random_init": True, "device_tree": "maybe"}})
+    engine = make_engine(tiny_llama_dir, ["eagle"], {"eagle": {"random_init": True}})
+    assert engine.drafters["eagle"].device_tree is None          # auto: on CUDA only
+
+
 def test_select_keeps_the_best_scoring_ancestor_closed_set():
     #                 token parent depth score  rank
     nodes = [_Node(10, -1, 1, -0.1, 0), _Node(11, -1, 1, -2.0, 1),

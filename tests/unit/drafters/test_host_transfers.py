@@ -30,10 +30,10 @@ def counter(monkeypatch):
     return state
 
 
-def conversions_per_call(model_dir, drafter: str, prompts, counter) -> dict[int, int]:
+def conversions_per_call(model_dir, drafter: str, prompts, counter, options: dict | None = None) -> dict[int, int]:
     """{sequences in a propose call: the most conversions any such call made}, serving `prompts`
     together (the fixed budget: every decoding sequence drafts its full tree each step)."""
-    engine = make_llm_engine(model_dir, [drafter], {drafter: TINY_DRAFTERS[drafter]})
+    engine = make_llm_engine(model_dir, [drafter], {drafter: options or TINY_DRAFTERS[drafter]})
     impl = engine.drafters[drafter]
     propose, most = impl.propose, {}
 
@@ -63,3 +63,15 @@ def test_host_conversions_do_not_grow_with_the_batch(tiny_llama_dir, drafter, co
     assert together[4] <= max(alone.values()), (alone, together)
     # a drafter running a network brings its trees back in a few transfers per call
     assert together[4] <= 4
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "eagle3"])
+def test_the_device_tree_reads_back_once_per_call(tiny_llama_dir, drafter, counter):
+    """Grown on the device (drafters/device_tree.py, on by default on CUDA), the tree comes back in
+    one transfer per call, where the host tree reads back each level."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 320, (12,), generator=g).tolist() * 2 for _ in range(4)]
+    host = conversions_per_call(tiny_llama_dir, drafter, prompts, counter)
+    device = conversions_per_call(tiny_llama_dir, drafter, prompts, counter,
+                                  {**TINY_DRAFTERS[drafter], "device_tree": True})
+    assert 4 in device and max(device.values()) == 1 < max(host.values()), (host, device)
