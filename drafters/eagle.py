@@ -216,8 +216,21 @@ class EagleDrafter(FeatureDrafter):
         return [r[:k] for r in both], [[int(t) for t in r[k:]] for r in both]
 
     def draft(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
-        if self.device_tree is not None and not any(s.hypothetical for s in seqs):
+        """Trees on the device where there is one (drafters/device_tree.py), but for sequences
+        that draft after a grammar's forced tokens: those grow on the host."""
+        on_host = [b for b, s in enumerate(seqs) if self.device_tree is None or s.hypothetical]
+        if not on_host:
             return self._draft_on_device(seqs, budgets)
+        if len(on_host) == len(seqs):
+            return self._draft_on_host(seqs, budgets)
+        trees: list[TokenTree | None] = [None] * len(seqs)
+        on_device = sorted(set(range(len(seqs))) - set(on_host))
+        for part, draft in ((on_device, self._draft_on_device), (on_host, self._draft_on_host)):
+            for b, tree in zip(part, draft([seqs[b] for b in part], [budgets[b] for b in part])):
+                trees[b] = tree
+        return trees
+
+    def _draft_on_host(self, seqs: Seq, budgets: Seq[int]) -> list[TokenTree | None]:
         trees: list[TokenTree | None] = [None] * len(seqs)
         depth = [min(self.depth, b) for b in budgets]
         width = [min(self.width, b) for b in budgets]

@@ -5,6 +5,8 @@ budget, preemption and a missing checkpoint are handled."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import (empirical_first_two_law, exact_first_two_law, feature_drafter_engine, run_requests,
@@ -226,6 +228,35 @@ def test_the_device_tree_drafts_the_host_trees(tiny_llama_dir, prompts_and_plain
     host, device, graphs = (runs[m][1] for m in ("host", "device", "graphs"))
     assert len({b for budgets, _ in host for b in budgets}) >= 4 and any(len(b) > 1 for b, _ in host)
     assert device == host and graphs == host
+
+
+def test_forced_tokens_grow_on_the_host_beside_device_trees(tiny_llama_dir, prompts_and_plain):
+    """A sequence drafting after a grammar's forced tokens grows its tree on the host, in the same
+    call as the others' device trees: the outputs of the host tree for every request."""
+    from specserve.engine.cuda_graphs import EagerReplay
+
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                                          "size": {"type": "integer"}}, "required": ["name", "size"]})
+    prompts = prompts_and_plain[0][:4]
+    params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=40, guided=("json", schema)), GREEDY, GREEDY]
+    outs, trees, mixed = {}, {}, []
+    for device_tree in (False, True):
+        engine = make_engine(tiny_llama_dir, ["eagle"], {"eagle": {"random_init": True, "device_tree": device_tree}})
+        drafter, calls = engine.drafters["eagle"], trees.setdefault(device_tree, [])
+        if device_tree:
+            drafter.capture_graphs(EagerReplay(), [1, 2, 4, 8, 16])
+        propose = drafter.propose
+
+        def spy(seqs, budgets, propose=propose, calls=calls):
+            mixed.append(0 < sum(bool(s.hypothetical) for s in seqs) < len(seqs))
+            out = propose(seqs, budgets)
+            calls.append([(s.hypothetical, t.tokens, t.parents) if t else None for s, t in zip(seqs, out)])
+            return out
+
+        drafter.propose = spy
+        outs[device_tree] = run_requests(engine, prompts, params)
+    assert outs[True] == outs[False] and trees[True] == trees[False]   # forced tokens: the host's tree after them
+    assert any(mixed) and drafter.device_tree.num_replays > 0
 
 
 @pytest.mark.gpu
