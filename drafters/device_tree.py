@@ -41,7 +41,6 @@ the same slots).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,8 +48,6 @@ import torch
 
 from specserve.engine.attention import AttnMetadata, attention_backend
 from specserve.engine.cuda_graphs import batch_buckets
-
-logger = logging.getLogger("specserve")
 
 
 @dataclass(frozen=True)
@@ -131,12 +128,9 @@ class DeviceTree:
         graph = self.replays.get((bucket, shape))
         rows = bucket if graph is not None else n
         pad = [min(i, n - 1) for i in range(rows)]
-        ints = torch.zeros(rows, 1 + self.table_width, dtype=torch.int32)
-        for i, b in enumerate(pad):
-            ints[i, 0] = kv_lens[b]
-            t = tables[b][:self.table_width]
-            ints[i, 1:1 + len(t)] = torch.tensor(t, dtype=torch.int32)
-        self.ints[:rows].copy_(ints, non_blocking=True)
+        tw = self.table_width
+        ints = [[kv_lens[b], *tables[b][:tw], *[0] * (tw - len(tables[b]))] for b in pad]
+        self.ints[:rows].copy_(torch.tensor(ints, dtype=torch.int32), non_blocking=True)
         torch.stack([roots[b] for b in pad], out=self.roots[:rows])
         if graph is not None:
             self.num_replays += 1
@@ -150,8 +144,7 @@ class DeviceTree:
         """The tree of the first B static inputs: [B, 3 * C] float64 rows of (candidate index, token,
         parent index or -1) for the candidates sorted best first (C = shape.num_candidates)."""
         d, dev = self.d, self.d.device
-        D, W, K = shape.depth, shape.width, shape.top_k
-        H, bs = d.hidden_size, d.kv.block_size
+        K, H, bs = shape.top_k, d.hidden_size, d.kv.block_size
         roots, L = self.roots[:B], self.ints[:B, 0].long()
         tables = self.ints[:B, 1:]
         lp, tok = d.children_of(roots, K)                                  # [B, K]
