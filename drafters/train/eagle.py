@@ -60,7 +60,7 @@ from torch import nn
 
 from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, save_checkpoint
 from specserve.drafters.train import register_trainer
-from specserve.drafters.train.data import draft_vocab_ranking
+from specserve.drafters.train.data import draft_vocab_ranking, rank_coverage
 from specserve.drafters.train.evaluate import as_saved, option, served_tau
 from specserve.drafters.nets.eagle import (CHECKPOINTS_DIR, INITS, EagleHead, load_head,  # noqa: F401  (re-exported)
                                            save_head, shipped_checkpoint)
@@ -278,6 +278,22 @@ def fit_eagle(target_model, train_batches: Callable[[int], Iterable] | Iterable,
     return EagleFit(head, result, rope)
 
 
+VOCAB_RANKS = ("data", "keep")
+
+
+def vocab_rank_option(options: dict, head) -> str:
+    """`vocab_rank`: `data` (the default) ranks the draft vocabulary by this training data's labels;
+    `keep` keeps the ranking of the checkpoint the head continues (eagle3's `init=eagle3`: a
+    fine-tuning set is smaller and narrower than the data the ranking came from)."""
+    choice = str(option(options, "vocab_rank", "data"))
+    if choice not in VOCAB_RANKS:
+        raise ValueError(f"vocab_rank must be one of {', '.join(VOCAB_RANKS)}, got {choice!r}")
+    if choice == "keep" and head.vocab_rank is None:
+        raise ValueError("vocab_rank=keep keeps the ranking of the checkpoint training continues, and this head "
+                         "starts from none (eagle3: init=eagle3)")
+    return choice
+
+
 def save_trained(kind: str, fit: EagleFit, target, data, options: dict, batches, *, tau_steps: int, start: float,
                  hyperparams: dict[str, Any], chains: str) -> Path:
     """What an eagle-family trainer does with its trained head: the training labels' vocabulary
@@ -287,10 +303,18 @@ def save_trained(kind: str, fit: EagleFit, target, data, options: dict, batches,
     own `hyperparams`. `chains`: how the held-back chains draft, for the meta's τ method."""
     head, result, config = fit.head, fit.result, batches.config
     eval_batches = batches.held_back
-    rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size,
-                                         batch_tokens=batches.eval_tokens)
+    source = vocab_rank_option(options, head)
+    if source == "keep":   # the ranking of the checkpoint it continued
+        rank, coverage = head.vocab_rank.long(), {}
+        if data.held_back is not None and len(data.held_back):
+            coverage = rank_coverage(rank, data.held_back.batches(batches.eval_tokens, shuffle=False,
+                                                                  fields=("topk_ids",)))
+    else:
+        rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size,
+                                             batch_tokens=batches.eval_tokens)
     head.set_vocab_rank(rank)
-    logger.info("%s: held-back labels covered by the N most frequent training labels: %s", kind,
+    logger.info("%s: held-back labels covered by the first N tokens of the %s ranking: %s", kind,
+                "training labels'" if source == "data" else "continued checkpoint's",
                 {n: round(c, 4) for n, c in coverage.items()})
     as_saved(head)
     report = estimate_tau(head, eval_batches, embed=target.model.embed, lm_head_weight=target.model.lm_head_weight,
@@ -331,6 +355,8 @@ def train_eagle(options: dict, target, data) -> Path:
     the engine with the trained drafter, for the served τ)."""
     if not options.get("out"):
         raise ValueError("eagle trainer: no output folder (--out)")
+    if str(option(options, "vocab_rank", "data")) != "data":
+        raise ValueError("eagle trainer: vocab_rank=data only (its head starts from no checkpoint's ranking)")
     start = time.time()
     seed = int(option(options, "seed", 0))
     noise = float(option(options, "noise", 0.1))

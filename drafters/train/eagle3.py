@@ -39,7 +39,8 @@ from specserve.drafters.nets.eagle3 import load_head as load_eagle3, shipped_che
 from specserve.drafters.train import register_trainer
 from specserve.drafters.train.data import PAD_LABEL
 from specserve.drafters.train.eagle import (BATCH_TOKENS, EVAL_CHAINS, TAU_STEPS, TRAIN_DEFAULTS, EagleFit,
-                                            candidate_ids, distill_loss, estimate_tau, save_trained)
+                                            candidate_ids, distill_loss, estimate_tau, save_trained,
+                                            vocab_rank_option)
 from specserve.drafters.train.evaluate import option
 from specserve.drafters.train.loop import TrainConfig, train, trainer_batches
 from specserve.engine.model import rope_tables
@@ -164,7 +165,8 @@ def train_eagle3(options: dict, target, data) -> Path:
     Options besides the loop's: layers ("2,15,27"; default EAGLE-3's (2, L // 2, L - 3)), init
     (auto | random | eagle | eagle3, see `start_head`), eagle_checkpoint, eagle3_checkpoint, ttt_steps
     (3), decay (0.8), train_batch_tokens (2048), negatives (2048; `full_vocab=true` for the exact
-    softmax), tau_steps (5), eval_chains, final_chains, engine_tau_prompts (0)."""
+    softmax), tau_steps (5), eval_chains, final_chains, engine_tau_prompts (0), vocab_rank (data | keep:
+    the draft vocabulary's ranking from this data, or the continued checkpoint's)."""
     if not options.get("out"):
         raise ValueError("eagle3 trainer: no output folder (--out)")
     start = time.time()
@@ -181,13 +183,15 @@ def train_eagle3(options: dict, target, data) -> Path:
                         device=target.device, seed=seed)
     config, eval_batches = b.config, b.held_back
     head, init = start_head(options, target, layers, seed)
+    vocab_rank = vocab_rank_option(options, head)     # refused before training, not after
     logger.info("eagle3: layers %s, %d train examples (%d tokens), %d held-back; start: %s", layers,
                 len(data.train), data.train.num_tokens, len(data.held_back), init)
     fit = fit_eagle3(target.model, b.train, eval_batches, config=config, head=head, steps=steps, decay=decay,
                      negatives=negatives, tau_steps=tau_steps,
                      eval_chains=int(option(options, "eval_chains", EVAL_CHAINS)), max_len=max_len, seed=seed)
     return save_trained(KIND, fit, target, data, options, b, tau_steps=tau_steps, start=start,
-                        hyperparams={"ttt_steps": steps, "decay": decay, "negatives": negatives, "init": init},
+                        hyperparams={"ttt_steps": steps, "decay": decay, "negatives": negatives, "init": init,
+                                     "vocab_rank": vocab_rank},
                         chains="the first from the lifted layers, the rest from the head's own output")
 
 

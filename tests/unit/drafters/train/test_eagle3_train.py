@@ -11,7 +11,7 @@ import torch
 from helpers import make_llm_engine, run_requests
 
 from specserve.drafters.nets.checkpoint import read_meta
-from specserve.drafters.nets.eagle import EagleHead
+from specserve.drafters.nets.eagle import EagleHead, save_head
 from specserve.drafters.nets.eagle3 import Eagle3Head, load_head
 from specserve.drafters.train import get_trainer
 from specserve.drafters.train.eagle import estimate_tau
@@ -144,6 +144,18 @@ def test_trainer_end_to_end_from_live_rows(tiny_live3, tiny_llama_dir, tmp_path)
     assert read_meta(again).hyperparams["init"] == how
     with pytest.raises(ValueError, match="reads layers"):
         start_head({"init": "eagle3", "eagle3_checkpoint": str(out)}, target, (0, 2), seed=0)
+    # vocab_rank=keep: the continued head keeps its checkpoint's draft-vocabulary ranking, not this data's
+    flipped = tmp_path / "e3flip"
+    saved_head.set_vocab_rank(saved_head.vocab_rank.flip(0))
+    save_head(flipped, saved_head, model_config=target.model_config, target=target.model, kind="eagle3")
+    for choice, expected in (("keep", saved_head.vocab_rank), ("data", head.vocab_rank)):
+        cont = get_trainer("eagle3")({**options, "init": "eagle3", "eagle3_checkpoint": str(flipped), "epochs": 1,
+                                      "vocab_rank": choice, "out": str(tmp_path / f"e3-{choice}")}, target, data)
+        kept, _ = load_head(cont, model_config=target.model_config, target=target.model)
+        assert torch.equal(kept.vocab_rank, expected) and read_meta(cont).hyperparams["vocab_rank"] == choice
+    with pytest.raises(ValueError, match="vocab_rank=keep keeps the ranking"):    # init=random: none to keep
+        get_trainer("eagle3")({**options, "vocab_rank": "keep", "out": str(tmp_path / "never")}, target, data)
+    assert not (tmp_path / "never").exists()
 
 
 def test_teacher_shards_are_refused_with_the_way_out(tiny_distill, tmp_path):
