@@ -5,7 +5,7 @@
 * Of the trained drafters whose shipped checkpoint fits the target (the same fingerprint, see
   `nets.checkpoint.target_fingerprint`), the one with the best held-back τ (tokens per target
   forward, recorded in its meta.json at training), if it is at least MIN_TAU: below it a drafter's
-  network costs about what it saves. On the default model that is eagle3 (τ 2.59; then eagle
+  network costs about what it saves. On the default model that is eagle3 (τ 3.39; then eagle
   2.05, parallelspec 1.92, medusa 1.61, ctc 1.52, student 1.39, falcon 1.25). For any other
   target, only the lookups.
 
