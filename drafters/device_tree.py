@@ -41,6 +41,7 @@ the same slots).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -76,8 +77,9 @@ class TreeShape:
     def num_candidates(self) -> int:
         return self.top_k * (1 + sum(self.frontier))
 
+    @functools.cache
     def depths(self) -> list[int]:
-        """The depth of each candidate, in the level-major candidate order."""
+        """The depth of each candidate, in the level-major candidate order (computed once per shape)."""
         out = [1] * self.top_k
         for lvl, f in enumerate(self.frontier, start=2):
             out += [lvl] * (f * self.top_k)
@@ -108,7 +110,7 @@ class DeviceTree:
         self.d = drafter
         dev = drafter.device
         self.max_batch = max_batch
-        self.table_width = drafter.max_table_blocks
+        self.table_width = drafter.kv.blocks_per_seq
         self.roots = torch.zeros(max_batch, drafter.hidden_size, dtype=drafter.dtype, device=dev)
         self.ints = torch.zeros(max_batch, 1 + self.table_width, dtype=torch.int32, device=dev)
         self.replays: dict[tuple[int, TreeShape], Callable[[], torch.Tensor]] = {}
@@ -172,7 +174,6 @@ class DeviceTree:
                 mask_offsets=torch.arange(0, B * f * width, f * width, dtype=torch.int32, device=dev),
                 mask_widths=torch.full((B,), width, dtype=torch.int32, device=dev),
                 mask_data=anc[:, :, :width].to(torch.uint8).reshape(-1))
-            meta._backend = d.attention_backend
             positions = (L - 1 + lvl)[:, None].expand(B, f).reshape(-1)
             out = d.head_rows(fr_tok.reshape(-1), fr_feat.reshape(B * f, H), positions, meta)   # [B * f, H]
             lp, tok = d.children_of(out, K)                                # [B * f, K]

@@ -58,7 +58,7 @@ from typing import Sequence as Seq
 import torch
 
 from specserve.drafters.base import DrafterContext, register
-from specserve.drafters.device_tree import DeviceTree, TreeShape, usable_on
+from specserve.drafters.device_tree import DeviceTree, usable_on
 from specserve.drafters.draft_vocab import DraftVocab
 from specserve.drafters.features import FeatureDrafter, FeatureState
 from specserve.drafters.nets.eagle import EagleHead, load_head, shipped_checkpoint
@@ -120,10 +120,8 @@ class EagleDrafter(FeatureDrafter):
         self.rope_cos, self.rope_sin = rope_tables(model_config, self.max_rows, self.device)
         self.max_tree_rows = self.width * max(0, self.depth - 1) + MAX_HYPOTHETICAL
         self.paged_kv(ctx, self.max_tree_rows, block_size, num_blocks)
-        self.max_table_blocks = -(-(ctx.max_model_len + self.max_tree_rows) // block_size)
         self.count_cost(self.head)
         self.device_tree = self._device_tree(device_tree, ctx.max_num_seqs)
-        self._depths: dict[TreeShape, list[int]] = {}
 
     def _device_tree(self, option: bool | str, max_batch: int) -> DeviceTree | None:
         choice = str(option).lower()
@@ -134,7 +132,6 @@ class EagleDrafter(FeatureDrafter):
             raise ValueError(f"{self.name}: device_tree=true needs the Triton attention (CUDA) or the CPU's native "
                              "kernels with fp32 rows")
         on = usable and (choice == "true" or (choice == "auto" and self.device.type == "cuda"))
-        self.attention_backend = "triton" if self.device.type == "cuda" else "reference"
         return DeviceTree(self, max_batch) if on else None
 
     def capture_graphs(self, backend, budgets) -> int:
@@ -338,16 +335,10 @@ class EagleDrafter(FeatureDrafter):
                                      [self.kv.blocks.block_tables[seqs[b].seq_id] for b in act], shape,
                                      min(m, shape.num_candidates))
         self.num_runs += len(act) * (1 + len(shape.frontier))
-        depths = self._depths.get(shape) or self._depths.setdefault(shape, shape.depths())
+        depths = shape.depths()
         for r, b in enumerate(act):
             chosen = sorted(picks[r][:budgets[b]], key=lambda p: (depths[p[0]], p[0]))   # level-major
-            index = {-1: 0}
-            tokens, parents = [seqs[b].token_ids[-1]], [NO_PARENT]
-            for idx, token, parent in chosen:
-                index[idx] = len(tokens)
-                tokens.append(token)
-                parents.append(index[parent])
-            trees[b] = TokenTree(tokens, parents)
+            trees[b] = _level_major_tree(seqs[b].token_ids[-1], chosen)
         return trees
 
     @staticmethod
@@ -355,14 +346,20 @@ class EagleDrafter(FeatureDrafter):
         """The `budget` best-scoring candidates (ties: shallower, then older first, so a node never
         comes before its ancestors), as a level-major tree with children in rank order."""
         best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:budget]
-        chosen = set(best)
-        out_index = {-1: 0}
-        tokens, parents = [root], [NO_PARENT]
-        for i in sorted(chosen, key=lambda i: (nodes[i].depth, i)):
-            n = nodes[i]
-            if n.parent not in out_index:     # its ancestor fell out (can only be a numerical tie)
-                continue
-            out_index[i] = len(tokens)
-            tokens.append(n.token)
-            parents.append(out_index[n.parent])
-        return TokenTree(tokens, parents)
+        return _level_major_tree(root, [(i, nodes[i].token, nodes[i].parent)
+                                        for i in sorted(best, key=lambda i: (nodes[i].depth, i))])
+
+
+def _level_major_tree(root: int, chosen: list[tuple[int, int, int]]) -> TokenTree:
+    """The tree of `chosen` candidates (index, token, parent index or -1 under the root), given in
+    level-major order; a candidate whose parent is not among them is left out (its ancestor fell
+    out: only a numerical tie can do that)."""
+    out_index = {-1: 0}
+    tokens, parents = [root], [NO_PARENT]
+    for i, token, parent in chosen:
+        if parent not in out_index:
+            continue
+        out_index[i] = len(tokens)
+        tokens.append(token)
+        parents.append(out_index[parent])
+    return TokenTree(tokens, parents)

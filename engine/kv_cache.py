@@ -173,8 +173,8 @@ class PagedDraftKV:
                  *, max_model_len: int, max_num_seqs: int, extra_tokens: int = 0, block_size: int = 16,
                  num_blocks: int | None = None):
         self.device = torch.device(device)
-        blocks_per_seq = -(-(max_model_len + extra_tokens) // block_size)
-        num_blocks = num_blocks or blocks_per_seq * max_num_seqs
+        self.blocks_per_seq = -(-(max_model_len + extra_tokens) // block_size)   # a block table's most entries
+        num_blocks = num_blocks or self.blocks_per_seq * max_num_seqs
         self.blocks = BlockManager(num_blocks, block_size)
         self.cache = KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
 

@@ -803,10 +803,13 @@ def rank_coverage(rank: torch.Tensor, batches: Iterable[dict[str, torch.Tensor]]
 
 
 def draft_vocab_ranking(train: "ExampleSet", held_back: "ExampleSet | None", vocab_size: int, *,
-                        batch_tokens: int = 8192) -> tuple[torch.Tensor, dict[int, float]]:
+                        batch_tokens: int = 8192, rank: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, dict[int, float]]:
     """(the train split's label ranking, the share of held-back labels each draft-vocabulary size
-    covers): what head-based drafters save with their weights (see drafters.draft_vocab)."""
-    rank, _ = label_ranking(train.batches(batch_tokens, shuffle=False, fields=("topk_ids",)), vocab_size)
+    covers): what head-based drafters save with their weights (see drafters.draft_vocab). With
+    `rank` (a ranking kept from elsewhere), that ranking and its coverage."""
+    if rank is None:
+        rank, _ = label_ranking(train.batches(batch_tokens, shuffle=False, fields=("topk_ids",)), vocab_size)
     coverage = {}
     if held_back is not None and len(held_back):
         coverage = rank_coverage(rank, held_back.batches(batch_tokens, shuffle=False, fields=("topk_ids",)))

@@ -60,7 +60,7 @@ from torch import nn
 
 from specserve.drafters.nets.checkpoint import CheckpointMeta, describe_device, save_checkpoint
 from specserve.drafters.train import register_trainer
-from specserve.drafters.train.data import draft_vocab_ranking, rank_coverage
+from specserve.drafters.train.data import draft_vocab_ranking
 from specserve.drafters.train.evaluate import as_saved, option, served_tau
 from specserve.drafters.nets.eagle import (CHECKPOINTS_DIR, INITS, EagleHead, load_head,  # noqa: F401  (re-exported)
                                            save_head, shipped_checkpoint)
@@ -304,14 +304,9 @@ def save_trained(kind: str, fit: EagleFit, target, data, options: dict, batches,
     head, result, config = fit.head, fit.result, batches.config
     eval_batches = batches.held_back
     source = vocab_rank_option(options, head)
-    if source == "keep":   # the ranking of the checkpoint it continued
-        rank, coverage = head.vocab_rank.long(), {}
-        if data.held_back is not None and len(data.held_back):
-            coverage = rank_coverage(rank, data.held_back.batches(batches.eval_tokens, shuffle=False,
-                                                                  fields=("topk_ids",)))
-    else:
-        rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size,
-                                             batch_tokens=batches.eval_tokens)
+    kept = head.vocab_rank.long() if source == "keep" else None   # the ranking of the checkpoint it continued
+    rank, coverage = draft_vocab_ranking(data.train, data.held_back, target.model_config.vocab_size,
+                                         batch_tokens=batches.eval_tokens, rank=kept)
     head.set_vocab_rank(rank)
     logger.info("%s: held-back labels covered by the first N tokens of the %s ranking: %s", kind,
                 "training labels'" if source == "data" else "continued checkpoint's",
