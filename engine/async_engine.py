@@ -53,7 +53,7 @@ class RequestStream:
             raise item
         if item.error is not None:   # the engine failed this request (and only this one)
             self.finished = True
-            raise RequestFailedError(item.error)
+            raise RequestFailedError(item.error, item.error_code)
         if item.finished:
             self.finished = True
         return item
@@ -121,6 +121,9 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        grammars = getattr(self.engine, "grammars", None)
+        if grammars is not None:
+            grammars.close()   # the compile sandboxes' children
 
     @property
     def is_alive(self) -> bool:

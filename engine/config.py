@@ -46,6 +46,7 @@ class EngineConfig:
     #   fixed    - the per-step cap split evenly
     draft_budget: str = "goodput"
     grammar_drafts: bool = True   # structured output: draft the tokens a grammar forces (engine/grammar.py)
+    grammar_compile_timeout: float = 10.0   # seconds a constraint may compile (engine/grammar_sandbox.py)
     step_cost_calibration: bool = True  # goodput: time a few forwards at start-up (off: learn from steps only)
     # CPU: keep a oneDNN-prepacked copy of the target's projection weights and LM head (and of the
     # drafters' own layers), so that a step of a few rows (draft trees, small batches) costs little

@@ -15,7 +15,7 @@ import torch
 from specserve.engine.config import AUTO_DRAFTER, EngineConfig, ModelConfig, check_prompt_fits
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.draft_policy import DraftCall, StepReport, TreeOutcome, budget_sizes
-from specserve.engine.errors import InvalidRequestError, is_unrecoverable
+from specserve.engine.errors import ConstraintError, InvalidRequestError, is_unrecoverable
 from specserve.engine.features import FeatureStore
 from specserve.engine.kv_cache import BlockManager, KVCache, activation_reserve_bytes, kv_pool_bytes
 from specserve.engine.loader import LoadedModel, load_model
@@ -104,7 +104,8 @@ class LLMEngine:
             self.scheduler.context_of = self._draft_contexts
         self.scheduler.drafts_after = frozenset(name for name, d in self.drafters.items()
                                                 if getattr(d, "drafts_after_uncommitted", False))
-        self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)   # structured output
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids,   # structured output
+                                 compile_timeout=config.grammar_compile_timeout)
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.device, self.features.capture_layers,
                                   eos_token_ids=tuple(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
@@ -798,9 +799,13 @@ class LLMEngine:
         """End every sequence of `req` with finish_reason "error"; its stream gets the error."""
         if req.error is not None or req.request_id not in self.requests:
             return
-        logger.error("request %s failed in %s: %s: %s", req.request_id, where, type(exc).__name__, exc,
-                     exc_info=exc)
-        req.error = f"the engine failed while processing this request ({where}: {type(exc).__name__}: {exc})"
+        if isinstance(exc, ConstraintError):   # the client's constraint, not the engine: no traceback
+            logger.warning("request %s ended with an error: %s", req.request_id, exc)
+            req.error, req.error_code = str(exc), "constraint_failed"
+        else:
+            logger.error("request %s failed in %s: %s: %s", req.request_id, where, type(exc).__name__, exc,
+                         exc_info=exc)
+            req.error = f"the engine failed while processing this request ({where}: {type(exc).__name__}: {exc})"
         for seq in req.seqs:
             self._end(seq, "error")
         self._changed[req.request_id] = req
@@ -1071,7 +1076,8 @@ class LLMEngine:
                 del self.requests[request_id]
             outputs.append(RequestOutput(request_id, deltas, finished, len(req.prompt_token_ids),
                                          req.num_generated_tokens, req.metrics, req.prompt_token_ids,
-                                         req.spec if req.drafter is not None else None, req.error))
+                                         req.spec if req.drafter is not None else None, req.error,
+                                         req.error_code))
         self._changed.clear()
         return outputs
 

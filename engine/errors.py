@@ -35,7 +35,17 @@ class UnsupportedModelError(EngineError, ValueError):
 
 
 class RequestFailedError(EngineError):
-    """The engine failed while serving this request (HTTP 500); other requests were not affected."""
+    """The engine failed while serving this request (HTTP 500; `code` "constraint_failed": its
+    constraint failed, a 400); other requests were not affected."""
+
+    def __init__(self, message: str, code: str = "request_failed"):
+        super().__init__(message)
+        self.code = code
+
+
+class ConstraintError(EngineError):
+    """A request's output constraint failed mid-generation (its matcher is in error: a limit of the
+    grammar engine reached); the request ends with this error, never with a "stop"."""
 
 
 class ShuttingDownError(EngineError):

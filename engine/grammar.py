@@ -26,15 +26,19 @@ import copy
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from specserve.engine.errors import InvalidRequestError
+from specserve.engine.constraints import GUIDED_KINDS, check_limits, constraint_param, grammar_text  # noqa: F401
+from specserve.engine.errors import ConstraintError, InvalidRequestError, QueueFullError
+from specserve.engine.grammar_sandbox import DEFAULT_TIMEOUT, Sandbox, compile_error, large_stack
 
-GUIDED_KINDS = ("json", "regex", "choice", "grammar")
 GRAMMAR_PART = "grammar"  # the drafter name of forced tokens (their part in speculative.parts, /metrics)
 CACHE_SIZE = 256          # compiled grammars kept per engine
+SMALL_CONSTRAINT_BYTES = 16 * 1024   # constraints up to this size compile in the small lane
+MAX_PENDING_COMPILES = 32            # compiles queued or running per lane; past it a 429
 
 
 def _llguidance():
@@ -45,32 +49,6 @@ def _llguidance():
         raise InvalidRequestError("structured output needs the llguidance package on the server",
                                   "response_format") from exc
     return llguidance
-
-
-def grammar_text(kind: str, text: str) -> str:
-    """The llguidance grammar of a (kind, text) request; InvalidRequestError naming what is wrong."""
-    llg = _llguidance()
-    M = llg.LLMatcher
-    if kind == "json":
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}", "response_format") from exc
-        if schema is True or schema == {}:
-            schema = {"type": "object"}
-        # compact JSON: with whitespace allowed between values, a model can write newlines until max_tokens
-        return M.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
-    if kind == "regex":
-        return M.grammar_from_regex(text)
-    if kind == "choice":
-        choices = json.loads(text)
-        if not choices or not all(isinstance(c, str) for c in choices):
-            raise InvalidRequestError("choice must be a non-empty list of strings", "structured_outputs")
-        return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-    if kind == "grammar":
-        from llguidance.gbnf_to_lark import any_to_lark
-        return M.grammar_from_lark(any_to_lark(text))      # GBNF converted, Lark as it is
-    raise InvalidRequestError(f"unknown structured output kind {kind!r}", "structured_outputs")
 
 
 def tokenizer_json(hf_tokenizer) -> str:
@@ -97,82 +75,188 @@ def tokenizer_json(hf_tokenizer) -> str:
 
 
 class Grammars:
-    """One engine's llguidance tokenizer and its cache of compiled grammars."""
+    """One engine's llguidance tokenizer and its cache of compiled grammars.
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids):
+    A constraint is compiled in three gates (`compile`): its sizes against `engine.constraints`'
+    limits (pure Python), a compile in a sandbox child (`engine.grammar_sandbox`: a crash or a
+    runaway there fails this request only), then the engine's own compile. Compiles run on this
+    object's threads, which have the sandbox's large stack; the sandbox has a lane for small
+    constraints and one for large ones, so heavy compiles queue behind each other, not before a
+    small one."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids, *, compile_timeout: float = DEFAULT_TIMEOUT,
+                 sandbox: bool = True):
         self._hf, self.vocab_size, self._eos = hf_tokenizer, vocab_size, sorted(eos_token_ids)
+        self.compile_timeout, self.use_sandbox = compile_timeout, sandbox
         self._tokenizer = None
+        self._tokenizer_json: str | None = None
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()     # the server compiles off the event loop, the engine thread copies
+        self._lanes: dict[str, Sandbox] = {}
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._inflight: dict[tuple[str, str], Future] = {}
+        self._pending: dict[str, int] = {}
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            llg = _llguidance()
-            self._tokenizer = llg.LLTokenizer(tokenizer_json(self._hf), n_vocab=self.vocab_size,
-                                              eos_token=self._eos)
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                llg = _llguidance()
+                self._tokenizer_json = tokenizer_json(self._hf)
+                self._tokenizer = llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                  eos_token=self._eos)
+            return self._tokenizer
 
-    def compile(self, guided: tuple[str, str]):
-        """The compiled matcher of `guided` at its start (cached); InvalidRequestError if it does not compile."""
+    def cached(self, guided: tuple[str, str]):
         with self._lock:
             hit = self._compiled.get(guided)
             if hit is not None:
                 self._compiled.move_to_end(guided)
-                return hit
+            return hit
+
+    def _lane(self, guided: tuple[str, str]) -> str:
+        return "small" if len(guided[1]) <= SMALL_CONSTRAINT_BYTES else "large"
+
+    def submit(self, guided: tuple[str, str]) -> Future:
+        """The compile of `guided` on its lane's thread: a Future of the matcher (or InvalidRequestError)."""
+        lane = self._lane(guided)
+        with self._lock:
+            running = self._inflight.get(guided)
+            if running is not None:          # the same constraint already compiling: one compile for both
+                return running
+            if self._pending.get(lane, 0) >= MAX_PENDING_COMPILES:
+                raise QueueFullError(f"{MAX_PENDING_COMPILES} {lane} constraints are waiting to compile; "
+                                     f"retry later", retry_after=1)
+            pool = self._pools.get(lane)
+            if pool is None:
+                pool = self._pools[lane] = ThreadPoolExecutor(1, thread_name_prefix=f"grammar-{lane}")
+            with large_stack():   # the pool starts its thread on its first submit
+                future = pool.submit(self._compile, guided, lane)
+            self._inflight[guided] = future
+            self._pending[lane] = self._pending.get(lane, 0) + 1
+
+        def done(_):
+            with self._lock:
+                self._inflight.pop(guided, None)
+                self._pending[lane] -= 1
+
+        future.add_done_callback(done)
+        return future
+
+    def compile(self, guided: tuple[str, str]):
+        """The compiled matcher of `guided` at its start (cached); InvalidRequestError if it does not compile."""
+        hit = self.cached(guided)
+        return hit if hit is not None else self.submit(guided).result()
+
+    def _compile(self, guided: tuple[str, str], lane: str):
+        hit = self.cached(guided)
+        if hit is not None:
+            return hit
+        kind, text = guided
+        param = constraint_param(kind)
         llg = _llguidance()
-        param = "response_format" if guided[0] == "json" else "structured_outputs"
+        check_limits(kind, text)
+        tokenizer = self.tokenizer
+        if self.use_sandbox:
+            error = self._sandbox(lane).check(kind, text)
+            if error:
+                raise InvalidRequestError(error, param)
         try:
-            text = grammar_text(*guided)
-            error = llg.LLMatcher.validate_grammar(text, self.tokenizer)
-            matcher = None if error else llg.LLMatcher(self.tokenizer, text)
+            matcher = llg.LLMatcher(tokenizer, grammar_text(kind, text), log_level=0)
+            if not matcher.is_error():
+                matcher.compute_bitmask()
         except InvalidRequestError:
             raise
         except Exception as exc:   # noqa: BLE001 - llguidance raises plain exceptions for what it cannot read
-            raise InvalidRequestError(f"the {guided[0]} constraint does not compile: {exc}", param) from exc
-        if error:
-            raise InvalidRequestError(f"the {guided[0]} constraint does not compile: {error.strip()}", param)
+            raise InvalidRequestError(compile_error(kind, str(exc)), param) from exc
         if matcher.is_error():
-            raise InvalidRequestError(f"the {guided[0]} constraint does not compile: {matcher.get_error()}",
-                                      "structured_outputs")
+            raise InvalidRequestError(compile_error(kind, matcher.get_error()), param)
         with self._lock:
             self._compiled[guided] = matcher
             while len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
         return matcher
 
+    def _sandbox(self, lane: str) -> Sandbox:
+        with self._lock:
+            box = self._lanes.get(lane)
+            if box is None:
+                box = self._lanes[lane] = Sandbox(self._tokenizer_json, self.vocab_size, self._eos,
+                                                  timeout=self.compile_timeout, name=lane)
+            return box
+
     def state(self, guided: tuple[str, str]) -> "GrammarState":
-        return GrammarState(self.compile(guided).deep_copy(), self._eos)
+        start = self.compile(guided)
+        return GrammarState(start.deep_copy(), self._eos, guided[0], start=start)
+
+    def close(self) -> None:
+        """Stop the sandbox children and the compile threads."""
+        for box in list(self._lanes.values()):
+            box.close()
+        for pool in list(self._pools.values()):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 class GrammarState:
     """A sequence's matcher, at the state after its committed output."""
 
-    def __init__(self, matcher, eos_token_ids=()):
+    def __init__(self, matcher, eos_token_ids=(), kind: str = "grammar", start=None):
         self.matcher = matcher
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.kind = kind
+        self._start = start if start is not None else matcher.deep_copy()   # never moved: rebuilt from
+        self._committed: list[int] = []   # the tokens consumed since the start
         self._forced: list[int] | None = None
+        self._mask: np.ndarray | None = None   # the committed state's mask, once computed
+
+    def _failed(self) -> ConstraintError:
+        """The error that ends the request: the matcher is in error on its committed path."""
+        error = (self.matcher.get_error() or "unknown error").strip().splitlines()[0][:400]
+        return ConstraintError(f"the {self.kind} constraint failed during generation after "
+                               f"{len(self._committed)} tokens: {error}")
+
+    def _rebuild(self, extra: list[int]) -> None:
+        """After a speculative path put the matcher in error (sticky in llguidance): a fresh copy of
+        the start, at the committed tokens plus `extra`."""
+        self.matcher = self._start.deep_copy()
+        self.matcher.consume_tokens(self._committed + list(extra))
+
+    def _path_mask(self) -> np.ndarray | None:
+        """The mask at the matcher's current (speculative) state, None if it is in error there."""
+        mask = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)
+        return None if self.matcher.is_error() else mask.copy()
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next (llguidance's fast-forward tokens: `{"`, a key's name,
         `":` ...), drafted for free (`forced_tree`); cached until the state moves."""
         if self._forced is None:
             self._forced = [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())
+            if self.matcher.is_error():   # a limit hit looking ahead, which plain decoding does not do:
+                self._rebuild([])         # no forced drafts, the committed state as it was
+                self._forced = []
         return self._forced
 
     def mask(self) -> np.ndarray:
-        """[words] int32: the tokens allowed next."""
-        return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32).copy()
+        """[words] int32: the tokens allowed next; ConstraintError if the matcher is in error."""
+        if self._mask is None:
+            if self.matcher.is_error():
+                raise self._failed()
+            mask = self._path_mask()
+            if mask is None:
+                raise self._failed()
+            self._mask = mask
+        return self._mask.copy()
 
     def tree_masks(self, tokens: list[int], parents: list[int]) -> tuple[np.ndarray, list[int]]:
         """Per node of a tree rooted at the last committed token, the tokens allowed after its path:
         ([len(allowed), words] int32, allowed), `allowed` the nodes (increasing, the root first) whose
         path the grammar accepts; a node its parent's state forbids, and its subtree, are left out."""
-        n, m = len(tokens), self.matcher
+        n = len(tokens)
         children: list[list[int]] = [[] for _ in range(n)]
         for i in range(1, n):
             children[parents[i]].append(i)
         masks = {0: self.mask()}
+        path: list[int] = []
 
         def visit(node: int) -> None:             # depth-first: consume, take the mask, recurse, roll back
             for c in children[node]:
@@ -180,10 +264,19 @@ class GrammarState:
                     if allows(masks[node], tokens[c]):    # it (a matcher that has stopped consumes no EOS);
                         masks[c] = masks[node]            # nothing after it is (its row's mask is never read)
                     continue
-                if m.try_consume_tokens([tokens[c]]) == 1:
-                    masks[c] = self.mask()
+                consumed = self.matcher.try_consume_tokens([tokens[c]]) == 1
+                mask = self._path_mask() if consumed else None
+                if mask is None and self.matcher.is_error():
+                    # a limit of the grammar engine hit on this draft: cut like a forbidden draft (a target
+                    # that commits this token fails the request in `advance`, as plain decoding would)
+                    self._rebuild(path)
+                    continue
+                if consumed:
+                    masks[c] = mask
+                    path.append(tokens[c])
                     visit(c)
-                    m.rollback(1)
+                    path.pop()
+                    self.matcher.rollback(1)
 
         visit(0)
         allowed = sorted(masks)
@@ -193,21 +286,24 @@ class GrammarState:
         """[len(paths), words] int32: per path, the tokens allowed after prefix + path (a drafter's
         hypothetical continuations); a path the grammar forbids, or that ends in EOS, gets an all-ones
         row (what is drawn after it does not matter). The state is left as it was."""
-        m = self.matcher
+        words = self.mask().shape[0]
         rows: list[np.ndarray | None] = [None] * len(paths)
-        base = m.try_consume_tokens(list(prefix)) if prefix else 0
-        if base == len(prefix):
+        base = self.matcher.try_consume_tokens(list(prefix)) if prefix else 0
+        if base == len(prefix) and not self.matcher.is_error():
             for i, path in enumerate(paths):
                 if self.eos_token_ids.intersection(path):   # the output has ended on this path
                     continue
-                n = m.try_consume_tokens(list(path)) if path else 0
+                n = self.matcher.try_consume_tokens(list(path)) if path else 0
                 if n == len(path):
-                    rows[i] = self.mask()
-                if n:
-                    m.rollback(n)
-        if base:
-            m.rollback(base)
-        words = next((r.shape[0] for r in rows if r is not None), 0) or self.mask().shape[0]
+                    rows[i] = self._path_mask()
+                if self.matcher.is_error():     # a limit hit on this path: a forbidden path's row
+                    self._rebuild(prefix)
+                elif n:
+                    self.matcher.rollback(n)
+        if self.matcher.is_error():
+            self._rebuild([])
+        elif base:
+            self.matcher.rollback(base)
         return np.stack([r if r is not None else np.full(words, -1, dtype=np.int32) for r in rows])
 
     def prune(self, tree, exact: bool):
@@ -236,9 +332,23 @@ class GrammarState:
         return tree, full, None
 
     def advance(self, tokens: list[int]) -> None:
-        """Consume the committed tokens (each allowed by the masks they were drawn under)."""
-        self.matcher.consume_tokens(tokens)
-        self._forced = None
+        """Consume the committed tokens (each allowed by the masks they were drawn under) and take the
+        next mask: ConstraintError where the matcher goes into error (a limit of the grammar engine),
+        so the request ends with that error and never with a "stop" its constraint did not allow."""
+        self._forced, self._mask = None, None
+        if self.matcher.is_stopped():     # the grammar has ended: its mask allowed only its EOS, which
+            self._committed += tokens    # ends the output (or, for an engine without that EOS, repeats)
+            return
+        try:
+            self.matcher.consume_tokens(tokens)
+        except Exception:   # noqa: BLE001 - llguidance raises where it also goes into error
+            if not self.matcher.is_error():
+                raise
+        self._committed += tokens
+        if self.matcher.is_error():
+            raise self._failed()
+        if not self.matcher.is_stopped():
+            self.mask()
 
 
 def forced_tree(root: int, tokens: list[int]):

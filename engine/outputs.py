@@ -46,3 +46,4 @@ class RequestOutput:
     prompt_token_ids: list[int] = field(default_factory=list)
     spec: RequestSpecStats | None = None   # speculation figures so far (None when not speculating)
     error: str | None = None               # set when the engine failed this request (its choices end with "error")
+    error_code: str = "request_failed"     # "constraint_failed": the request's output constraint failed

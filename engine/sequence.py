@@ -172,6 +172,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     spec: "RequestSpecStats" = field(default_factory=lambda: RequestSpecStats())
     error: str | None = None      # why the engine failed it (its sequences then end with "error")
+    error_code: str = "request_failed"   # "constraint_failed": its output constraint failed (engine/grammar.py)
 
     @property
     def finished(self) -> bool:

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve.engine.errors import EngineError, ShuttingDownError
 from specserve.server.metrics import ServerMetrics
 from specserve.server.openai_routes import OpenAIError, ServerState, clip, engine_error, get_state, router
+from specserve.server.token_routes import keyed as keyed_token_router
 from specserve.server.token_routes import router as token_router
 from specserve.server.openapi import install_openapi
 from specserve.server.prompt_guard import default_body_limit
@@ -77,6 +78,7 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
                                       tool_call_parser=tool_call_parser)
     app.include_router(router)
     app.include_router(token_router)
+    app.include_router(keyed_token_router)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(raw: Request) -> Response:

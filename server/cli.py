@@ -37,7 +37,7 @@ ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seq
                        prepack_weights=True, enforce_eager=False, async_scheduling=None, compile=False,
                        quantization="auto",
                        quantize_lm_head=True, quantized_activations="float", quantize_drafters=True, kv_cache_dtype="auto",
-                       grammar_drafts=True)
+                       grammar_drafts=True, grammar_compile_timeout=10.0)
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config.DRAFT_BUDGETS (a unit test keeps them equal)
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")   # engine.quant.QUANTIZATIONS (a unit test keeps them equal)
 ACTIVATIONS = ("float", "int8")   # engine.quant.ACTIVATIONS (a unit test keeps them equal)
@@ -69,6 +69,7 @@ ENV_VARS = {
     "drafters": "SPECSERVE_DRAFTERS", "num_speculative_tokens": "SPECSERVE_NUM_SPECULATIVE_TOKENS",
     "max_draft_tokens_per_step": "SPECSERVE_MAX_DRAFT_TOKENS_PER_STEP",
     "draft_budget": "SPECSERVE_DRAFT_BUDGET", "grammar_drafts": "SPECSERVE_GRAMMAR_DRAFTS",
+    "grammar_compile_timeout": "SPECSERVE_GRAMMAR_COMPILE_TIMEOUT",
     "draft_model": "SPECSERVE_DRAFT_MODEL",
     "drafter_option": "SPECSERVE_DRAFTER_OPTIONS",
 }
@@ -174,6 +175,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--grammar-drafts", action=argparse.BooleanOptionalAction, default=d["grammar_drafts"],
                    help="structured output: draft the tokens a request's grammar forces next (free drafts, "
                         "counted as the drafter 'grammar') (default: %(default)s)")
+    s.add_argument("--grammar-compile-timeout", type=float, metavar="SECONDS", default=d["grammar_compile_timeout"],
+                   help="structured output: seconds a request's constraint may take to compile (in a sandbox "
+                        "process, where a crash or a runaway fails that request only); past it the request gets "
+                        "a 400 (default: %(default)s)")
     s.add_argument("--draft-model", metavar="SOURCE",
                    help="the draft_model drafter's model: anything --model accepts (same tokenizer as the target), "
                         "or 'target:N' for the target's first N layers with its norm and LM head (shared weights, "

@@ -122,6 +122,8 @@ def engine_error(exc: EngineError, prompt_param: str | None = None) -> OpenAIErr
     if isinstance(exc, ShuttingDownError):
         return OpenAIError(503, str(exc), type="service_unavailable_error", code="shutting_down")
     if isinstance(exc, RequestFailedError):
+        if exc.code == "constraint_failed":   # the client's constraint ran into a limit of the grammar engine
+            return OpenAIError(400, str(exc), code="constraint_failed")
         return OpenAIError(500, str(exc), type="server_error", code="request_failed")
     return OpenAIError(500, f"engine error: {exc}", type="server_error", code="internal_error")
 
@@ -391,10 +393,14 @@ async def _compile_constraint(state: ServerState, body: SamplingFields, params: 
     grammars = getattr(getattr(state.engine, "engine", None), "grammars", None)
     if params.guided is None or grammars is None:
         return
+    if grammars.cached(params.guided) is not None:
+        return
     try:
-        await asyncio.to_thread(grammars.compile, params.guided)
+        await asyncio.wrap_future(grammars.submit(params.guided))
     except InvalidRequestError as exc:
         raise OpenAIError(400, str(exc), param=body.guided()[1], code="invalid_value") from exc
+    except QueueFullError as exc:
+        raise engine_error(exc) from exc
 
 
 def _sampling_params(state: ServerState, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
@@ -578,9 +584,10 @@ def _tool_call(name: str, arguments: str) -> ToolCall:
 
 def _answer(state: ServerState, body: ChatCompletionRequest, text: str) -> tuple[str | None, list[ToolCall] | None]:
     """(content, tool calls) of a whole answer. Forced calls (a constrained answer): named, the text
-    is the function's arguments; required, a list of {"name", "parameters"} objects; text that is not
-    complete JSON (cut by max_tokens) stays content. Auto: the server's parser reads the model's own
-    format (server/tool_parsers.py)."""
+    is the function's arguments; required, a list of {"name", "parameters"} objects; text cut by
+    max_tokens is the calls as far as they got (`_cut_calls`), as OpenAI answers a call cut by
+    max_tokens: its arguments incomplete, finish_reason "length". Auto: the server's parser reads the
+    model's own format (server/tool_parsers.py)."""
     if body.tool_mode == "auto":   # parallel_tool_calls false: the model's first call only
         content, calls = state.tool_parser.parse(text)
         return content, [_tool_call(name, args) for name, args in calls[:1 if body.parallel_tool_calls is False
@@ -590,15 +597,42 @@ def _answer(state: ServerState, body: ChatCompletionRequest, text: str) -> tuple
     try:
         value = json.loads(text)
     except ValueError:
-        return text, None
+        return None, [_tool_call(name, args) for name, args in _cut_calls(body, text)] or None
     calls = [(body.tool_choice.function.name, value)] if body.tool_mode == "named" else \
         [(c["name"], c["parameters"]) for c in value]
     return None, [_tool_call(name, json.dumps(args)) for name, args in calls]
 
 
+_CALL_NAME = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(\s*,\s*"parameters"\s*:\s*)?')
+
+
+def _cut_calls(body: ChatCompletionRequest, text: str) -> list[tuple[str, str]]:
+    """(name, arguments text) of forced calls whose text max_tokens cut: named, the one call with
+    the arguments written so far; required, each call of the list whose name was written, the last
+    with its arguments as far as they got (none yet: ""; the grammar writes the calls as compact JSON)."""
+    if body.tool_mode == "named":
+        return [(body.tool_choice.function.name, text)]
+    calls, decoder = [], json.JSONDecoder()
+    for match in _CALL_NAME.finditer(text):
+        start = match.end()
+        if match.group(2) is None:      # cut before its arguments began
+            calls.append((json.loads(match.group(1)), ""))
+            break
+        try:
+            _, end = decoder.raw_decode(text, start)
+        except ValueError:
+            calls.append((json.loads(match.group(1)), text[start:]))
+            break
+        calls.append((json.loads(match.group(1)), text[start:end]))
+    return calls
+
+
 def _tool_finish(body: ChatCompletionRequest, calls: list[ToolCall] | None, reason: str | None) -> str | None:
-    """OpenAI's finish reason of an answer with tool calls: tool_calls, but stop for a named function."""
-    return ("stop" if body.tool_mode == "named" else "tool_calls") if calls else reason
+    """OpenAI's finish reason of an answer with tool calls: tool_calls, but stop for a named function;
+    a call cut short keeps its reason (length)."""
+    if not calls or reason not in (None, "stop"):
+        return reason
+    return "stop" if body.tool_mode == "named" else "tool_calls"
 
 
 async def _chat_full(state: ServerState, body: ChatCompletionRequest, call: EngineCall, n: int) -> Response:

@@ -807,6 +807,13 @@ class TokenizeRequest(RequestModel):
             raise param_error("prompt", "send either prompt or messages")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable_text(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_encodable(data)
+        return data
+
 
 class TokenizeResponse(ResponseModel):
     count: int
