@@ -89,8 +89,6 @@ class Sandbox:
     def _started(self) -> subprocess.Popen:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
-        if self._proc is not None:
-            self.num_restarts += 1
         self._proc = proc = subprocess.Popen(
             [sys.executable, "-m", "specserve.engine.grammar_sandbox"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1 << 16,
@@ -116,6 +114,7 @@ class Sandbox:
         """The child died on a compile or ran past the timeout: kill it, say which."""
         code = proc.poll()
         self._stop(proc)
+        self.num_restarts += 1
         if code is None:
             logger.warning("a %s constraint ran past its compile timeout (%.0f s); the sandbox was killed", kind,
                            self.timeout)
