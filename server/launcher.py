@@ -8,10 +8,10 @@ end with a clear 503 error (an SSE error event on a stream); the process then ex
 If the engine's step loop dies (an unrecoverable device error) the server shuts down as well and
 the status is 1, so that an orchestrator restarts it.
 
-Connections (server/connection.py): uvicorn closes its listening socket as the shutdown starts, so
-new connections are refused from then on; a request arriving on a keep-alive connection already
-open is answered 503 ``shutting_down`` (for up to uvicorn's keep-alive timeout, 5 s) and that
-connection then closed. Request heads and bodies that arrive too slowly (`header_timeout`,
+Connections (server/connection.py): the listening socket stays open while requests are in flight
+(up to the shutdown timeout), so a request arriving during the drain, on a new connection or a
+keep-alive one, is answered 503 ``shutting_down`` rather than refused; once nothing runs, uvicorn
+closes the socket and its connections. A second signal exits at once. Request heads and bodies that arrive too slowly (`header_timeout`,
 `body_timeout`) and clients that stop reading their response (`stream_stall_timeout`) are cut off.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from types import FrameType
 
 import uvicorn
@@ -33,6 +34,7 @@ logger = logging.getLogger("specserve.server")
 # uvicorn's own drain limit, past `shutdown_timeout`: time for the requests ended at the deadline to
 # send their error and for their connections to close, after which uvicorn cancels what is left
 CLOSE_GRACE_S = 5.0
+DRAIN_POLL_S = 0.05   # how often the drain looks for requests still running
 
 
 class SpecserveServer(uvicorn.Server):
@@ -45,7 +47,24 @@ class SpecserveServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         begin_shutdown(self.config.app, self.shutdown_timeout)
+        if not getattr(self, "_draining", False):   # the first signal: answer 503s until the requests end
+            self._draining = True
+            threading.Thread(target=self._exit_when_drained, args=(sig,), name="specserve-drain",
+                             daemon=True).start()
+            return
+        self.force_exit = True
         super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+    def _exit_when_drained(self, sig: int) -> None:
+        """uvicorn's own shutdown (which closes the listening socket) once no request task runs, or at
+        the shutdown timeout plus its grace (what is left then, uvicorn's shutdown ends)."""
+        deadline = None if self.shutdown_timeout is None else time.monotonic() + self.shutdown_timeout + CLOSE_GRACE_S
+        while not self.should_exit and (deadline is None or time.monotonic() < deadline):
+            if not any(not task.done() for task in list(self.server_state.tasks)):
+                break
+            time.sleep(DRAIN_POLL_S)
+        super().handle_exit(sig, None)
         self._captured_signals.clear()
 
 

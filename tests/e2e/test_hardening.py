@@ -284,7 +284,8 @@ def _spawn(args: list[str], env: dict | None = None) -> subprocess.Popen:
 
 
 def test_sigterm_drains_streams_and_the_process_exits_0(tiny_llama_dir):
-    """Once: streams drained, but the process exited with status 143 (uvicorn re-raised the signal)."""
+    """Once: streams drained, but the process exited with status 143 (uvicorn re-raised the signal);
+    and a request arriving right after the signal was refused at the connection, not answered 503."""
     port = _free_port()
     proc = _spawn(["serve", "--model", str(tiny_llama_dir), "--port", str(port), "--dtype", "float32",
                    "--device", "cpu", "--shutdown-timeout", "20", "--log-level", "warning"])
@@ -307,9 +308,14 @@ def test_sigterm_drains_streams_and_the_process_exits_0(tiny_llama_dir):
                                                                      "ignore_eos": True})) for i in range(4)]
                 await asyncio.sleep(0.3)
                 proc.send_signal(signal.SIGTERM)
-                return await asyncio.gather(*tasks)
+                await asyncio.sleep(0.3)
+                async with httpx.AsyncClient(base_url=base, timeout=10) as fresh:   # a new connection
+                    late = await fresh.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+                return late, await asyncio.gather(*tasks)
 
-        for code, events in asyncio.run(streams()):
+        late, results = asyncio.run(streams())
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        for code, events in results:
             assert code == 200 and events[-1] == "[DONE]"
             assert events[-2]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0
