@@ -19,6 +19,10 @@ Phases:
   storm    --disconnects streaming requests with long max_tokens (EOS ignored), --concurrency at a time,
            each closed by the client after a few content chunks; they cycle through every drafter x
            endpoint x temperature cell.
+  constraints  --constraint-flood heavy structured-output constraints in flight at once (bench/constraint_flood.py):
+           each must end as a success keeping its constraint, a clean 400 or an explicit constraint_failed;
+           a small unconstrained and a small constrained chat timed alone and during the flood, /health
+           during it, the server's RSS before and after.
 After each phase /metrics is polled until running = waiting = 0 and KV usage is back at its idle value (up
 to --idle-timeout); /health is sampled every --health-interval seconds from warm-up to the end.
 
@@ -140,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="content chunks a storm stream reads before closing, drawn uniformly (default: %(default)s)")
     p.add_argument("--disconnect-max-tokens", type=int, default=512, metavar="N",
                    help="max_tokens of a storm request (EOS ignored) (default: %(default)s)")
+    p.add_argument("--constraint-flood", type=int, default=20, metavar="N",
+                   help="heavy constraints in flight in the constraint flood; 0 skips it (default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=300.0, metavar="S",
                    help="whole-request limit, queueing included; past it the request is lost (default: %(default)s)")
     p.add_argument("--max-phase-seconds", type=float, default=5400.0, metavar="S",
@@ -875,7 +881,8 @@ def _progress(name: str, total: int, quiet: bool, counts: Callable[[], str]) -> 
     return report
 
 
-async def run_phases(base: str, args: argparse.Namespace, prompts: list[str], alive: Callable[[], bool]) -> dict:
+async def run_phases(base: str, args: argparse.Namespace, prompts: list[str], alive: Callable[[], bool],
+                     pid: int | None = None) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     pool = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
     timeout = httpx.Timeout(args.request_timeout, connect=15.0)
@@ -987,6 +994,16 @@ async def run_phases(base: str, args: argparse.Namespace, prompts: list[str], al
                     "server_aborts": deltas.get('specserve_requests_total{status="abort"}', 0.0),
                     "back_to_idle": idle_storm, "server_counters": deltas,
                 }
+            if args.constraint_flood:
+                from specserve.bench.constraint_flood import run_constraint_flood
+
+                health.phase = "constraints"
+                before = await scrape(probe) or {}
+                flood = await run_constraint_flood(client, probe, args.constraint_flood, pid)
+                health.phase = "after constraints"
+                flood["back_to_idle"] = await wait_idle(probe, idle_kv, args.idle_timeout)
+                flood["server_counters"] = counter_deltas(before, await scrape(probe) or {})
+                result["phases"]["constraints"] = flood
             health.phase = "end"
         finally:
             health.stop()
@@ -1024,6 +1041,15 @@ def verdict(result: dict) -> tuple[list[str], list[str]]:
                             "client closed them")
         if not storm["back_to_idle"]["returned"]:
             problems.append("not back to idle after the disconnect storm")
+    flood = result["phases"].get("constraints")
+    if flood:
+        from specserve.bench.constraint_flood import flood_verdict
+
+        more_problems, more_warnings = flood_verdict(flood)
+        problems += more_problems
+        warnings += more_warnings
+        if not flood["back_to_idle"]["returned"]:
+            problems.append("not back to idle after the constraint flood")
     h = result.get("health", {}).get("overall", {})
     if h.get("samples") and h["ok"] != h["samples"]:
         problems.append(f"/health: {h['samples'] - h['ok']} of {h['samples']} samples not 200")
@@ -1066,7 +1092,8 @@ def main(argv: list[str] | None = None) -> int:
             server.wait_ready(base, args.startup_timeout)
             if not args.quiet:
                 print(f"[server] ready after {server.ready_s:.1f} s", file=sys.stderr, flush=True)
-        result.update(asyncio.run(run_phases(base, args, prompts, server.alive if server else (lambda: True))))
+        result.update(asyncio.run(run_phases(base, args, prompts, server.alive if server else (lambda: True),
+                                             server.proc.pid if server else None)))
     except (RuntimeError, httpx.HTTPError, asyncio.TimeoutError) as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         print(f"reliability: {result['error']}", file=sys.stderr)
@@ -1174,6 +1201,11 @@ def markdown(result: dict) -> str:
                   f"content chunks: {s['disconnected']} disconnected mid-stream, {s['finished_early']} finished first, "
                   f"{s['rejected']} rejected, {s['errors']} errors ({_kinds(s['errors_by_kind'])}); "
                   f"the server counted {storm['server_aborts']:.0f} aborts.", ""]
+    flood = result["phases"].get("constraints")
+    if flood:
+        from specserve.bench.constraint_flood import flood_lines
+
+        lines += flood_lines(flood)
     idle_rows = [("warm-up (idle value)", result.get("idle"))] + [
         (name, ph.get("back_to_idle")) for name, ph in result["phases"].items()]
     idle_rows = [(name, g) for name, g in idle_rows if g]

@@ -296,3 +296,24 @@ def test_a_forced_tool_call_cut_by_max_tokens_is_a_tool_call_with_finish_reason_
         assert calls and calls[0].function.name == "lookup"
         assert "".join(tc.function.arguments or "" for tc in calls) == args
         assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_the_reliability_benchs_constraint_flood_loses_nothing(server):
+    """`specserve bench reliability`'s constraint flood, one of each heavy case, against this server:
+    every answer is a success keeping its constraint, a clean 400 or an explicit constraint_failed."""
+    import asyncio
+
+    from specserve.bench.constraint_flood import flood_lines, flood_verdict, run_constraint_flood
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client, \
+                httpx.AsyncClient(base_url=server.base_url, timeout=30) as probe:
+            return await run_constraint_flood(client, probe, 8, None)
+
+    phase = asyncio.run(run())
+    problems, _ = flood_verdict(phase)
+    assert problems == [] and set(phase["outcomes"]) <= {"ok", "refused", "constraint_failed", "rejected"}, phase
+    assert phase["by_case"]["$ref cycle"] == {"refused": 1}
+    assert phase["by_case"]["matcher error mid-generation"] == {"constraint_failed": 1}
+    assert phase["by_case"]["choice 20000"] == {"ok": 1}
+    assert "Constraint flood" in flood_lines(phase)[0]
