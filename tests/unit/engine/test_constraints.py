@@ -91,10 +91,10 @@ def test_schemas_with_an_end_are_let_through(schema):
 
 
 @pytest.fixture(scope="module")
-def tiny_tokenizer():
-    from conftest import make_tiny_tokenizer
+def tiny_tokenizer(tiny_llama_dir):
+    from transformers import AutoTokenizer
 
-    return make_tiny_tokenizer()
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
 
 
 @pytest.fixture(scope="module")
