@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +40,17 @@ GRAMMAR_PART = "grammar"  # the drafter name of forced tokens (their part in spe
 CACHE_SIZE = 256          # compiled grammars kept per engine
 SMALL_CONSTRAINT_BYTES = 16 * 1024   # constraints up to this size compile in the small lane
 MAX_PENDING_COMPILES = 32            # compiles queued or running per lane; past it a 429
+
+
+COMPILE_NICENESS = 10   # the compile threads yield the CPU to the step loop and the event loop
+
+
+def lower_priority() -> None:
+    """Lower this thread's CPU priority (Linux schedules threads as tasks; elsewhere a no-op)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+    except (AttributeError, OSError):
+        pass
 
 
 def _llguidance():
@@ -129,7 +141,8 @@ class Grammars:
                                      f"retry later", retry_after=1)
             pool = self._pools.get(lane)
             if pool is None:
-                pool = self._pools[lane] = ThreadPoolExecutor(1, thread_name_prefix=f"grammar-{lane}")
+                pool = self._pools[lane] = ThreadPoolExecutor(1, thread_name_prefix=f"grammar-{lane}",
+                                                              initializer=lower_priority)
             with large_stack():   # the pool starts its thread on its first submit
                 future = pool.submit(self._compile, guided, lane)
             self._inflight[guided] = future
