@@ -9,6 +9,7 @@ between steps; each step's outputs go back to the event loop in one `call_soon_t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import queue
@@ -182,7 +183,13 @@ class AsyncEngine:
         self._wakeup.set()
 
     def get_stats(self) -> EngineStats:
-        return self._stats
+        """The stats as of the loop's last step (or its last look at its inbox), with the requests added
+        since and not yet seen by the loop counted as waiting: a burst arriving during a long step is
+        waiting at once in the gauge routers read, not a step later."""
+        stats = self._stats
+        with self._lock:
+            pending = sum(num_seqs for num_seqs, _ in self._pending.values())
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + pending) if pending else stats
 
     # ---- admission --------------------------------------------------------------------------
 
@@ -240,14 +247,16 @@ class AsyncEngine:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def _drain_inbox(self) -> None:
-        engine = self.engine
+    def _drain_inbox(self) -> bool:
+        """Hand the inbox to the engine; whether a request was added."""
+        engine, added = self.engine, False
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return added
             if msg[0] == "add":
+                added = True
                 _, request_id, prompt, params, arrival, drafter, drafter_options = msg
                 with self._lock:   # its room stays counted until `_refresh_admission` finds it in the scheduler
                     self._pending.pop(request_id, None)
@@ -295,7 +304,8 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._wakeup.clear()
-                self._drain_inbox()
+                if self._drain_inbox() and engine.has_unfinished_requests():
+                    self._stats = engine.get_stats()   # the new requests waiting during the step that admits them
                 if not engine.has_unfinished_requests():
                     self._stats = engine.get_stats()
                     self._refresh_admission()

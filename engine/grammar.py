@@ -37,7 +37,7 @@ from specserve.engine.errors import ConstraintError, InvalidRequestError, QueueF
 from specserve.engine.grammar_sandbox import DEFAULT_TIMEOUT, Sandbox, compile_error, large_stack
 
 GRAMMAR_PART = "grammar"  # the drafter name of forced tokens (their part in speculative.parts, /metrics)
-CACHE_SIZE = 256          # compiled grammars kept per engine
+CACHE_SIZE = {"small": 256, "large": 8}   # compiled grammars kept per engine, by lane
 SMALL_CONSTRAINT_BYTES = 16 * 1024   # constraints up to this size compile in the small lane
 MAX_PENDING_COMPILES = 32            # compiles queued or running per lane; past it a 429
 
@@ -102,7 +102,9 @@ class Grammars:
         self.compile_timeout, self.use_sandbox = compile_timeout, sandbox
         self._tokenizer = None
         self._tokenizer_json: str | None = None
-        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        # compiled matchers by lane: a large constraint's lexer can hold tens of MB, so few are kept
+        self._compiled: dict[str, OrderedDict[tuple[str, str], object]] = {"small": OrderedDict(),
+                                                                            "large": OrderedDict()}
         self._lock = threading.Lock()     # the server compiles off the event loop, the engine thread copies
         self._lanes: dict[str, Sandbox] = {}
         self._pools: dict[str, ThreadPoolExecutor] = {}
@@ -121,9 +123,10 @@ class Grammars:
 
     def cached(self, guided: tuple[str, str]):
         with self._lock:
-            hit = self._compiled.get(guided)
+            cache = self._compiled[self._lane(guided)]
+            hit = cache.get(guided)
             if hit is not None:
-                self._compiled.move_to_end(guided)
+                cache.move_to_end(guided)
             return hit
 
     def _lane(self, guided: tuple[str, str]) -> str:
@@ -185,9 +188,10 @@ class Grammars:
         if matcher.is_error():
             raise InvalidRequestError(compile_error(kind, matcher.get_error()), param)
         with self._lock:
-            self._compiled[guided] = matcher
-            while len(self._compiled) > CACHE_SIZE:
-                self._compiled.popitem(last=False)
+            cache = self._compiled[lane]
+            cache[guided] = matcher
+            while len(cache) > CACHE_SIZE[lane]:
+                cache.popitem(last=False)
         return matcher
 
     def _sandbox(self, lane: str) -> Sandbox:

@@ -299,7 +299,7 @@ def test_a_forced_tool_call_cut_by_max_tokens_is_a_tool_call_with_finish_reason_
 
 
 def test_the_reliability_benchs_constraint_flood_loses_nothing(server):
-    """`specserve bench reliability`'s constraint flood, one of each heavy case, against this server:
+    """`specserve bench reliability`'s constraint flood, eight in flight (one of each case at first):
     every answer is a success keeping its constraint, a clean 400 or an explicit constraint_failed."""
     import asyncio
 
@@ -313,7 +313,7 @@ def test_the_reliability_benchs_constraint_flood_loses_nothing(server):
     phase = asyncio.run(run())
     problems, _ = flood_verdict(phase)
     assert problems == [] and set(phase["outcomes"]) <= {"ok", "refused", "constraint_failed", "rejected"}, phase
-    assert phase["by_case"]["$ref cycle"] == {"refused": 1}
-    assert phase["by_case"]["matcher error mid-generation"] == {"constraint_failed": 1}
-    assert phase["by_case"]["choice 20000"] == {"ok": 1}
+    assert set(phase["by_case"]["$ref cycle"]) == {"refused"}
+    assert set(phase["by_case"]["matcher error mid-generation"]) == {"constraint_failed"}
+    assert set(phase["by_case"]["choice 20000"]) == {"ok"}
     assert "Constraint flood" in flood_lines(phase)[0]

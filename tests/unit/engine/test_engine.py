@@ -202,6 +202,19 @@ def test_admission_takes_a_burst_into_free_slots(tiny_llama_dir):
     asyncio.run(main())
 
 
+def test_a_burst_is_waiting_in_the_stats_before_the_loop_sees_it(tiny_llama_dir):
+    """Once: 32 requests arriving during a long step showed as 0 waiting until that step ended."""
+    engine = _admission_engine(tiny_llama_dir, max_queue_len=16)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def main():
+        for i in range(12):
+            engine.add_request(f"w{i}", [4, 5, 6], params)
+        assert engine.get_stats().num_waiting == 12     # the loop not started: every request still pending
+
+    asyncio.run(main())
+
+
 def test_admission_counts_kv_room_and_choices(tiny_llama_dir):
     """A prompt the free pool cannot hold yet is queued even with slots free, and so is every request
     behind it (the scheduler admits first come first served); a request's n choices take n slots."""
