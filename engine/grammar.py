@@ -53,6 +53,24 @@ def lower_priority() -> None:
         pass
 
 
+def release_free_memory() -> None:
+    """Give the allocator's free pages back to the system (glibc's malloc_trim): a large compile and
+    its request body leave tens of MB free in the arenas of the threads that handled them."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
+
+
 def _llguidance():
     try:
         import llguidance
@@ -168,6 +186,13 @@ class Grammars:
         hit = self.cached(guided)
         if hit is not None:
             return hit
+        try:
+            return self._compile_new(guided, lane)
+        finally:
+            if lane == "large":
+                release_free_memory()
+
+    def _compile_new(self, guided: tuple[str, str], lane: str):
         kind, text = guided
         param = constraint_param(kind)
         llg = _llguidance()

@@ -6,7 +6,8 @@ engine compiles a constraint itself, a child process (`python -m specserve.engin
 llguidance and this package's torch-free `constraints` only) compiles it with the same tokenizer
 and the same large stack, and computes its first mask: the answer is None (it compiles; the
 engine's compile, deterministic, then does too) or the error to give the client. The child runs
-under an address-space limit and a lower CPU priority; past `timeout` seconds it is killed. A
+under an address-space limit and a lower CPU priority; past `timeout` seconds of its CPU time on
+one compile (or six times that of wall time) it is killed. A
 crashed or killed child is replaced on the next compile; one that grew past `max_rss` after a
 compile is replaced too, so a heavy constraint's memory goes back to the system.
 
@@ -39,6 +40,18 @@ DEFAULT_TIMEOUT = 10.0               # seconds a compile may take in the child
 DEFAULT_MEMORY = 4 * 1024 ** 3       # the child's address-space limit
 DEFAULT_MAX_RSS = 768 * 1024 ** 2    # a child holding more than this after a compile is replaced
 START_TIMEOUT = 60.0                 # seconds the child may take to read the tokenizer
+CPU_POLL_S = 0.25                    # how often a compile's CPU time is read while it runs
+WALL_FACTOR = 6                      # a compile's wall-clock limit, in compile timeouts (its CPU time is the limit)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used; 0 where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 @contextmanager
@@ -74,7 +87,7 @@ class Sandbox:
             try:
                 proc.stdin.write(json.dumps({"kind": kind, "text": text}) + "\n")
                 proc.stdin.flush()
-                line = self._read(proc, self.timeout)
+                line = self._read(proc, self.timeout, cpu=True)
             except BrokenPipeError:
                 line = None
             if line is None:
@@ -102,13 +115,22 @@ class Sandbox:
         return proc
 
     @staticmethod
-    def _read(proc: subprocess.Popen, timeout: float) -> str | None:
-        """The child's next line, None if it died or took longer than `timeout` seconds."""
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        if not ready:
-            return None
-        line = proc.stdout.readline()
-        return line or None
+    def _read(proc: subprocess.Popen, timeout: float, cpu: bool = False) -> str | None:
+        """The child's next line, None if it died or took longer than `timeout` seconds: of wall
+        time, or with `cpu` of the child's CPU time (a compile on a loaded machine, where the child's
+        lower priority leaves it little CPU, is not cut short), within WALL_FACTOR times that of wall."""
+        start, used0 = time.monotonic(), _cpu_seconds(proc.pid) if cpu else 0.0
+        while True:
+            elapsed = time.monotonic() - start
+            wait = min(timeout - elapsed if elapsed < timeout else CPU_POLL_S, CPU_POLL_S) if cpu else timeout
+            ready, _, _ = select.select([proc.stdout], [], [], wait)
+            if ready:
+                return proc.stdout.readline() or None
+            elapsed = time.monotonic() - start
+            if not cpu or elapsed >= WALL_FACTOR * timeout or proc.poll() is not None:
+                return None
+            if elapsed >= timeout and _cpu_seconds(proc.pid) - used0 >= timeout:
+                return None
 
     def _lost(self, proc: subprocess.Popen, kind: str) -> str:
         """The child died on a compile or ran past the timeout: kill it, say which."""

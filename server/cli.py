@@ -176,9 +176,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="structured output: draft the tokens a request's grammar forces next (free drafts, "
                         "counted as the drafter 'grammar') (default: %(default)s)")
     s.add_argument("--grammar-compile-timeout", type=float, metavar="SECONDS", default=d["grammar_compile_timeout"],
-                   help="structured output: seconds a request's constraint may take to compile (in a sandbox "
-                        "process, where a crash or a runaway fails that request only); past it the request gets "
-                        "a 400 (default: %(default)s)")
+                   help="structured output: CPU seconds a request's constraint may take to compile (in a "
+                        "sandbox process, where a crash or a runaway fails that request only; at most six times "
+                        "that of wall time); past it the request gets a 400 (default: %(default)s)")
     s.add_argument("--draft-model", metavar="SOURCE",
                    help="the draft_model drafter's model: anything --model accepts (same tokenizer as the target), "
                         "or 'target:N' for the target's first N layers with its norm and LM head (shared weights, "
