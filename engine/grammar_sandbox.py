@@ -40,6 +40,7 @@ DEFAULT_TIMEOUT = 10.0               # seconds a compile may take in the child
 DEFAULT_MEMORY = 4 * 1024 ** 3       # the child's address-space limit
 DEFAULT_MAX_RSS = 768 * 1024 ** 2    # a child holding more than this after a compile is replaced
 START_TIMEOUT = 60.0                 # seconds the child may take to read the tokenizer
+EXIT_WAIT_S = 1.0                    # how long a child whose answer never came may take to show its exit status
 CPU_POLL_S = 0.25                    # how often a compile's CPU time is read while it runs
 WALL_FACTOR = 6                      # a compile's wall-clock limit, in compile timeouts (its CPU time is the limit)
 
@@ -134,7 +135,10 @@ class Sandbox:
 
     def _lost(self, proc: subprocess.Popen, kind: str) -> str:
         """The child died on a compile or ran past the timeout: kill it, say which."""
-        code = proc.poll()
+        try:   # its stdout closes a moment before its exit status can be read
+            code = proc.wait(timeout=EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            code = None
         self._stop(proc)
         self.num_restarts += 1
         if code is None:

@@ -138,11 +138,11 @@ def test_a_compile_past_the_timeout_kills_the_sandbox(tiny_tokenizer, tokenizer_
 
 
 def test_the_sandbox_has_a_memory_limit(tiny_tokenizer, tokenizer_json):
-    """Under a 150 MiB address space the child starts but cannot build a 100,000-string lexer: an
+    """Under a 100 MiB address space the child starts but cannot build a 100,000-string lexer: an
     error for that request, not a server that swaps."""
     from specserve.engine.grammar_sandbox import Sandbox
 
-    box = Sandbox(tokenizer_json, len(tiny_tokenizer), [tiny_tokenizer.eos_token_id], memory=150 << 20,
+    box = Sandbox(tokenizer_json, len(tiny_tokenizer), [tiny_tokenizer.eos_token_id], memory=100 << 20,
                   stack=8 << 20, timeout=5)
     try:
         assert box.check("regex", "(a|b)") is None
