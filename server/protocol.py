@@ -187,7 +187,18 @@ def _json_text(schema: dict[str, Any] | str) -> str:
     return schema if isinstance(schema, str) else json.dumps(schema)
 
 
-class SamplingFields(RequestModel):
+class EncodableText(RequestModel):
+    """A request body whose text is refused where UTF-8 cannot encode it (`check_encodable`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable_text(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_encodable(data)
+        return data
+
+
+class SamplingFields(EncodableText):
     """Fields shared by chat and completions requests."""
 
     model: str | None = None          # None: the served model
@@ -256,13 +267,6 @@ class SamplingFields(RequestModel):
     def _one_constraint(self):
         self.guided()
         return self
-
-    @model_validator(mode="before")
-    @classmethod
-    def _encodable_text(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            check_encodable(data)
-        return data
 
     @field_validator("logit_bias")
     @classmethod
@@ -788,7 +792,7 @@ class ErrorResponse(ResponseModel):
 # ---- vLLM's utility endpoints (server/token_routes.py) -------------------------------------------
 
 
-class TokenizeRequest(RequestModel):
+class TokenizeRequest(EncodableText):
     """vLLM's `POST /tokenize`: a `prompt` (special tokens added by default) or chat `messages`
     through the chat template (with the generation prompt by default; special tokens not added
     again by default, as the template writes them)."""
@@ -806,13 +810,6 @@ class TokenizeRequest(RequestModel):
         if (self.prompt is None) == (self.messages is None):
             raise param_error("prompt", "send either prompt or messages")
         return self
-
-    @model_validator(mode="before")
-    @classmethod
-    def _encodable_text(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            check_encodable(data)
-        return data
 
 
 class TokenizeResponse(ResponseModel):
