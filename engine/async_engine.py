@@ -137,13 +137,16 @@ class AsyncEngine:
         return self.engine.drafter_names
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    drafter=_DEFAULT, drafter_options: dict | None = None) -> RequestStream:
+                    drafter=_DEFAULT, drafter_options: dict | None = None, grammar=None) -> RequestStream:
         """Validate and enqueue. Raises InvalidRequestError, QueueFullError or EngineDeadError.
         `drafter`: a loaded drafter's name, "none", or omitted for the server default;
-        `drafter_options`: the request's own options for it."""
+        `drafter_options`: the request's own options for it; `grammar`: the compiled matcher of
+        `params.guided` (`Grammars.submit`'s result), which the request then carries to the engine
+        thread (without it the constraint is taken from the grammar cache, or compiled here)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
-        drafter, drafter_options = self.engine.check_request(prompt_token_ids, params, drafter, drafter_options)
+        drafter, drafter_options = self.engine.check_request(prompt_token_ids, params, drafter, drafter_options,
+                                                             grammar)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         num_seqs = params.n
@@ -157,7 +160,7 @@ class AsyncEngine:
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._inbox.put(("add", request_id, list(prompt_token_ids), params, time.monotonic(), drafter,
-                         drafter_options))
+                         drafter_options, grammar))
         self._wakeup.set()
         return stream
 
@@ -257,7 +260,7 @@ class AsyncEngine:
                 return added
             if msg[0] == "add":
                 added = True
-                _, request_id, prompt, params, arrival, drafter, drafter_options = msg
+                _, request_id, prompt, params, arrival, drafter, drafter_options, grammar = msg
                 with self._lock:   # its room stays counted until `_refresh_admission` finds it in the scheduler
                     self._pending.pop(request_id, None)
                 stream = self._streams.get(request_id)
@@ -265,7 +268,8 @@ class AsyncEngine:
                     self._streams.pop(request_id, None)
                     continue
                 try:
-                    engine.add_request(request_id, prompt, params, arrival, drafter, drafter_options, checked=True)
+                    engine.add_request(request_id, prompt, params, arrival, drafter, drafter_options, checked=True,
+                                       grammar=grammar)
                 except Exception as exc:  # validated already; anything here is reported to that request only
                     self._deliver_error(request_id, exc)
             elif msg[0] == "abort":

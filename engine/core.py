@@ -387,7 +387,7 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None) -> None:
         check_prompt_fits(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
@@ -396,27 +396,30 @@ class LLMEngine:
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
-        if params.guided is not None:
-            self.grammars.compile(params.guided)      # cached: the server compiles it first, off its event loop
+        if params.guided is not None and grammar is None:
+            self.grammars.compile(params.guided)      # cached, or compiled here (the server hands its compile over)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, drafter=_DEFAULT,
-                      drafter_options: dict | None = None) -> tuple[str | None, dict]:
+                      drafter_options: dict | None = None, grammar=None) -> tuple[str | None, dict]:
         """Validate a request (InvalidRequestError naming the parameter at fault); returns its
-        drafter (None: plain decoding) and its checked drafter options."""
-        self.validate(prompt_token_ids, params)
+        drafter (None: plain decoding) and its checked drafter options. `grammar`: the compiled
+        matcher of `params.guided`, when the caller compiled it (`Grammars.submit`)."""
+        self.validate(prompt_token_ids, params, grammar)
         options = self.check_drafter_options(drafter, drafter_options)
         return self.resolve_drafter(drafter), options
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, drafter=_DEFAULT, drafter_options: dict | None = None,
-                    checked: bool = False) -> None:
+                    checked: bool = False, grammar=None) -> None:
         """`drafter`: a loaded drafter's name, "none" for plain decoding, or omitted for the default;
         `drafter_options`: the request's own options for it (those it declares per request).
-        `checked`: the caller already ran `check_request` and passes what it returned."""
+        `checked`: the caller already ran `check_request` and passes what it returned.
+        `grammar`: the compiled matcher of `params.guided` (else it is taken from the grammar cache,
+        or compiled on this thread)."""
         if checked:
             options = drafter_options or {}
         else:
-            drafter, options = self.check_request(prompt_token_ids, params, drafter, drafter_options)
+            drafter, options = self.check_request(prompt_token_ids, params, drafter, drafter_options, grammar)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params,
@@ -432,7 +435,7 @@ class LLMEngine:
             seq = Sequence(req, i, req.prompt_token_ids, detok, key)
             seq.options = options
             if params.guided is not None:
-                seq.grammar = self.grammars.state(params.guided)
+                seq.grammar = self.grammars.state(params.guided, grammar)
             req.seqs.append(seq)
             started = []
             for name in names:

@@ -204,14 +204,18 @@ class Grammars:
                 raise InvalidRequestError(error, param)
         try:
             matcher = llg.LLMatcher(tokenizer, grammar_text(kind, text), log_level=0)
-            if not matcher.is_error():
-                matcher.compute_bitmask()
+            # the first mask is taken on a copy: the parser state it leaves can hold MBs (4 MB for a
+            # short recursive grammar), and the cached start, which every sequence copies, stays lean
+            probe = matcher if matcher.is_error() else matcher.deep_copy()
+            if probe is not matcher:
+                probe.compute_bitmask()
         except InvalidRequestError:
             raise
         except Exception as exc:   # noqa: BLE001 - llguidance raises plain exceptions for what it cannot read
             raise InvalidRequestError(compile_error(kind, str(exc)), param) from exc
-        if matcher.is_error():
-            raise InvalidRequestError(compile_error(kind, matcher.get_error()), param)
+        if probe.is_error():
+            raise InvalidRequestError(compile_error(kind, probe.get_error()), param)
+        del probe
         with self._lock:
             cache = self._compiled[lane]
             cache[guided] = matcher
@@ -227,8 +231,10 @@ class Grammars:
                                                   timeout=self.compile_timeout, name=lane)
             return box
 
-    def state(self, guided: tuple[str, str]) -> "GrammarState":
-        start = self.compile(guided)
+    def state(self, guided: tuple[str, str], start=None) -> "GrammarState":
+        """A sequence's state at the start of `guided`: copied from `start` (the compiled matcher the
+        server handed over with the request) or from the cache, compiling it if it is not there."""
+        start = start if start is not None else self.compile(guided)
         return GrammarState(start.deep_copy(), self._eos, guided[0], start=start)
 
     def close(self) -> None:

@@ -387,16 +387,19 @@ def _check_stop_token_ids(state: ServerState, ids: list[int] | None) -> None:
                               code="invalid_value")
 
 
-async def _compile_constraint(state: ServerState, body: SamplingFields, params: SamplingParams) -> None:
-    """Compile the request's output constraint off the event loop (the engine's check then finds it
-    in its cache); a constraint that does not compile is a 400 naming the field it came from."""
+async def _compile_constraint(state: ServerState, body: SamplingFields, params: SamplingParams):
+    """The request's output constraint compiled off the event loop: the matcher the request carries
+    to the engine (so neither the event loop nor the engine thread compiles it again, even if the
+    grammar cache dropped it meanwhile); None without a constraint. A constraint that does not
+    compile is a 400 naming the field it came from."""
     grammars = getattr(getattr(state.engine, "engine", None), "grammars", None)
     if params.guided is None or grammars is None:
-        return
-    if grammars.cached(params.guided) is not None:
-        return
+        return None
+    hit = grammars.cached(params.guided)
+    if hit is not None:
+        return hit
     try:
-        await asyncio.wrap_future(grammars.submit(params.guided))
+        return await asyncio.wrap_future(grammars.submit(params.guided))
     except InvalidRequestError as exc:
         raise OpenAIError(400, str(exc), param=body.guided()[1], code="invalid_value") from exc
     except QueueFullError as exc:
@@ -446,14 +449,14 @@ class EngineCall:
     observed on the way), `watch()` aborts it when the client disconnects, `close()` always runs."""
 
     def __init__(self, state: ServerState, raw: Request, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, prompt_param: str, drafter_args: dict):
+                 params: SamplingParams, prompt_param: str, drafter_args: dict, grammar=None):
         self.state = state
         self.raw = raw
         self.request_id = request_id
         self.disconnected = False
         self._watcher: asyncio.Task | None = None
         try:
-            self.stream = state.engine.add_request(request_id, prompt_ids, params, **drafter_args)
+            self.stream = state.engine.add_request(request_id, prompt_ids, params, grammar=grammar, **drafter_args)
         except EngineError as exc:
             raise engine_error(exc, prompt_param) from exc
         raw.state.specserve_tracked = True          # from here on the tracker counts this request's outcome
@@ -533,8 +536,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Respons
     prompt_ids = await state.off_loop(chat_prompt_ids, state, body.messages, tools, size=size)
     params = _sampling_params(state, body, len(prompt_ids), body.requested_max_tokens, body.num_logprobs,
                               "messages")
-    await _compile_constraint(state, body, params)
-    call = EngineCall(state, raw, _new_id("chatcmpl"), prompt_ids, params, "messages", drafter_args)
+    grammar = await _compile_constraint(state, body, params)
+    call = EngineCall(state, raw, _new_id("chatcmpl"), prompt_ids, params, "messages", drafter_args, grammar)
     if body.stream:
         return _streaming_response(_chat_stream(state, body, call, params.n))
     return await _chat_full(state, body, call, params.n)
@@ -748,8 +751,8 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     state.check_prompt_size(size, "prompt")
     prompt_ids = await state.off_loop(_completion_prompt_ids, state, body.single_prompt, size=size)
     params = _sampling_params(state, body, len(prompt_ids), body.max_tokens, body.logprobs, "prompt")
-    await _compile_constraint(state, body, params)
-    call = EngineCall(state, raw, _new_id("cmpl"), prompt_ids, params, "prompt", drafter_args)
+    grammar = await _compile_constraint(state, body, params)
+    call = EngineCall(state, raw, _new_id("cmpl"), prompt_ids, params, "prompt", drafter_args, grammar)
     echoed = None
     if body.echo:    # the prompt before each choice's text: as sent, or its token ids decoded
         echoed = body.single_prompt if isinstance(body.single_prompt, str) else \

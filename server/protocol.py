@@ -55,7 +55,15 @@ def param_error(param: str | None, message: str) -> PydanticCustomError:
 def check_encodable(data: Any) -> None:
     """Raise a `param_error` for the first string in `data` (a value or a key, at any depth) that
     UTF-8 cannot encode. ``json.loads`` turns ``"\\ud800"`` into a lone surrogate, on which the
-    tokenizer (or an error body echoing it) would fail. Iterative: deep nesting costs no stack."""
+    tokenizer (or an error body echoing it) would fail. A clean body is checked at C speed (one UTF-8
+    encode of its JSON text: a 60,000-string choice in ~10 ms, where the walk takes ~120 ms on the
+    event loop); the walk that names the field runs only when that fails. Iterative: deep nesting
+    costs no stack."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        return
+    except (UnicodeEncodeError, TypeError, ValueError, RecursionError):
+        pass          # a lone surrogate (or a value JSON cannot write, or deep nesting): the walk decides
     stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
     while stack:
         value, path = stack.pop()

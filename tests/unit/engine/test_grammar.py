@@ -111,6 +111,27 @@ def test_masking_nodes_with_the_committed_state_is_caught(engine, prompts, plain
     assert changed
 
 
+def test_a_request_carrying_its_compiled_constraint_is_not_compiled_again(engine, prompts, plain, monkeypatch):
+    """The server compiles a constraint off its event loop and hands the matcher over with the
+    request: neither the check nor the engine thread compiles it again (a heavy constraint the
+    grammar cache dropped meanwhile once compiled on the event loop), and the output is the same."""
+    started = {case: engine.grammars.compile(guided) for case, guided in CASES.items()}
+
+    def no_compile(guided):
+        raise AssertionError(f"compiled again: {guided}")
+
+    monkeypatch.setattr(engine.grammars, "compile", no_compile)
+    for case, guided in CASES.items():
+        params = SamplingParams(temperature=0.0, max_tokens=40, guided=guided)
+        got: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(f"h{i}", p, params, grammar=started[case])
+        while engine.has_unfinished_requests():
+            step_and_collect(engine, got)
+        assert {f"g{i}": got[f"h{i}"] for i in range(len(prompts))} == \
+            {rid: tokens for rid, (tokens, _) in plain[case].items()}, case
+
+
 def test_bad_constraints_are_refused(engine):
     for guided in (("regex", "(unclosed"), ("json", "{not json"), ("json", json.dumps({"type": "nope"})),
                    ("grammar", "start: undefined_rule"), ("choice", "[]"), ("yaml", "a: 1")):
