@@ -45,7 +45,7 @@ from specserve.bench.spec_decode import run_engine_batch, run_lockstep
 from specserve.engine.config import EngineConfig
 from specserve.engine.core import LLMEngine
 from specserve.engine.loader import load_model, locate_default_gguf
-from specserve.engine.quant import ACTIVATIONS, QUANTIZATIONS
+from specserve.engine.quant import ACTIVATIONS, QUANTIZATIONS, int8_activations
 from specserve.engine.sampling_params import SamplingParams
 from specserve.kernels import cpu as native_kernels
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="specserve methods besides plain decoding; auto: the server default (default: %(default)s)")
     ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                     help="specserve's weights (default: %(default)s, as served)")
-    ap.add_argument("--quantized-activations", default="float", choices=ACTIVATIONS,
+    ap.add_argument("--quantized-activations", default="auto", choices=ACTIVATIONS,
                     help="what specserve's int4 weights multiply (default: %(default)s)")
     ap.add_argument("--compile", action="store_true", help="specserve with its compiled CPU forward")
     ap.add_argument("--llama-python", default=None, help="the Python of an environment with llama-cpp-python")
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info("cpu"),
         "model": loaded.name, "gguf": gguf.name, "threads": threads, "quantization": engine.quantization,
         "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."), "compiled": args.compile,
-        "quantized_activations": args.quantized_activations,
+        "quantized_activations": "int8" if int8_activations(args.quantized_activations) else "float",
         "native_kernels": native_kernels.available(),
         "torch": torch.__version__, "llama_cpp": llama.version if llama else None,
         "datasets": list(prompts), "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,

@@ -72,6 +72,12 @@ BENCHMARKS: dict[str, Benchmark] = {
         "Our engine's plain (non-speculative) decoding against transformers `generate`: batch 1, greedy, the same "
         "prompts and number of new tokens; with `--quantization`, one row per weight quantization (`engine/quant.py`) "
         "and how many prompts it continues exactly as the unquantized model does."),
+    "activation_quality": Benchmark(
+        "Int8 activations", "specserve.bench.activation_quality", "activations",
+        "What the default int8 activations (`--quantized-activations auto` on an AVX2 or AVX-512 VNNI CPU) cost in "
+        "quality: the served default model with float and with int8 activations, and llama.cpp where its "
+        "`llama-perplexity` was given, against transformers on the GGUF's dequantized fp32 weights, on windows of "
+        "GSM8K and HumanEval solutions scored as `llama-perplexity` scores them."),
     "forward_cost": Benchmark(
         "Target forward cost", "specserve.bench.forward_cost", "forward",
         "The target's forward and LM head by the number of new tokens in the step (the size of a draft tree), per "

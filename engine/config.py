@@ -73,10 +73,11 @@ class EngineConfig:
     # with native bf16, else none (on CUDA: none). The LM head too unless quantize_lm_head is False
     quantization: str = "auto"
     quantize_lm_head: bool = True
-    # CPU: what int4 weights multiply (engine/quant.py `int8_activations`): float (fp32, or bf16 in
-    # torch's kernels) | int8 (opt-in, lossy: activations quantized per group of 32, as llama.cpp's
-    # Q4 x Q8 dot products; native kernels only)
-    quantized_activations: str = "float"
+    # CPU: what int4 weights multiply (engine/quant.py `int8_activations`): auto (int8 where the native
+    # kernels have a fast int8 path: AVX2, AVX-512 VNNI; else float) | float (fp32, or bf16 in torch's
+    # kernels) | int8 (activations quantized per group of 32, as llama.cpp's Q4 x Q8 dot products;
+    # native kernels only)
+    quantized_activations: str = "auto"
     # CPU, with a quantized target: the drafters' own layers quantized like the target's (int4 with
     # int8 activations, or int8 under --quantization int8), their draft-vocabulary heads and fc/lift
     # maps int8 (engine.model `quantize_weights_in`); their drafting costs about half (EAGLE: 10.7 ->

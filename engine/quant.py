@@ -43,7 +43,7 @@ from torch import nn
 from specserve.kernels import cpu as native_cpu
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")   # --quantization (auto: `auto_quantization`)
-ACTIVATIONS = ("float", "int8")   # --quantized-activations (`int8_activations`)
+ACTIVATIONS = ("auto", "float", "int8")   # --quantized-activations (`int8_activations`)
 # what a GGUF tensor type is served as under `--quantization gguf`: Q4_0 / Q4_1 blocks are int4
 # groups of 32, Q8_0 (8 bits per weight, a scale per 32) is served as int8 with a scale per row,
 # float tensors as they are; any other type (K-quants, Q5, IQ) is dequantized and served in fp32
@@ -280,17 +280,21 @@ def auto_quantization(gguf_types: dict[str, str], device: torch.device) -> str:
     return "gguf" if quantized_file and device.type == "cpu" and fast else "none"
 
 
-def int8_activations(setting: str = "float") -> bool:
-    """`--quantized-activations`: whether int4 weights multiply int8-quantized activations (int8,
-    opt-in and lossy: llama.cpp's Q4 x Q8 numerics; on a CPU with AVX-512 VNNI one instruction
-    multiplies 64 int8 pairs and a 9-row forward costs ~20 % less, `specserve bench forward`), or
-    the activations as they are (float: fp32 in the native kernels, the file's weights computed
-    exactly). Against transformers on the dequantized default model (3 chat prompts): float
-    cosine >= 0.9998, the same top-1 token on every row; int8 >= 0.97, 95-100 %; llama.cpp 0.991,
-    95-100 % (measured 2026-11-27)."""
+def int8_activations(setting: str = "auto") -> bool:
+    """`--quantized-activations`: whether int4 weights multiply int8-quantized activations, per group
+    of 32 as llama.cpp's Q4 x Q8 dot products (`int8`; auto: where the native kernels have a fast
+    int8 path, `kernels.cpu.fast_int8_dot`: AVX2, or AVX-512 with VNNI), or the activations as they
+    are (`float`: fp32 in the native kernels, the file's weights computed exactly). The served
+    target is what speculation is lossless against, whichever it is. On the 2-core AVX2 EPYC
+    (2026-12-02) int8 takes 16-26 % off a forward of 1-17 rows (`specserve bench forward --variants
+    int4 int4-a8`) at the quality of llama.cpp's own numerics: on a held set of GSM8K and HumanEval
+    solutions, perplexity and top-1 agreement with fp32 transformers within a fraction of a percent
+    of float activations (`specserve bench activations`, the results page)."""
     if setting not in ACTIVATIONS:
         raise ValueError(f"quantized activations must be one of {', '.join(ACTIVATIONS)}, got {setting!r}")
-    return setting == "int8" and native_cpu.available()
+    if setting == "float" or not native_cpu.available():
+        return False
+    return setting == "int8" or native_cpu.fast_int8_dot()
 
 
 def quantize_model(model: nn.Module, kind: str, *, lm_head: bool = True, act_dtype: torch.dtype = torch.float32,

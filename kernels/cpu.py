@@ -134,6 +134,16 @@ def library():
     return _lib or None
 
 
+def fast_int8_dot() -> bool:
+    """Whether this CPU runs the int4 x int8-activation kernel (kind 5) on a fast path: AVX-512 VNNI
+    (one instruction per 64 u8 x s8 products) or AVX2 without AVX-512 (`q4a8_block_avx2`); on
+    AVX-512 without VNNI, and elsewhere, its products are widened lane by lane."""
+    flags = set(_cpu_flags().split())
+    if "avx512f" in flags:
+        return "avx512_vnni" in flags
+    return {"avx2", "fma", "f16c"} <= flags
+
+
 def available() -> bool:
     """Whether the model's CPU step uses these kernels: ENABLED and the library builds here."""
     return ENABLED and library() is not None

@@ -36,11 +36,11 @@ ENGINE_DEFAULTS = dict(model="default", dtype="auto", device="auto", max_num_seq
                        max_draft_tokens_per_step=64, draft_budget="goodput",
                        prepack_weights=True, enforce_eager=False, async_scheduling=None, compile=False,
                        quantization="auto",
-                       quantize_lm_head=True, quantized_activations="float", quantize_drafters=True, kv_cache_dtype="auto",
+                       quantize_lm_head=True, quantized_activations="auto", quantize_drafters=True, kv_cache_dtype="auto",
                        grammar_drafts=True, grammar_compile_timeout=10.0)
 DRAFT_BUDGETS = ("goodput", "adaptive", "fixed")   # engine.config.DRAFT_BUDGETS (a unit test keeps them equal)
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")   # engine.quant.QUANTIZATIONS (a unit test keeps them equal)
-ACTIVATIONS = ("float", "int8")   # engine.quant.ACTIVATIONS (a unit test keeps them equal)
+ACTIVATIONS = ("auto", "float", "int8")   # engine.quant.ACTIVATIONS (a unit test keeps them equal)
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "float64")    # engine.config.KV_CACHE_DTYPES (a unit test keeps them equal)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -140,10 +140,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --quantization, quantize the LM head too: int8 under int8 and int4 (GGUF files keep "
                         "it at 8 bits or more), the file's type under gguf (default: on)")
     g.add_argument("--quantized-activations", default=d["quantized_activations"], choices=ACTIVATIONS,
-                   help="with int4 weights, what they multiply: float (the activations in fp32: the file's "
-                        "weights computed exactly) or int8 (opt-in, lossy: activations quantized per group of 32 "
-                        "as llama.cpp's Q4 x Q8 dot products; a 9-row draft tree's forward ~20 %% cheaper on a "
-                        "CPU with AVX-512 VNNI; needs the native kernels) (default: %(default)s)")
+                   help="with int4 weights, what they multiply: int8 (activations quantized per group of 32 as "
+                        "llama.cpp's Q4 x Q8 dot products: a forward 16-26 %% cheaper on an AVX2 CPU, perplexity "
+                        "within a fraction of a percent of float; needs the native kernels), float (the activations "
+                        "in fp32: the file's weights computed exactly), or auto: int8 where the native kernels have "
+                        "a fast int8 path (AVX2, AVX-512 VNNI), else float. Speculation is lossless against the "
+                        "served target either way (default: %(default)s)")
     g.add_argument("--quantize-drafters", action=argparse.BooleanOptionalAction, default=d["quantize_drafters"],
                    help="with --quantization, quantize the drafters' own weights (layers like the target's "
                         "with int8 activations on the native kernels; draft-vocabulary heads and fc/lift maps "
@@ -472,6 +474,8 @@ BENCHMARKS = {   # name -> (module with main(argv), what it measures)
     "structured": ("specserve.bench.structured", "structured output: constrained decoding by drafter, the grammar "
                                                  "drafter's share, llguidance's mask cost"),
     "forward": ("specserve.bench.forward_cost", "the target forward's cost by step size, prepacked weights or not"),
+    "activations": ("specserve.bench.activation_quality", "int8 against float activations: perplexity and top-1 "
+                                                           "agreement with fp32 transformers on a held set"),
     "step": ("specserve.bench.step_anatomy", "where a one-row decode step's time goes on the CPU: matmuls, attention, "
                                              "the rest of the layers and the host work"),
     "replay": ("specserve.bench.budget_replay", "draft-budget policies replayed offline on recorded decoding (ngram, mag)"),

@@ -183,6 +183,30 @@ def test_a_gguf_model_is_served_quantized_by_default_and_an_hf_folder_is_not(def
         make_llm_engine(tiny_llama_dir, quantization="gguf")
 
 
+def test_int8_activations_are_the_default_where_the_native_kernels_have_a_fast_int8_path(default_model):
+    """`--quantized-activations auto` (the default): the default GGUF's int4 weights multiply int8
+    activations where the native kernels build and the CPU has AVX2 or AVX-512 VNNI; `float` and
+    `int8` are what they say; the LM head (int8 weights) keeps fp32 activations."""
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.quant import int8_activations
+
+    fast = cpu_kernels.available() and cpu_kernels.fast_int8_dot()
+    assert EngineConfig(model="default").quantized_activations == "auto"
+    assert int8_activations("auto") == fast and int8_activations("float") is False
+    assert int8_activations("int8") == cpu_kernels.available()
+    with pytest.raises(ValueError, match="quantized activations"):
+        int8_activations("int4")
+    if not (cpu_kernels.available() or native_bf16()):
+        pytest.skip("the default model is served unquantized here")
+    engine = make_llm_engine("default", loaded=default_model, max_model_len=64, num_kv_blocks=8, block_size=16)
+    layer = engine.model.layers[0]
+    assert quantized(layer.qkv.weight).int8_act == quantized(layer.down.weight).int8_act == fast
+    assert not quantized(engine.model.lm_head_weight).int8_act
+    floats = make_llm_engine("default", loaded=default_model, max_model_len=64, num_kv_blocks=8, block_size=16,
+                             quantized_activations="float")
+    assert not quantized(floats.model.layers[0].qkv.weight).int8_act
+
+
 @pytest.mark.parametrize("activations,kv", [("float", "auto"), ("float", "float32"), pytest.param(
     "int8", "auto", marks=pytest.mark.skipif(not cpu_kernels.available(),
                                              reason="int8 activations need the native CPU kernels"))])
@@ -193,7 +217,7 @@ def test_the_gguf_served_default_model_computes_the_dequantized_models_logits_cl
     of the logits' spread, the same top-1 token on >= 95 % of rows (measured 2026-11-27: native
     0.9998, 0.7 %, 100 %; torch's kernels with bf16 0.995, 1.7 %, 100 %, the top bin of the int8
     head's bf16 logits recomputed in fp32, without which 2 rows of 111 tied and took the lower token
-    id). With int8 activations (opt-in) the bounds are llama.cpp's on the same prompts (0.991,
+    id). With int8 activations (the default where the CPU has a fast int8 path) the bounds are llama.cpp's on the same prompts (0.991,
     2.6 %, 94.6 %) loosened: cosine >= 0.96, mean < 5 %, top-1 >= 90 % (measured 0.973, 3.7 %,
     94.6 %). `auto` stores the KV cache in fp16 under the native kernels; an fp32 one gives the same
     figures (0.9998, 0.7 % against 0.8 %, 100 %)."""
