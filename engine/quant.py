@@ -286,7 +286,7 @@ def int8_activations(setting: str = "auto") -> bool:
     int8 path, `kernels.cpu.fast_int8_dot`: AVX2, or AVX-512 with VNNI), or the activations as they
     are (`float`: fp32 in the native kernels, the file's weights computed exactly). The served
     target is what speculation is lossless against, whichever it is. On the 2-core AVX2 EPYC
-    (2026-12-02) int8 takes 16-26 % off a forward of 1-17 rows (`specserve bench forward --variants
+    (2026-12-02) int8 took 7-26 % off a forward of 1-17 rows, two runs (`specserve bench forward --variants
     int4 int4-a8`) at the quality of llama.cpp's own numerics: on a held set of GSM8K and HumanEval
     solutions, perplexity and top-1 agreement with fp32 transformers within a fraction of a percent
     of float activations (`specserve bench activations`, the results page)."""

@@ -306,7 +306,16 @@ def test_sigterm_drains_streams_and_the_process_exits_0(tiny_llama_dir):
             async with httpx.AsyncClient(base_url=base, timeout=60) as ac:
                 tasks = [asyncio.create_task(stream_completion(ac, {"prompt": f"Hi {i}", "max_tokens": 200,
                                                                      "ignore_eos": True})) for i in range(4)]
-                await asyncio.sleep(0.3)
+                # the signal once all four are in the engine (under a loaded suite they can take seconds
+                # to arrive; a server with nothing in flight closes its socket at once, as it should)
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    metrics = (await ac.get("/metrics")).text
+                    running = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                                  if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+                    if running >= 4:
+                        break
+                    await asyncio.sleep(0.05)
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
                 async with httpx.AsyncClient(base_url=base, timeout=10) as fresh:   # a new connection

@@ -538,7 +538,10 @@ def test_default_model_knows_paris(default_model, serve):
     with serve(engine) as server:
         client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=120)
         start = time.monotonic()
-        r = client.chat.completions.create(model="default", messages=CHAT, max_tokens=40, temperature=0)
+        # "in one word": without it the first token is a near-tie (The 25.33 / L 25.24 in fp32
+        # transformers) that int8 activations, the default here as in llama-server, tip to "L'Étoile..."
+        question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+        r = client.chat.completions.create(model="default", messages=question, max_tokens=40, temperature=0)
         text = r.choices[0].message.content
         assert "Paris" in text, text
         assert r.model == engine.model_name and time.monotonic() - start < 120
