@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ctx < 8 or args.num_texts < 1:
         raise SystemExit("activation_quality: --ctx must be at least 8 and --num-texts positive")
 
-    from specserve.bench.common import build_hf_model, machine_info
+    from specserve.bench.common import build_hf_model, machine_info, write_result
     from specserve.engine.config import EngineConfig
     from specserve.engine.core import LLMEngine
     from specserve.engine.loader import load_model, locate_default_gguf
@@ -191,12 +191,7 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "model": loaded.name, "ctx": args.ctx, "num_texts": args.num_texts,
               "num_windows": len(wins), "scored_tokens": int(sums[REFERENCE]["n"]), "variants": variants,
               "duration_s": round(time.perf_counter() - t0, 1)}
-    md = markdown(result)
-    print(md)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(md)
+    write_result(args.out, result, markdown)
     return 0
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -97,3 +98,14 @@ def machine_info(device: torch.device | str = "cpu") -> dict:
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
     return info
+
+
+def write_result(out: str | Path, result: dict, markdown) -> str:
+    """A run's result as OUT.json and its table (`markdown(result)`) as OUT.md, printed too; the table."""
+    text = markdown(result)
+    print(text)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(text)
+    return text

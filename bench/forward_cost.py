@@ -19,12 +19,10 @@ one on the AVX2 VM, 1.30x warm).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
@@ -112,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import transformers
 
-    from specserve.bench.common import machine_info
+    from specserve.bench.common import machine_info, write_result
     from specserve.engine.attention import build_attn_metadata
     from specserve.engine.config import ModelConfig
     from specserve.engine.kv_cache import KVCache
@@ -167,12 +165,7 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "transformers": transformers.__version__, "model": loaded.name,
               "dtype": "float32", "prefix": args.prefix, "repeats": args.repeats, "weights_done": done,
               "forward_ms": {v: {str(n): round(t, 2) for n, t in ms[v].items()} for v in variants}}
-    text = markdown(result)
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(text)
+    write_result(args.out, result, markdown)
     return 0
 
 

@@ -308,13 +308,14 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._wakeup.clear()
-                if self._drain_inbox() and engine.has_unfinished_requests():
-                    self._stats = engine.get_stats()   # the new requests waiting during the step that admits them
+                added = self._drain_inbox()
                 if not engine.has_unfinished_requests():
                     self._stats = engine.get_stats()
                     self._refresh_admission()
                     self._wakeup.wait(timeout=0.5)
                     continue
+                if added:
+                    self._stats = engine.get_stats()   # the new requests waiting during the step that admits them
                 outputs = engine.step()
                 self._stats = engine.get_stats()
                 if outputs:

@@ -206,8 +206,9 @@ class Grammars:
             matcher = llg.LLMatcher(tokenizer, grammar_text(kind, text), log_level=0)
             # the first mask is taken on a copy: the parser state it leaves can hold MBs (4 MB for a
             # short recursive grammar), and the cached start, which every sequence copies, stays lean
-            probe = matcher if matcher.is_error() else matcher.deep_copy()
-            if probe is not matcher:
+            probe = matcher
+            if not matcher.is_error():
+                probe = matcher.deep_copy()
                 probe.compute_bitmask()
         except InvalidRequestError:
             raise

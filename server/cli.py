@@ -141,7 +141,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "it at 8 bits or more), the file's type under gguf (default: on)")
     g.add_argument("--quantized-activations", default=d["quantized_activations"], choices=ACTIVATIONS,
                    help="with int4 weights, what they multiply: int8 (activations quantized per group of 32 as "
-                        "llama.cpp's Q4 x Q8 dot products: a forward 16-26 %% cheaper on an AVX2 CPU, perplexity "
+                        "llama.cpp's Q4 x Q8 dot products: a forward 7-26 %% cheaper on an AVX2 CPU, perplexity "
                         "within a fraction of a percent of float; needs the native kernels), float (the activations "
                         "in fp32: the file's weights computed exactly), or auto: int8 where the native kernels have "
                         "a fast int8 path (AVX2, AVX-512 VNNI), else float. Speculation is lossless against the "
