@@ -25,6 +25,7 @@ from specserve.engine.errors import (EngineDeadError, EngineError, InvalidReques
 from specserve.engine.outputs import RequestOutput
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.stats import EngineStats
+from specserve.kernels.cpu import release_thread_team
 
 logger = logging.getLogger("specserve")
 
@@ -113,6 +114,8 @@ class AsyncEngine:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stopping = False
+        # the step loop's OpenMP team is then the only one (`kernels.cpu.release_thread_team`)
+        release_thread_team()
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self._thread.start()
 

@@ -1,10 +1,14 @@
 """The engine end to end (no HTTP): greedy output equals transformers `generate` token for token,
 with requests arriving at different steps; KV blocks all return; seeded sampling reproduces;
-aborts free their KV; the async wrapper streams and aborts."""
+aborts free their KV; the async wrapper streams and aborts, its step loop the one OpenMP team."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from specserve.engine.config import EngineConfig
 from specserve.engine.core import LLMEngine
 from specserve.engine.errors import InvalidRequestError, QueueFullError
 from specserve.engine.sampling_params import SamplingParams
+from specserve.kernels import cpu
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
@@ -176,6 +181,48 @@ def test_async_engine_streams_and_aborts(tiny_llama_dir):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+_ONE_TEAM_CHILD = """
+import asyncio, json, os, sys, time
+import torch
+import specserve.engine.async_engine as async_engine
+from specserve.engine.config import EngineConfig
+from specserve.engine.core import LLMEngine
+from specserve.engine.sampling_params import SamplingParams
+if sys.argv[2] == "keep":   # the broken variant: the starting thread keeps its team
+    async_engine.release_thread_team = lambda: False
+threads = lambda: len(os.listdir("/proc/self/task"))
+engine = async_engine.AsyncEngine(LLMEngine(EngineConfig(model=sys.argv[1], dtype="float32", device="cpu")))
+torch.ones(1 << 22).sum()             # a parallel region on this thread: it holds an OpenMP team
+before = threads()
+async def run():
+    engine.start()
+    async for _ in engine.generate("r", [4, 5, 6], SamplingParams(max_tokens=4, temperature=0.0)):
+        pass
+asyncio.run(run())
+time.sleep(0.2)
+print(json.dumps({"added": threads() - before}))
+engine.shutdown()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the threads in /proc")
+@pytest.mark.parametrize("variant", ["release", "keep"])
+def test_the_step_loop_holds_the_only_openmp_team(tiny_llama_dir, tmp_path, variant):
+    """The thread that starts the engine gives back its OpenMP team, so that libgomp, managing no
+    more threads than cores, keeps the step loop's workers spinning between parallel regions: with
+    two OpenMP threads, starting and running the engine adds the loop thread and its worker and
+    removes the starter's worker (one thread more); the broken variant keeps it (two more)."""
+    if not cpu.release_thread_team():
+        pytest.skip("the OpenMP runtime here is not libgomp")
+    script = tmp_path / "child.py"
+    script.write_text(_ONE_TEAM_CHILD)
+    proc = subprocess.run([sys.executable, str(script), str(tiny_llama_dir), variant], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    added = json.loads(proc.stdout.strip().splitlines()[-1])["added"]
+    assert added == (1 if variant == "release" else 2)
 
 
 def _admission_engine(tiny_llama_dir, **config) -> AsyncEngine:

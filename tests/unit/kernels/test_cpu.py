@@ -8,6 +8,11 @@ ops; and the build falling back when no compiler works."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -377,3 +382,29 @@ def test_the_library_is_cached_per_source_and_compiler(tmp_path, monkeypatch):
     assert path.parent == tmp_path / "kernels" and path.suffix == ".so"
     monkeypatch.setattr(cpu, "FLAGS", [*cpu.FLAGS, "-DVARIANT"])
     assert cpu.library_path(cc) != path
+
+
+def test_a_thread_gives_back_its_openmp_team(tmp_path):
+    """`release_thread_team`: the calling thread's OpenMP worker exits (two OpenMP threads: a
+    parallel region adds one thread, the release removes it)."""
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import json, os, time\n"
+        "import torch\n"
+        "from specserve.kernels import cpu\n"
+        "threads = lambda: len(os.listdir('/proc/self/task'))\n"
+        "before = threads()\n"
+        "torch.ones(1 << 22).sum()\n"
+        "during = threads()\n"
+        "released = cpu.release_thread_team()\n"
+        "for _ in range(300):\n"
+        "    if threads() == before: break\n"
+        "    time.sleep(0.01)\n"
+        "print(json.dumps({'added': during - before, 'released': released, 'left': threads() - before}))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not got["released"]:
+        pytest.skip("the OpenMP runtime here is not libgomp")
+    assert got == {"added": 1, "released": True, "left": 0}
