@@ -7,6 +7,9 @@ import json
 import os
 import platform
 import re
+import signal
+import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -109,3 +112,77 @@ def write_result(out: str | Path, result: dict, markdown) -> str:
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(text)
     return text
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 just now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ManagedServer:
+    """A server subprocess a benchmark starts (its own session, so the operator's Ctrl-C reaches only
+    the benchmark, which then stops it with SIGTERM like at the end of a run): ours, or llama.cpp's
+    `llama-server` (both answer GET /health with 200 once the model is loaded)."""
+
+    def __init__(self, cmd: list[str], log_path: Path):
+        self.cmd = cmd
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.ready_s: float | None = None
+        self._log = None
+
+    def start(self, env: dict[str, str] | None = None) -> None:
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=env)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, base: str, timeout: float) -> None:
+        import httpx
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if not self.alive():
+                raise RuntimeError(f"the server exited with status {self.proc.returncode} before it was ready:\n"
+                                   + self.log_tail())
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    self.ready_s = time.monotonic() - t0
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n" + self.log_tail())
+
+    def stop(self, timeout: float) -> dict:
+        """SIGTERM, then wait up to `timeout` s (SIGKILL after); the exit status as the shell shows it."""
+        if self.proc is None:
+            return {"exit_status": None}
+        t0 = time.monotonic()
+        killed = False
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                killed = True
+                self.proc.kill()
+                self.proc.wait(30)
+        seconds = time.monotonic() - t0
+        if self._log is not None:
+            self._log.close()
+        rc = self.proc.returncode
+        status = 128 - rc if rc < 0 else rc       # Popen: -N = killed by signal N; the shell says 128 + N
+        return {"exit_status": status, "returncode": rc,
+                "signal": signal.Signals(-rc).name if rc < 0 else None,
+                "killed_after_timeout": killed, "seconds_to_exit": seconds}
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""

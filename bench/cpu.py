@@ -1,26 +1,32 @@
-"""specserve against the CPU anchors on the same GGUF, in one invocation:
+"""specserve against llama.cpp's own server on the same GGUF, server against server over HTTP:
 
-    specserve bench cpu [--datasets mt_bench humaneval gsm8k] [--num-prompts 4] [--max-tokens 128]
-        [--threads 2] [--drafters auto ngram mag medusa eagle] [--quantization auto]
-        [--quantized-activations float|int8] [--compile]
-        [--llama-python PATH] [--streams 16] [--stream-rounds 3] [--no-hf]
+    specserve bench cpu [--llama-server PATH] [--kinds ...] [--per-kind 3] [--max-tokens 128]
+        [--threads 2] [--drafters auto ngram eagle3] [--llama-spec ngram-simple ngram-mod]
+        [--rounds 1] [--serve-arg=--quantized-activations=float ...] [--llama-python PATH]
+        [--llama-bench PATH] [--streams 16] [--stream-rounds 3]
 
-Batch 1, greedy, `--max-tokens` new tokens per prompt (EOS ignored), the same chat prompts and the
-same thread count for everyone: specserve plain decoding and with each drafter (the served
-configuration: `--quantization auto` serves the GGUF's own int4 where the CPU has bf16),
-transformers `generate` on the dequantized fp32 model, and llama.cpp (llama-cpp-python) on the same
-GGUF, plain and with its prompt-lookup decoding. llama.cpp runs in the Python of its own environment
-(`--llama-python`, or $SPECSERVE_LLAMA_PYTHON; it builds from source, ~8 minutes:
-`python -m venv ENV && ENV/bin/pip install llama-cpp-python`) through `llama_worker.py`; without one
-its rows are left out and the table says so. Every method runs prompt by prompt in turn, so a slow
-stretch of the machine hits all alike. Then specserve at `--streams` concurrent requests (each
-drafter, the prompts of all datasets, all admitted at once, in lockstep with plain decoding of the
-same requests on a twin engine: one step of each in turn), `--stream-rounds` rounds of every
-drafter in turn: aggregate tokens/s, and each drafter's ratio to plain decoding as the median over
-rounds of the ratio to its paired plain run, with its range. Also reported:
-the engine's memory at load, and how many prompts each method continues exactly as specserve plain
-decoding does (a drafter must: speculation is lossless; llama.cpp and transformers compute with
-other kernels and may part at near-ties).
+Batch 1, greedy, `--max-tokens` new tokens per request (EOS ignored), chat prompts of eight kinds
+(`bench/datasets.py` `prompt_kinds`: writing, QA, coding, math, extraction, and summarization, RAG
+and translation prompts built from the shared data), each sent as one non-streamed
+/v1/chat/completions request and timed from send to the whole answer:
+
+- `llama-server` (C++, `--llama-server PATH` or $SPECSERVE_LLAMA_SERVER; `-t THREADS -np 1`),
+  plain and with each of its self-speculation types (`--llama-spec`, e.g. `ngram-simple`,
+  `ngram-mod`), one server each, started here;
+- `specserve serve` started here with the served defaults (plus `--serve-arg`s), plain decoding
+  (`"speculative": {"drafter": "none"}`) and each of `--drafters` per request.
+
+Every server is up the whole run; prompt by prompt, every method in turn (a slow stretch of the
+machine hits all alike), `--rounds` times. Reported per kind: tokens/s (completion tokens over wall
+seconds), the mean over kinds against llama-server plain and against our plain, the mean over the
+input-grounded kinds (extraction, summarization, RAG), and how many answers of each drafter are our
+plain answer exactly (speculation is lossless; llama.cpp computes with other kernels and may part
+at near-ties). Optional rows: llama.cpp through its Python binding in this process
+(`--llama-python`), and `llama-bench`'s batch costs (`--llama-bench`: a forward of k prompt tokens
+over one of 1 token). Then, unless `--streams 0`, specserve at `--streams` concurrent requests in
+process (each drafter, all admitted at once, in lockstep with plain decoding of the same requests
+on a twin engine: one step of each in turn), `--stream-rounds` rounds of every drafter in turn:
+aggregate tokens/s and each drafter's ratio to its paired plain run (median over rounds, range).
 """
 
 from __future__ import annotations
@@ -34,24 +40,25 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from specserve.bench.common import build_hf_model, chat_ids, machine_info, run_hf
-from specserve.bench.datasets import add_dataset_args, load_prompts
+from specserve.bench.common import ManagedServer, chat_ids, free_port, machine_info, write_result
+from specserve.bench.datasets import GROUNDED_KINDS, KINDS, prompt_kinds
 from specserve.bench.spec_decode import run_engine_batch, run_lockstep
 from specserve.engine.config import EngineConfig
 from specserve.engine.core import LLMEngine
 from specserve.engine.loader import load_model, locate_default_gguf
-from specserve.engine.quant import ACTIVATIONS, QUANTIZATIONS, int8_activations
 from specserve.engine.sampling_params import SamplingParams
-from specserve.kernels import cpu as native_kernels
 
 PLAIN = "specserve plain"
-HF = "transformers generate (fp32)"
-LLAMA, LLAMA_LOOKUP = "llama.cpp", "llama.cpp prompt lookup"
+LLAMA = "llama-server"
+LLAMA_PY = "llama.cpp Python binding (in process)"
+BATCHES = (2, 3, 4, 9, 17)      # llama-bench's prompt batches, against one of 1 token
 
 
 class LlamaWorker:
@@ -98,113 +105,226 @@ def greedy(prompts: list[list[int]], max_tokens: int) -> list[SamplingParams]:
 
 
 def llama_python(given: str | None) -> str | None:
-    """The Python that runs llama.cpp: `--llama-python`, $SPECSERVE_LLAMA_PYTHON, or this one when
-    llama_cpp imports here; None when there is none."""
+    """The Python that runs llama.cpp's binding: `--llama-python`, $SPECSERVE_LLAMA_PYTHON, or this
+    one when llama_cpp imports here; None when there is none."""
     if given or os.environ.get("SPECSERVE_LLAMA_PYTHON"):
         return given or os.environ["SPECSERVE_LLAMA_PYTHON"]
     return sys.executable if importlib.util.find_spec("llama_cpp") else None
 
 
+class Chat:
+    """One method: a server's /v1/chat/completions on one kept-alive connection, with the request
+    fields that select the method (our per-request drafter)."""
+
+    def __init__(self, base: str, model: str, extra: dict):
+        import httpx
+
+        self.client = httpx.Client(base_url=base, timeout=600)
+        self.model, self.extra = model, extra
+
+    def __call__(self, text: str, max_tokens: int) -> tuple[str, int, float]:
+        """(the answer, its completion tokens, wall seconds from send to the whole answer)."""
+        body = {"model": self.model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True, **self.extra}
+        t0 = time.perf_counter()
+        r = self.client.post("/v1/chat/completions", json=body)
+        seconds = time.perf_counter() - t0
+        r.raise_for_status()
+        j = r.json()
+        return j["choices"][0]["message"]["content"], j["usage"]["completion_tokens"], seconds
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def llama_server_command(binary: str, gguf: Path, threads: int, port: int, spec: str | None) -> list[str]:
+    cmd = [binary, "-m", str(gguf), "-t", str(threads), "-np", "1", "--host", "127.0.0.1", "--port", str(port)]
+    return cmd + (["--spec-type", spec] if spec else [])
+
+
+def specserve_command(model: str, port: int | str, drafters: list[str], serve_args: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "specserve.server", "serve", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port), "--disable-log-requests", "--log-level", "warning"]
+    for d in drafters:
+        cmd += ["--drafter", d]
+    return cmd + serve_args
+
+
+def llama_bench_costs(binary: str, gguf: Path, threads: int, depth: int) -> dict[str, float]:
+    """`llama-bench`'s forward of k prompt tokens (k in BATCHES) after `depth` tokens of context,
+    over its forward of one: {k: ratio}."""
+    ks = ",".join(str(k) for k in (1, *BATCHES))
+    out = subprocess.run([binary, "-m", str(gguf), "-t", str(threads), "-p", ks, "-n", "0", "-d", str(depth),
+                          "-r", "5", "-o", "json"], capture_output=True, text=True, timeout=900, check=True).stdout
+    ns = {row["n_prompt"]: row["avg_ns"] for row in json.loads(out)}
+    return {str(k): ns[k] / ns[1] for k in BATCHES}
+
+
+def start_servers(args, gguf: Path, threads: int, logs: Path) -> tuple[dict[str, ManagedServer], dict[str, str]]:
+    """Ours and each llama-server, started and ready: (servers, their base URLs), by name."""
+    servers, bases = {}, {}
+    ours = free_port()
+    servers["specserve"] = ManagedServer(specserve_command(args.model, ours, args.drafters, args.serve_arg),
+                                         logs / "specserve.log")
+    bases["specserve"] = f"http://127.0.0.1:{ours}"
+    if args.llama_server:
+        for spec in [None, *args.llama_spec]:
+            port = free_port()
+            name = LLAMA if spec is None else f"{LLAMA} {spec}"
+            servers[name] = ManagedServer(llama_server_command(args.llama_server, gguf, threads, port, spec),
+                                          logs / f"{name.replace(' ', '_')}.log")
+            bases[name] = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    for name, server in servers.items():
+        server.start(env=env)
+        server.wait_ready(bases[name], args.ready_timeout)
+    return servers, bases
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specserve bench cpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default", help="a GGUF (llama.cpp needs one): 'default' or a .gguf path")
-    ap.add_argument("--datasets", nargs="+", default=["mt_bench", "humaneval", "gsm8k"], metavar="NAME_OR_PATH",
-                    help="our benchmark names, local JSONL/JSON/CSV/Parquet files, or Hugging Face dataset ids in "
-                         "the offline cache (bench/datasets.py)")
-    add_dataset_args(ap)
-    ap.add_argument("--num-prompts", type=int, default=4, help="per dataset (default: %(default)s)")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, metavar="KIND",
+                    help=f"prompt kinds (default: all: {', '.join(KINDS)})")
+    ap.add_argument("--per-kind", type=int, default=3, help="prompts per kind (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=None, help="torch's and llama.cpp's threads (default: torch's)")
-    ap.add_argument("--drafters", nargs="*", default=["auto", "ngram", "mag", "medusa", "eagle", "eagle3"],
-                    help="specserve methods besides plain decoding; auto: the server default (default: %(default)s)")
-    ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                    help="specserve's weights (default: %(default)s, as served)")
-    ap.add_argument("--quantized-activations", default="auto", choices=ACTIVATIONS,
-                    help="what specserve's int4 weights multiply (default: %(default)s)")
-    ap.add_argument("--compile", action="store_true", help="specserve with its compiled CPU forward")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds over the prompts (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="every server's threads (OMP_NUM_THREADS for ours, -t for llama.cpp; default: torch's)")
+    ap.add_argument("--drafters", nargs="*", default=["auto", "ngram", "eagle3"],
+                    help="our methods besides plain decoding, by request; auto: the server default "
+                         "(default: %(default)s)")
+    ap.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                    help="an extra argument of our server (repeat; e.g. --serve-arg=--quantized-activations=float)")
+    ap.add_argument("--llama-server", default=os.environ.get("SPECSERVE_LLAMA_SERVER"), metavar="PATH",
+                    help="llama.cpp's llama-server binary (default: $SPECSERVE_LLAMA_SERVER; without one its rows "
+                         "are left out)")
+    ap.add_argument("--llama-spec", nargs="*", default=["ngram-simple"], metavar="TYPE",
+                    help="llama-server --spec-type values, one more server each (default: %(default)s)")
+    ap.add_argument("--llama-bench", default=os.environ.get("SPECSERVE_LLAMA_BENCH"), metavar="PATH",
+                    help="llama.cpp's llama-bench binary, for its batch costs (default: $SPECSERVE_LLAMA_BENCH)")
+    ap.add_argument("--bench-depth", type=int, default=256, help="llama-bench's context before the batch")
     ap.add_argument("--llama-python", default=None, help="the Python of an environment with llama-cpp-python")
-    ap.add_argument("--lookup-tokens", type=int, default=10, help="llama.cpp prompt lookup's draft length")
-    ap.add_argument("--streams", type=int, default=16, help="concurrent requests of the last table (0: skip it)")
+    ap.add_argument("--lookup-tokens", type=int, default=10, help="the Python binding's prompt lookup draft length")
+    ap.add_argument("--streams", type=int, default=16, help="concurrent requests of the in-process table (0: skip)")
     ap.add_argument("--stream-rounds", type=int, default=3,
                     help="rounds of the concurrent table, every method in turn in each (default: %(default)s)")
-    ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers generate")
+    ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
     ap.add_argument("--out", default="bench/results/cpu_compare.json")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    loaded = load_model(args.model)
     gguf = locate_default_gguf() if args.model == "default" else Path(args.model)
     if gguf.suffix.lower() != ".gguf":
         raise SystemExit("bench cpu: --model must be a GGUF ('default' or a .gguf file): llama.cpp reads the same file")
-    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_model_len=2048,
-                                    max_num_seqs=max(1, args.streams), max_num_batched_tokens=2048,
-                                    drafters=("none", *args.drafters), quantization=args.quantization,
-                                    quantized_activations=args.quantized_activations, compile=args.compile),
-                       loaded=loaded)
-    prompts = {ds: [chat_ids(loaded.tokenizer, t) for t in load_prompts(ds, args.num_prompts, prompt_field=args.prompt_field,
-                                                                            messages_field=args.messages_field)]
-               for ds in args.datasets}
-    hf = build_hf_model(loaded) if args.hf else None
-    python = llama_python(args.llama_python)
-    llama = LlamaWorker(python, gguf, threads, args.lookup_tokens) if python else None
-
-    methods: dict = {PLAIN: lambda p, n: _one(run_engine(engine, [p], n, "none", "plain"))}
-    for d in args.drafters:
-        methods[f"specserve {d}"] = lambda p, n, d=d: _one(run_engine(engine, [p], n, d, d))
-    if hf is not None:
-        methods[HF] = lambda p, n: _hf(hf, p, n)
-    if llama is not None:
-        methods[LLAMA] = lambda p, n: llama.run("plain", p, n)
-        methods[LLAMA_LOOKUP] = lambda p, n: llama.run("lookup", p, n)
-    warm = next(iter(prompts.values()))[0]
-    for run in methods.values():   # warm-up: first calls allocate and (llama.cpp) map the model
-        run(warm, 8)
-    tokens = {m: {ds: 0 for ds in prompts} for m in methods}
-    seconds = {m: {ds: 0.0 for ds in prompts} for m in methods}
-    outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
-    for ds, ps in prompts.items():
-        for p in ps:               # prompt by prompt, every method in turn
-            for m, run in methods.items():
-                out, s = run(p, args.max_tokens)
-                tokens[m][ds] += len(out)
-                seconds[m][ds] += s
-                outputs[m].append(out)
-    batch1 = {m: {ds: tokens[m][ds] / seconds[m][ds] for ds in prompts} for m in methods}
-    same = {m: f"{sum(a == b for a, b in zip(outputs[m], outputs[PLAIN]))}/{len(outputs[PLAIN])}"
+    prompts = prompt_kinds(args.per_kind, tuple(args.kinds))
+    logs = Path(tempfile.mkdtemp(prefix="specserve-bench-cpu-"))
+    servers, bases = start_servers(args, gguf, threads, logs)
+    try:
+        model = json.loads(_get(bases["specserve"] + "/v1/models"))["data"][0]["id"]
+        methods: dict[str, Chat] = {}
+        for name in servers:
+            if name != "specserve":
+                methods[name] = Chat(bases[name], model, {})
+        methods[PLAIN] = Chat(bases["specserve"], model, {"speculative": {"drafter": "none"}})
+        for d in args.drafters:
+            methods[f"specserve {d}"] = Chat(bases["specserve"], model, {} if d == "auto" else
+                                             {"speculative": {"drafter": d}})
+        batch1, answers = http_batch1(methods, prompts, args.max_tokens, max(1, args.rounds))
+        for chat in methods.values():
+            chat.close()
+    finally:
+        stopped = {name: server.stop(60)["exit_status"] for name, server in servers.items()}
+    same = {m: f"{sum(a == b for a, b in zip(answers[m], answers[PLAIN]))}/{len(answers[PLAIN])}"
             for m in methods if m != PLAIN}
+
+    loaded = engine = None
+    python = llama_python(args.llama_python)
+    llama_py = None
+    if python or args.streams:
+        loaded = load_model(args.model)
+    if python:
+        batch1[LLAMA_PY] = binding_batch1(python, gguf, threads, args.lookup_tokens, loaded, prompts, args.max_tokens)
+        llama_py = batch1[LLAMA_PY].pop("version")
+    costs = llama_bench_costs(args.llama_bench, gguf, threads, args.bench_depth) if args.llama_bench else None
 
     streams, streams_ratio, streams_same = {}, {}, {}
     if args.streams:
-        pool = [p for ps in prompts.values() for p in ps]
-        twin = LLMEngine(engine.config, loaded=loaded)   # plain decoding's, beside each drafter's runs
+        config = EngineConfig(model=args.model, dtype="float32", device="cpu", max_model_len=2048,
+                              max_num_seqs=args.streams, max_num_batched_tokens=2048, drafters=("none", *args.drafters))
+        engine, twin = LLMEngine(config, loaded=loaded), LLMEngine(config, loaded=loaded)
+        pool = [chat_ids(loaded.tokenizer, t) for ps in prompts.values() for t in ps]
         batch = [pool[i % len(pool)] for i in range(args.streams)]
         streams, streams_ratio, streams_same = concurrent(engine, twin, batch, args.max_tokens, args.drafters,
                                                           max(1, args.stream_rounds))
-    if llama is not None:
-        llama.close()
 
     cmd = "specserve bench cpu " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     result = {
         "benchmark": "cpu_compare", "command": cmd.strip(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info("cpu"),
-        "model": loaded.name, "gguf": gguf.name, "threads": threads, "quantization": engine.quantization,
-        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."), "compiled": args.compile,
-        "quantized_activations": "int8" if int8_activations(args.quantized_activations) else "float",
-        "native_kernels": native_kernels.available(),
-        "torch": torch.__version__, "llama_cpp": llama.version if llama else None,
-        "datasets": list(prompts), "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-        "memory_mib": {k: round(v / 2**20) for k, v in engine.stats.memory_bytes.items()},
-        "batch1_tok_s": batch1, "same_as_plain": same, "streams": args.streams,
-        "stream_rounds": max(1, args.stream_rounds) if args.streams else 0, "streams_tok_s": streams,
-        "streams_ratio": streams_ratio, "streams_same_as_plain": streams_same,
+        "model": model, "gguf": gguf.name, "threads": threads, "torch": torch.__version__,
+        "server_command": " ".join(specserve_command(args.model, "PORT", args.drafters, args.serve_arg)[1:]),
+        "llama_server": _version(args.llama_server) if args.llama_server else None,
+        "llama_spec": args.llama_spec if args.llama_server else [], "llama_cpp_python": llama_py,
+        "kinds": list(prompts), "grounded_kinds": [k for k in prompts if k in GROUNDED_KINDS],
+        "per_kind": args.per_kind, "rounds": max(1, args.rounds), "max_tokens": args.max_tokens,
+        "batch1_tok_s": batch1, "same_as_plain": same, "server_exit_status": stopped,
+        "llama_bench_batch_cost": costs, "llama_bench_depth": args.bench_depth if costs else None,
+        "streams": args.streams, "stream_rounds": max(1, args.stream_rounds) if args.streams else 0,
+        "streams_tok_s": streams, "streams_ratio": streams_ratio, "streams_same_as_plain": streams_same,
     }
-    text = markdown(result)
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, markdown)
     return 0
+
+
+def http_batch1(methods: dict[str, Chat], prompts: dict[str, list[str]], max_tokens: int,
+                rounds: int) -> tuple[dict, dict]:
+    """Every prompt through every method in turn, `rounds` times: ({method: {kind: tokens/s}},
+    {method: answers in order})."""
+    warm = next(iter(prompts.values()))[0]
+    for chat in methods.values():      # warm-up: the first requests allocate, map the model, compile
+        chat(warm, 8)
+    tokens = {m: dict.fromkeys(prompts, 0) for m in methods}
+    seconds = {m: dict.fromkeys(prompts, 0.0) for m in methods}
+    answers: dict[str, list[str]] = {m: [] for m in methods}
+    for _ in range(rounds):
+        for kind, texts in prompts.items():
+            for text in texts:
+                for m, chat in methods.items():
+                    answer, n, s = chat(text, max_tokens)
+                    tokens[m][kind] += n
+                    seconds[m][kind] += s
+                    answers[m].append(answer)
+    return {m: {k: tokens[m][k] / seconds[m][k] for k in prompts} for m in methods}, answers
+
+
+def binding_batch1(python: str, gguf: Path, threads: int, lookup_tokens: int, loaded, prompts: dict[str, list[str]],
+                   max_tokens: int) -> dict:
+    """llama.cpp through its Python binding, plain, in its own process: {kind: tokens/s, "version"}."""
+    llama = LlamaWorker(python, gguf, threads, lookup_tokens)
+    try:
+        ids = {k: [chat_ids(loaded.tokenizer, t) for t in ts] for k, ts in prompts.items()}
+        llama.run("plain", next(iter(ids.values()))[0], 8)
+        rate = {}
+        for kind, ps in ids.items():
+            runs = [llama.run("plain", p, max_tokens) for p in ps]
+            rate[kind] = sum(len(t) for t, _ in runs) / sum(s for _, s in runs)
+        rate["version"] = llama.version
+        return rate
+    finally:
+        llama.close()
+
+
+def _get(url: str) -> str:
+    import httpx
+
+    return httpx.get(url, timeout=30).text
+
+
+def _version(binary: str) -> str:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    return next((line.strip() for line in (out.stdout + out.stderr).splitlines() if line.startswith("version")), "?")
 
 
 def concurrent(engine: LLMEngine, twin: LLMEngine, batch: list[list[int]], max_tokens: int, drafters: list[str],
@@ -239,45 +359,45 @@ def concurrent(engine: LLMEngine, twin: LLMEngine, batch: list[list[int]], max_t
             {m: f"{k}/{len(batch) * rounds}" for m, k in same.items()})
 
 
-def _one(run: tuple[list[list[int]], float]) -> tuple[list[int], float]:
-    outs, s = run
-    return outs[0], s
-
-
-def _hf(hf, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    _, s, outs = run_hf(hf, [prompt], max_tokens)
-    return outs[0], s
-
-
 def markdown(result: dict) -> str:
-    """The run's tables: batch-1 tokens/s per method and dataset (with the mean and the ratio to
-    llama.cpp plain), then the concurrent streams."""
-    ds = result["datasets"]
+    """The run's tables: batch-1 tokens/s per method and kind over HTTP (mean, against llama-server
+    plain and our plain, the input-grounded kinds' mean), llama-bench's batch costs, then the
+    concurrent streams."""
+    kinds, grounded = result["kinds"], result["grounded_kinds"]
     b1 = result["batch1_tok_s"]
-    anchor = statistics.mean(b1[LLAMA].values()) if LLAMA in b1 else None
-    quant = result["quantization"] if result["quantization"] != "none" else "fp32"
-    lines = [f"## CPU comparison: {result['model']} ({result['gguf']}), batch 1, {result['num_prompts']} prompts × "
-             f"{result['max_tokens']} greedy tokens per dataset, {result['threads']} threads", "",
-             "| method | " + " | ".join(ds) + " | mean | vs llama.cpp | same tokens as specserve plain |",
-             "|---|" + "---|" * (len(ds) + 3)]
+    mean = {m: statistics.mean(per.values()) for m, per in b1.items()}
+    gmean = {m: statistics.mean(per[k] for k in grounded) for m, per in b1.items()} if grounded else {}
+    anchor, plain = mean.get(LLAMA), mean.get(PLAIN)
+    lines = [f"## CPU: specserve against llama-server over HTTP, {result['model']} ({result['gguf']}), batch 1, "
+             f"{result['per_kind']} prompts per kind × {result['rounds']} round(s), {result['max_tokens']} greedy "
+             f"tokens, {result['threads']} threads", "",
+             "| method | " + " | ".join(kinds) + " | mean | vs llama-server | vs our plain | grounded kinds "
+             "(vs our plain) | same answers as our plain |", "|---|" + "---|" * (len(kinds) + 5)]
     for m, per in b1.items():
-        mean = statistics.mean(per.values())
-        ratio = f"{mean / anchor:.2f}×" if anchor else "–"
-        lines.append(f"| {m} | " + " | ".join(f"{per[d]:.1f}" for d in ds) + f" | {mean:.1f} | {ratio} | "
-                     f"{result['same_as_plain'].get(m, '–')} |")
-    layer = {True: ", native CPU kernels", False: ", torch ops (no native CPU kernels)"}.get(result.get("native_kernels"), "")
-    acts = " with int8 activations" if result.get("quantized_activations") == "int8" else ""
-    notes = [f"specserve: {quant} weights{acts}, KV cache {result['kv_cache_dtype']}{layer}"
-             f"{', compiled forward' if result.get('compiled') else ''}; memory at load (MiB): "
-             + ", ".join(f"{k} {v}" for k, v in result["memory_mib"].items()) + "."]
-    notes.append(f"llama.cpp: llama-cpp-python {result['llama_cpp']}." if result.get("llama_cpp") else
-                 "llama.cpp: not run (no environment with llama-cpp-python: `--llama-python`).")
+        g = f"{gmean[m]:.1f} ({gmean[m] / gmean[PLAIN]:.2f}×)" if grounded and PLAIN in gmean else "–"
+        lines.append(f"| {m} | " + " | ".join(f"{per[k]:.1f}" for k in kinds) + f" | {mean[m]:.1f} | "
+                     + (f"{mean[m] / anchor:.2f}×" if anchor else "–") + " | "
+                     + (f"{mean[m] / plain:.2f}×" if plain else "–") + f" | {g} | "
+                     + f"{result['same_as_plain'].get(m, '–')} |")
+    notes = [f"Ours: `{result['server_command']}`; drafters by request."]
+    notes.append(f"llama.cpp: `llama-server` {result['llama_server']}, `-t {result['threads']} -np 1`, "
+                 f"self-speculation rows with `--spec-type` {', '.join(result['llama_spec']) or 'none'}."
+                 if result.get("llama_server") else "llama.cpp: not run (`--llama-server`).")
+    if result.get("llama_cpp_python"):
+        notes.append(f"The Python binding row: llama-cpp-python {result['llama_cpp_python']}, in its own process, "
+                     "no HTTP.")
+    notes.append(f"Grounded kinds: {', '.join(grounded) or 'none'}.")
+    if result.get("llama_bench_batch_cost"):
+        c = result["llama_bench_batch_cost"]
+        lines += ["", f"`llama-bench` batch costs after {result['llama_bench_depth']} tokens of context (a forward "
+                  "of k prompt tokens over one of 1 token):", "",
+                  "| k | " + " | ".join(c) + " |", "|---|" + "---|" * len(c),
+                  "| cost | " + " | ".join(f"{v:.2f}×" for v in c.values()) + " |"]
     if result.get("streams_tok_s"):
-        rounds = result.get("stream_rounds", 1)
-        lines += ["", f"{result['streams']} concurrent requests (all datasets' prompts), {rounds} round(s) of every "
-                  "drafter in turn, each run in lockstep with plain decoding of the same requests on a twin engine "
-                  "(one step of each in turn): aggregate tokens/s, and the median over rounds of the ratio to "
-                  "the paired plain run (range in brackets):", "",
+        lines += ["", f"{result['streams']} concurrent requests in process (all kinds' prompts), "
+                  f"{result['stream_rounds']} round(s) of every drafter in turn, each run in lockstep with plain "
+                  "decoding of the same requests on a twin engine (one step of each in turn): aggregate tokens/s, "
+                  "and the median over rounds of the ratio to the paired plain run (range in brackets):", "",
                   "| method | tokens/s | vs plain | same tokens as plain |", "|---|---|---|---|"]
         base = result["streams_tok_s"].get(PLAIN)
         for m, v in result["streams_tok_s"].items():

@@ -63,6 +63,8 @@ from typing import Callable, Iterable
 
 import httpx
 
+from specserve.bench.common import ManagedServer, free_port
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "reliability"
 DEFAULT_DRAFTERS = ("none", "ngram", "mag")
 ENDPOINTS = ("chat", "completions")
@@ -797,73 +799,6 @@ def storm_summary(results: list[Disconnect]) -> dict:
             "seconds_p50": percentile([d.seconds for d in results if d.seconds is not None], 50)}
 
 
-# ---- the managed server -----------------------------------------------------------------------
-
-
-class ManagedServer:
-    """The server subprocess this script starts (its own session, so the operator's Ctrl-C reaches only
-    this script, which then stops it with SIGTERM like at the end of a run)."""
-
-    def __init__(self, cmd: list[str], log_path: Path):
-        self.cmd = cmd
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.ready_s: float | None = None
-        self._log = None
-
-    def start(self) -> None:
-        self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def wait_ready(self, base: str, timeout: float) -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if not self.alive():
-                raise RuntimeError(f"the server exited with status {self.proc.returncode} before it was ready:\n"
-                                   + self.log_tail())
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    self.ready_s = time.monotonic() - t0
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n" + self.log_tail())
-
-    def stop(self, timeout: float) -> dict:
-        """SIGTERM, then wait up to `timeout` s (SIGKILL after); the exit status as the shell shows it."""
-        if self.proc is None:
-            return {"exit_status": None}
-        t0 = time.monotonic()
-        killed = False
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                killed = True
-                self.proc.kill()
-                self.proc.wait(30)
-        seconds = time.monotonic() - t0
-        if self._log is not None:
-            self._log.close()
-        rc = self.proc.returncode
-        status = 128 - rc if rc < 0 else rc       # Popen: -N = killed by signal N; the shell says 128 + N
-        return {"exit_status": status, "returncode": rc,
-                "signal": signal.Signals(-rc).name if rc < 0 else None,
-                "killed_after_timeout": killed, "seconds_to_exit": seconds}
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
 # ---- the run ----------------------------------------------------------------------------------
 
 
@@ -1076,8 +1011,6 @@ def main(argv: list[str] | None = None) -> int:
     server: ManagedServer | None = None
     result: dict = {"phases": {}}
     if args.url is None:
-        from specserve.bench.serve_throughput import free_port
-
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         log_path = Path(tempfile.mkdtemp(prefix="specserve-reliability-")) / "server.log"

@@ -57,10 +57,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         "attention against the torch reference on verification shapes."),
     "cpu_compare": Benchmark(
         "CPU comparison", "specserve.bench.cpu", "cpu",
-        "specserve as served on the CPU (plain decoding and each drafter) against llama.cpp (plain and its prompt "
-        "lookup) and transformers `generate` on the same GGUF: batch 1, greedy, the same chat prompts, tokens and "
-        "threads, every method prompt by prompt in turn; then specserve at 16 concurrent requests, in rounds of "
-        "every method in turn."),
+        "specserve as served on the CPU against llama.cpp's own C++ server (`llama-server`, plain and with its "
+        "n-gram self-speculation) on the same GGUF, server against server over HTTP: batch 1, greedy, the same chat "
+        "prompts of eight kinds (three input-grounded: extraction, summarization, RAG), tokens and threads, every "
+        "method prompt by prompt in turn; `llama-bench`'s batch costs where run; then specserve at 16 concurrent "
+        "requests in process, in rounds of every method in turn."),
     "structured": Benchmark(
         "Structured output", "specserve.bench.structured", "structured",
         "A JSON-extraction workload (GSM8K answered as `{\"reasoning\", \"answer\"}` under a JSON schema) on the "

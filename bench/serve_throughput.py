@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import platform
-import socket
 import sys
 import threading
 import time
@@ -22,16 +21,11 @@ import httpx
 import torch
 import uvicorn
 
+from specserve.bench.common import free_port
 from specserve.bench.datasets import add_dataset_args, load_prompts
 from specserve.engine.async_engine import AsyncEngine
 from specserve.engine.config import EngineConfig
 from specserve.server.app import create_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(engine: AsyncEngine) -> tuple[uvicorn.Server, str]:
