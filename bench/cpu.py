@@ -14,7 +14,9 @@ and translation prompts built from the shared data), each sent as one non-stream
   plain and with each of its self-speculation types (`--llama-spec`, e.g. `ngram-simple`,
   `ngram-mod`), one server each, started here;
 - `specserve serve` started here with the served defaults (plus `--serve-arg`s), plain decoding
-  (`"speculative": {"drafter": "none"}`) and each of `--drafters` per request.
+  (`"speculative": {"drafter": "none"}`) and each of `--drafters` per request;
+- our plain decoding without the server: the engine stepped in this process on the same prompts
+  (what HTTP and the server cost a request).
 
 Every server is up the whole run; prompt by prompt, every method in turn (a slow stretch of the
 machine hits all alike), `--rounds` times. Reported per kind: tokens/s (completion tokens over wall
@@ -56,6 +58,7 @@ from specserve.engine.loader import load_model, locate_default_gguf
 from specserve.engine.sampling_params import SamplingParams
 
 PLAIN = "specserve plain"
+ALONE = "specserve plain, engine alone (no HTTP)"
 LLAMA = "llama-server"
 LLAMA_PY = "llama.cpp Python binding (in process)"
 BATCHES = (2, 3, 4, 9, 17)      # llama-bench's prompt batches, against one of 1 token
@@ -135,6 +138,31 @@ class Chat:
 
     def close(self) -> None:
         self.client.close()
+
+
+class EngineAlone:
+    """Our plain decoding without the server: the engine stepped in this process on the prompt the
+    server would build (`chat_ids`), timed alike; the answer is its text deltas, as the server
+    joins them."""
+
+    def __init__(self, engine: LLMEngine, tokenizer):
+        self.engine, self.tokenizer, self._n = engine, tokenizer, 0
+
+    def __call__(self, text: str, max_tokens: int) -> tuple[str, int, float]:
+        self._n += 1
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        self.engine.add_request(f"alone-{self._n}", chat_ids(self.tokenizer, text), params, drafter="none")
+        parts, tokens = [], 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                for d in out.outputs:
+                    parts.append(d.text)
+                    tokens += len(d.token_ids)
+        return "".join(parts), tokens, time.perf_counter() - t0
+
+    def close(self) -> None:
+        pass
 
 
 def llama_server_command(binary: str, gguf: Path, threads: int, port: int, spec: str | None) -> list[str]:
@@ -219,15 +247,19 @@ def main(argv: list[str] | None = None) -> int:
     if gguf.suffix.lower() != ".gguf":
         raise SystemExit("bench cpu: --model must be a GGUF ('default' or a .gguf file): llama.cpp reads the same file")
     prompts = prompt_kinds(args.per_kind, tuple(args.kinds))
+    loaded = load_model(args.model)
+    alone = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_model_len=2048,
+                                   max_num_batched_tokens=2048, drafters=()), loaded=loaded)
     logs = Path(tempfile.mkdtemp(prefix="specserve-bench-cpu-"))
     servers, bases = start_servers(args, gguf, threads, logs)
     try:
         model = json.loads(_get(bases["specserve"] + "/v1/models"))["data"][0]["id"]
-        methods: dict[str, Chat] = {}
+        methods: dict = {}
         for name in servers:
             if name != "specserve":
                 methods[name] = Chat(bases[name], model, {})
         methods[PLAIN] = Chat(bases["specserve"], model, {"speculative": {"drafter": "none"}})
+        methods[ALONE] = EngineAlone(alone, loaded.tokenizer)
         for d in args.drafters:
             methods[f"specserve {d}"] = Chat(bases["specserve"], model, {} if d == "auto" else
                                              {"speculative": {"drafter": d}})
@@ -239,11 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     same = {m: f"{sum(a == b for a, b in zip(answers[m], answers[PLAIN]))}/{len(answers[PLAIN])}"
             for m in methods if m != PLAIN}
 
-    loaded = engine = None
+    del alone
     python = llama_python(args.llama_python)
     llama_py = None
-    if python or args.streams:
-        loaded = load_model(args.model)
     if python:
         batch1[LLAMA_PY] = binding_batch1(python, gguf, threads, args.lookup_tokens, loaded, prompts, args.max_tokens)
         llama_py = batch1[LLAMA_PY].pop("version")
@@ -278,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def http_batch1(methods: dict[str, Chat], prompts: dict[str, list[str]], max_tokens: int,
+def http_batch1(methods: dict, prompts: dict[str, list[str]], max_tokens: int,
                 rounds: int) -> tuple[dict, dict]:
     """Every prompt through every method in turn, `rounds` times: ({method: {kind: tokens/s}},
     {method: answers in order})."""

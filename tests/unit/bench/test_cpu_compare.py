@@ -1,5 +1,6 @@
 """`specserve bench cpu` (bench/cpu.py): a small real run over HTTP against a server it starts on
-the default GGUF (llama-server left out where none is given), the in-process concurrent table, and
+the default GGUF (llama-server left out where none is given) beside the engine alone, the in-process
+concurrent table, and
 the table with llama-server rows; the prompt kinds it sends."""
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ def test_a_small_run_over_http_measures_every_method_and_drafters_keep_plain_ans
     result = json.loads(out.read_text())
     assert result["benchmark"] == "cpu_compare" and result["command"].startswith("specserve bench cpu")
     assert result["kinds"] == ["math", "extraction"] and result["grounded_kinds"] == ["extraction"]
-    assert set(result["batch1_tok_s"]) == {cpu.PLAIN, "specserve ngram"}
+    assert set(result["batch1_tok_s"]) == {cpu.PLAIN, cpu.ALONE, "specserve ngram"}
     assert all(v > 0 for per in result["batch1_tok_s"].values() for v in per.values())
     assert result["same_as_plain"]["specserve ngram"] == "2/2"          # lossless over HTTP
+    assert result["same_as_plain"][cpu.ALONE] == "2/2"                  # the server answers as its engine
     assert result["server_exit_status"] == {"specserve": 0}             # stopped cleanly with SIGTERM
     assert result["streams_same_as_plain"]["specserve ngram"] == "4/4"  # and with two streams, in both rounds
     ratio = result["streams_ratio"]["specserve ngram"]                  # per-round ratios to that round's plain
