@@ -49,8 +49,7 @@ from pathlib import Path
 import httpx
 
 from specserve.bench.datasets import add_dataset_args, load_prompts
-from specserve.bench.common import ManagedServer
-from specserve.bench.common import free_port
+from specserve.bench.common import ManagedServer, free_port
 
 AIPERF_REQUIREMENT = "aiperf==0.13.*"
 DEFAULT_VENV = Path.home() / ".cache" / "specserve" / "aiperf-venv"

@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -112,6 +113,15 @@ def write_result(out: str | Path, result: dict, markdown) -> str:
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(text)
     return text
+
+
+def serve_command(model: str, port: int | str, drafters: list[str] | tuple[str, ...], extra: list[str]) -> list[str]:
+    """The command line of our server started by a benchmark: `model` with `drafters` loaded, on
+    127.0.0.1:`port`, warnings only, then `extra` arguments."""
+    cmd = [sys.executable, "-m", "specserve.server", "serve", "--model", model]
+    for d in drafters:
+        cmd += ["--drafter", d]
+    return cmd + ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra]
 
 
 def free_port() -> int:

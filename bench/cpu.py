@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.bench.common import ManagedServer, chat_ids, free_port, machine_info, write_result
+from specserve.bench.common import ManagedServer, chat_ids, free_port, machine_info, serve_command, write_result
 from specserve.bench.datasets import GROUNDED_KINDS, KINDS, prompt_kinds
 from specserve.bench.spec_decode import run_engine_batch, run_lockstep
 from specserve.engine.config import EngineConfig
@@ -170,14 +170,6 @@ def llama_server_command(binary: str, gguf: Path, threads: int, port: int, spec:
     return cmd + (["--spec-type", spec] if spec else [])
 
 
-def specserve_command(model: str, port: int | str, drafters: list[str], serve_args: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "specserve.server", "serve", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--disable-log-requests", "--log-level", "warning"]
-    for d in drafters:
-        cmd += ["--drafter", d]
-    return cmd + serve_args
-
-
 def llama_bench_costs(binary: str, gguf: Path, threads: int, depth: int) -> dict[str, float]:
     """`llama-bench`'s forward of k prompt tokens (k in BATCHES) after `depth` tokens of context,
     over its forward of one: {k: ratio}."""
@@ -192,7 +184,7 @@ def start_servers(args, gguf: Path, threads: int, logs: Path) -> tuple[dict[str,
     """Ours and each llama-server, started and ready: (servers, their base URLs), by name."""
     servers, bases = {}, {}
     ours = free_port()
-    servers["specserve"] = ManagedServer(specserve_command(args.model, ours, args.drafters, args.serve_arg),
+    servers["specserve"] = ManagedServer(serve_command(args.model, ours, args.drafters, ["--disable-log-requests", *args.serve_arg]),
                                          logs / "specserve.log")
     bases["specserve"] = f"http://127.0.0.1:{ours}"
     if args.llama_server:
@@ -275,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     python = llama_python(args.llama_python)
     llama_py = None
     if python:
-        batch1[LLAMA_PY] = binding_batch1(python, gguf, threads, args.lookup_tokens, loaded, prompts, args.max_tokens)
-        llama_py = batch1[LLAMA_PY].pop("version")
+        batch1[LLAMA_PY], llama_py = binding_batch1(python, gguf, threads, args.lookup_tokens, loaded, prompts,
+                                                    args.max_tokens)
     costs = llama_bench_costs(args.llama_bench, gguf, threads, args.bench_depth) if args.llama_bench else None
 
     streams, streams_ratio, streams_same = {}, {}, {}
@@ -294,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "cpu_compare", "command": cmd.strip(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info("cpu"),
         "model": model, "gguf": gguf.name, "threads": threads, "torch": torch.__version__,
-        "server_command": " ".join(specserve_command(args.model, "PORT", args.drafters, args.serve_arg)[1:]),
+        "server_command": " ".join(serve_command(args.model, "PORT", args.drafters, ["--disable-log-requests", *args.serve_arg])[1:]),
         "llama_server": _version(args.llama_server) if args.llama_server else None,
         "llama_spec": args.llama_spec if args.llama_server else [], "llama_cpp_python": llama_py,
         "kinds": list(prompts), "grounded_kinds": [k for k in prompts if k in GROUNDED_KINDS],
@@ -330,8 +322,8 @@ def http_batch1(methods: dict, prompts: dict[str, list[str]], max_tokens: int,
 
 
 def binding_batch1(python: str, gguf: Path, threads: int, lookup_tokens: int, loaded, prompts: dict[str, list[str]],
-                   max_tokens: int) -> dict:
-    """llama.cpp through its Python binding, plain, in its own process: {kind: tokens/s, "version"}."""
+                   max_tokens: int) -> tuple[dict[str, float], str]:
+    """llama.cpp through its Python binding, plain, in its own process: ({kind: tokens/s}, its version)."""
     llama = LlamaWorker(python, gguf, threads, lookup_tokens)
     try:
         ids = {k: [chat_ids(loaded.tokenizer, t) for t in ts] for k, ts in prompts.items()}
@@ -340,8 +332,7 @@ def binding_batch1(python: str, gguf: Path, threads: int, lookup_tokens: int, lo
         for kind, ps in ids.items():
             runs = [llama.run("plain", p, max_tokens) for p in ps]
             rate[kind] = sum(len(t) for t, _ in runs) / sum(s for _, s in runs)
-        rate["version"] = llama.version
-        return rate
+        return rate, llama.version
     finally:
         llama.close()
 

@@ -63,7 +63,7 @@ from typing import Callable, Iterable
 
 import httpx
 
-from specserve.bench.common import ManagedServer, free_port
+from specserve.bench.common import ManagedServer, free_port, serve_command
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "reliability"
 DEFAULT_DRAFTERS = ("none", "ngram", "mag")
@@ -189,11 +189,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def server_command(args: argparse.Namespace, port: int) -> list[str]:
     """The command line of the server this script starts."""
-    cmd = [sys.executable, "-m", "specserve.server", "serve", "--model", args.model]
-    for d in args.drafters:
-        cmd += ["--drafter", d]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    return cmd + shlex.split(args.server_args)
+    return serve_command(args.model, port, args.drafters, shlex.split(args.server_args))
 
 
 # ---- prompts ----------------------------------------------------------------------------------

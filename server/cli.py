@@ -469,8 +469,8 @@ async def _stream_to_terminal(engine, prompt_ids: list[int], params) -> int:
 BENCHMARKS = {   # name -> (module with main(argv), what it measures)
     "spec": ("specserve.bench.spec_decode", "speculative decoding: each drafter vs plain decoding and transformers"),
     "plain": ("specserve.bench.plain_decode", "plain decoding: our engine vs transformers generate"),
-    "cpu": ("specserve.bench.cpu", "batch 1 and 16 streams on the CPU: specserve plain and each drafter vs llama.cpp "
-                                   "and transformers on the same GGUF"),
+    "cpu": ("specserve.bench.cpu", "on the CPU, server against server over HTTP: specserve plain and each drafter vs "
+                                   "llama.cpp's llama-server on the same GGUF; then 16 streams in process"),
     "structured": ("specserve.bench.structured", "structured output: constrained decoding by drafter, the grammar "
                                                  "drafter's share, llguidance's mask cost"),
     "forward": ("specserve.bench.forward_cost", "the target forward's cost by step size, prepacked weights or not"),
