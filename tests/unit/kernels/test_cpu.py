@@ -55,6 +55,15 @@ def test_silu_mul(in_dtype, out_dtype):
     _close(cpu.silu_mul(gu, out_dtype), cpu.silu_mul_reference(gu, out_dtype), out_dtype)
 
 
+def test_silu_mul_of_a_row_is_the_same_alone_or_among_others():
+    # 1,100 columns: three pieces of the kernel's split, the last with a tail under 16 lanes
+    gu = _rand(9, 2 * 1100, scale=6, seed=4)
+    together = cpu.silu_mul(gu)
+    for r in range(9):
+        assert torch.equal(together[r:r + 1], cpu.silu_mul(gu[r:r + 1].clone()))
+    _close(together, cpu.silu_mul_reference(gu), torch.float32)
+
+
 @pytest.mark.parametrize("in_dtype", DTYPES)
 def test_rope_and_cache(in_dtype):
     T, H, Hkv, D, S = 6, 4, 2, 16, 40
