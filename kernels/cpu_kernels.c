@@ -686,7 +686,7 @@ static inline i32x16 widen_i8(const int8_t *p) { return __builtin_convertvector(
 #else
 #define QMM_WIDE 0          /* 16 registers of half a 16-lane vector: small blocks */
 #define QMM_MAX_ROWS 4
-#define QMM_MAX_ROWS_A8 4
+#define QMM_MAX_ROWS_A8 5   /* int8 activations: 16-bit sums in registers, float sums in L1 */
 #endif
 #define QMM_MAX_TILES 8     /* tiles of 16 outputs per step */
 #define QMM_CHUNK 8         /* tiles whose weights every row block reads while they are in cache */
@@ -873,71 +873,64 @@ static inline i32x16 dot_u8_s8(i32x16 acc, u8x64 w, const int8_t *x4) {
 }
 
 #if AVX2_ONLY
-/* AVX2: the u8 x s8 dot product of 4 inputs per 32-bit lane as two instructions (pairs into 16 bits,
- * at most 2 * 15 * 127 in magnitude, then pairs of those into 32), the same exact integer sums */
+/* AVX2: the u8 x s8 products of a group summed in 16-bit lanes (maddubs adds pairs, at most
+ * 2 * 15 * 127 in magnitude; eight of them, the group's 32 inputs, at most 30,480: exact), then
+ * pairs of those into 32 bits once per group: the same exact integer sums as four inputs at a time.
+ * The float sums of the block live in `acc` (L1) between groups, so the registers hold the 16-bit
+ * sums of every row and the unpacked codes of one half tile, and a block takes up to 5 rows. */
 static inline __attribute__((always_inline)) void q4a8_block_avx2(const int8_t *qx, const float *dx,
                                                                   const float *sx, int M, int NT,
                                                                   const uint8_t *codes, const uint16_t *sz,
                                                                   int64_t K, float *y, int64_t ldy) {
-    __m256 acc[QMM_MAX_ROWS_A8][2][2];
+    float acc[QMM_MAX_ROWS_A8][2][16] __attribute__((aligned(32)));
     const int64_t G = K / 32, tile_codes = K * 8, tile_sz = G * 32;
     const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-#pragma GCC unroll 4
+#pragma GCC unroll 5
     for (int m = 0; m < M; m++)
 #pragma GCC unroll 2
-        for (int t = 0; t < NT; t++) acc[m][t][0] = acc[m][t][1] = _mm256_setzero_ps();
+        for (int t = 0; t < NT; t++)
+            for (int h = 0; h < 2; h++) _mm256_store_ps(acc[m][t] + 8 * h, _mm256_setzero_ps());
     for (int64_t g = 0; g < G; g++) {
-        __m256i isum[QMM_MAX_ROWS_A8][2][2];
-#pragma GCC unroll 4
-        for (int m = 0; m < M; m++)
-#pragma GCC unroll 2
-            for (int t = 0; t < NT; t++) isum[m][t][0] = isum[m][t][1] = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-#pragma GCC unroll 2
-            for (int t = 0; t < NT; t++) {
-                const uint8_t *c = codes + t * tile_codes + (g * 4 + j) * 64;
-                __m256i lo[2], hi[2];
-#pragma GCC unroll 2
-                for (int h = 0; h < 2; h++) {
-                    const __m256i w = _mm256_loadu_si256((const __m256i *)(c + 32 * h));
-                    lo[h] = _mm256_and_si256(w, nib);
-                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
-                }
-#pragma GCC unroll 4
-                for (int m = 0; m < M; m++) {
-                    int32_t xl, xh;
-                    memcpy(&xl, qx + m * K + g * 32 + 8 * j, 4);
-                    memcpy(&xh, qx + m * K + g * 32 + 8 * j + 4, 4);
-                    const __m256i a = _mm256_set1_epi32(xl), b = _mm256_set1_epi32(xh);
-#pragma GCC unroll 2
-                    for (int h = 0; h < 2; h++) {
-                        const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], a), ones),
-                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h], b), ones));
-                        isum[m][t][h] = _mm256_add_epi32(isum[m][t][h], d);
-                    }
-                }
-            }
-        }
 #pragma GCC unroll 2
         for (int t = 0; t < NT; t++) {
+            const uint8_t *c = codes + t * tile_codes + g * 4 * 64;
             const uint16_t *p = sz + t * tile_sz + g * 32;
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
+                __m256i isum[QMM_MAX_ROWS_A8];
+#pragma GCC unroll 5
+                for (int m = 0; m < M; m++) isum[m] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+                for (int j = 0; j < 4; j++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(c + j * 64 + 32 * h));
+                    const __m256i lo = _mm256_and_si256(w, nib), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
+#pragma GCC unroll 5
+                    for (int m = 0; m < M; m++) {
+                        int32_t xl, xh;
+                        memcpy(&xl, qx + m * K + g * 32 + 8 * j, 4);
+                        memcpy(&xh, qx + m * K + g * 32 + 8 * j + 4, 4);
+                        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
+                                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+                        isum[m] = _mm256_add_epi16(isum[m], d);
+                    }
+                }
                 const __m256 s = load8h(p + 8 * h), z = load8h(p + 16 + 8 * h);
-#pragma GCC unroll 4
+#pragma GCC unroll 5
                 for (int m = 0; m < M; m++) {
-                    const __m256 f = _mm256_cvtepi32_ps(isum[m][t][h]);
-                    acc[m][t][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(s, _mm256_set1_ps(dx[m * G + g])), acc[m][t][h]);
-                    acc[m][t][h] = _mm256_fmadd_ps(z, _mm256_set1_ps(sx[m * G + g]), acc[m][t][h]);
+                    const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[m], ones));
+                    __m256 a = _mm256_load_ps(acc[m][t] + 8 * h);
+                    a = _mm256_fmadd_ps(f, _mm256_mul_ps(s, _mm256_set1_ps(dx[m * G + g])), a);
+                    a = _mm256_fmadd_ps(z, _mm256_set1_ps(sx[m * G + g]), a);
+                    _mm256_store_ps(acc[m][t] + 8 * h, a);
                 }
             }
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 5
     for (int m = 0; m < M; m++)
 #pragma GCC unroll 2
         for (int t = 0; t < NT; t++)
-            for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + m * ldy + 16 * t + 8 * h, acc[m][t][h]);
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + m * ldy + 16 * t + 8 * h, _mm256_load_ps(acc[m][t] + 8 * h));
 }
 #endif
 
@@ -1023,9 +1016,9 @@ static void quantize_rows_q8(const float *x, int64_t ldx, int64_t M, int64_t K, 
  * live in registers */
 #define QMM_CALL(M, NT)                                                                                  \
     do {                                                                                                 \
-        if (kind == 4) q4_block(x, ldx, M, NT, (const uint8_t *)codes, (const uint16_t *)scales, K, y, ldy); \
-        else if (kind == 8) q8_block(x, ldx, M, NT, (const int8_t *)codes, (const float *)scales, K, y, ldy); \
-        else if (M <= QMM_MAX_ROWS_A8)                                                                   \
+        if (kind == 4 && M <= QMM_MAX_ROWS) q4_block(x, ldx, M, NT, (const uint8_t *)codes, (const uint16_t *)scales, K, y, ldy); \
+        else if (kind == 8 && M <= QMM_MAX_ROWS) q8_block(x, ldx, M, NT, (const int8_t *)codes, (const float *)scales, K, y, ldy); \
+        else if (kind == 5 && M <= QMM_MAX_ROWS_A8)                                                      \
             q4a8_block(a8->qx, a8->dx, a8->sx, M, NT, (const uint8_t *)codes, (const uint16_t *)scales, K, y, ldy); \
     } while (0)
 typedef struct { const int8_t *qx; const float *dx, *sx; } a8_rows;
@@ -1038,6 +1031,9 @@ static void qmm_step(int kind, const float *x, int64_t ldx, const a8_rows *a8, i
     case 1 * 16 + 2: QMM_CALL(2, 1); break;
     case 1 * 16 + 3: QMM_CALL(3, 1); break;
     case 1 * 16 + 4: QMM_CALL(4, 1); break;
+#if !QMM_WIDE
+    case 1 * 16 + 5: QMM_CALL(5, 1); break;
+#endif
 #if QMM_WIDE
     case 8 * 16 + 1: QMM_CALL(1, 8); break;
     case 4 * 16 + 1: QMM_CALL(1, 4); break;
