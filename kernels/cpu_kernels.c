@@ -683,10 +683,12 @@ static inline i32x16 widen_i8(const int8_t *p) { return __builtin_convertvector(
 #define QMM_WIDE 1          /* 32 vector registers: big blocks */
 #define QMM_MAX_ROWS 12     /* rows per block (fp32 activations) */
 #define QMM_MAX_ROWS_A8 8   /* rows per block (int8 activations: an integer and a float accumulator each) */
+#define QMM_MAX_ROWS_Q8 QMM_MAX_ROWS
 #else
 #define QMM_WIDE 0          /* 16 registers of half a 16-lane vector: small blocks */
 #define QMM_MAX_ROWS 4
 #define QMM_MAX_ROWS_A8 5   /* int8 activations: 16-bit sums in registers, float sums in L1 */
+#define QMM_MAX_ROWS_Q8 6   /* int8 weights: 12 accumulators, the widened codes and a broadcast */
 #endif
 #define QMM_MAX_TILES 8     /* tiles of 16 outputs per step */
 #define QMM_CHUNK 8         /* tiles whose weights every row block reads while they are in cache */
@@ -751,9 +753,9 @@ static inline __attribute__((always_inline)) void q8_block_avx2(const float *x, 
                                                                 const int NT, const int8_t *codes,
                                                                 const float *scale, int64_t K, float *y,
                                                                 int64_t ldy) {
-    __m256 acc[QMM_MAX_ROWS][2][2];
     const int64_t tile_codes = K * 16;
-#pragma GCC unroll 4
+    __m256 acc[QMM_MAX_ROWS_Q8][2][2];
+#pragma GCC unroll 6
     for (int m = 0; m < M; m++)
 #pragma GCC unroll 2
         for (int t = 0; t < NT; t++) acc[m][t][0] = acc[m][t][1] = _mm256_setzero_ps();
@@ -762,7 +764,7 @@ static inline __attribute__((always_inline)) void q8_block_avx2(const float *x, 
         for (int t = 0; t < NT; t++) {
             const int8_t *c = codes + t * tile_codes + k * 16;
             const __m256 w0 = _mm256_cvtepi32_ps(widen8_i8(c)), w1 = _mm256_cvtepi32_ps(widen8_i8(c + 8));
-#pragma GCC unroll 4
+#pragma GCC unroll 6
             for (int m = 0; m < M; m++) {
                 const __m256 a = _mm256_broadcast_ss(x + m * ldx + k);
                 acc[m][t][0] = _mm256_fmadd_ps(a, w0, acc[m][t][0]);
@@ -770,7 +772,7 @@ static inline __attribute__((always_inline)) void q8_block_avx2(const float *x, 
             }
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int m = 0; m < M; m++)
 #pragma GCC unroll 2
         for (int t = 0; t < NT; t++)
@@ -1017,7 +1019,7 @@ static void quantize_rows_q8(const float *x, int64_t ldx, int64_t M, int64_t K, 
 #define QMM_CALL(M, NT)                                                                                  \
     do {                                                                                                 \
         if (kind == 4 && M <= QMM_MAX_ROWS) q4_block(x, ldx, M, NT, (const uint8_t *)codes, (const uint16_t *)scales, K, y, ldy); \
-        else if (kind == 8 && M <= QMM_MAX_ROWS) q8_block(x, ldx, M, NT, (const int8_t *)codes, (const float *)scales, K, y, ldy); \
+        else if (kind == 8 && M <= QMM_MAX_ROWS_Q8) q8_block(x, ldx, M, NT, (const int8_t *)codes, (const float *)scales, K, y, ldy); \
         else if (kind == 5 && M <= QMM_MAX_ROWS_A8)                                                      \
             q4a8_block(a8->qx, a8->dx, a8->sx, M, NT, (const uint8_t *)codes, (const uint16_t *)scales, K, y, ldy); \
     } while (0)
@@ -1033,6 +1035,10 @@ static void qmm_step(int kind, const float *x, int64_t ldx, const a8_rows *a8, i
     case 1 * 16 + 4: QMM_CALL(4, 1); break;
 #if !QMM_WIDE
     case 1 * 16 + 5: QMM_CALL(5, 1); break;
+    case 1 * 16 + 6: QMM_CALL(6, 1); break;    /* int8 weights only (QMM_MAX_ROWS_Q8) */
+    case 1 * 16 + 7: QMM_CALL(7, 1); break;
+    case 1 * 16 + 8: QMM_CALL(8, 1); break;
+    case 1 * 16 + 9: QMM_CALL(9, 1); break;
 #endif
 #if QMM_WIDE
     case 8 * 16 + 1: QMM_CALL(1, 8); break;
@@ -1077,7 +1083,7 @@ static inline int qmm_tiles(int kind, int M) {
  * (int4). Returns 0, or -1 when scratch memory could not be had. */
 static int quant_matmul_body(int kind, const float *x, int64_t ldx, const void *codes, const void *scales, float *y,
                              int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
-    const int64_t max_rows = kind == 5 ? QMM_MAX_ROWS_A8 : QMM_MAX_ROWS;
+    const int64_t max_rows = kind == 5 ? QMM_MAX_ROWS_A8 : (kind == 8 ? QMM_MAX_ROWS_Q8 : QMM_MAX_ROWS);
     const int64_t tiles = N / 16, blocks = (M + max_rows - 1) / max_rows;
     const int64_t tile_codes = kind == 8 ? K * 16 : K * 8;             /* bytes */
     const int64_t tile_scales = kind == 8 ? 64 : (K / 32) * 64;        /* bytes */
