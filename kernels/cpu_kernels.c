@@ -688,7 +688,11 @@ static inline i32x16 widen_i8(const int8_t *p) { return __builtin_convertvector(
 #define QMM_WIDE 0          /* 16 registers of half a 16-lane vector: small blocks */
 #define QMM_MAX_ROWS 4
 #define QMM_MAX_ROWS_A8 5   /* int8 activations: 16-bit sums in registers, float sums in L1 */
+#if AVX2_ONLY
 #define QMM_MAX_ROWS_Q8 6   /* int8 weights: 12 accumulators, the widened codes and a broadcast */
+#else
+#define QMM_MAX_ROWS_Q8 QMM_MAX_ROWS
+#endif
 #endif
 #define QMM_MAX_TILES 8     /* tiles of 16 outputs per step */
 #define QMM_CHUNK 8         /* tiles whose weights every row block reads while they are in cache */
