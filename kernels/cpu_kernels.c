@@ -687,10 +687,11 @@ static inline i32x16 widen_i8(const int8_t *p) { return __builtin_convertvector(
 #else
 #define QMM_WIDE 0          /* 16 registers of half a 16-lane vector: small blocks */
 #define QMM_MAX_ROWS 4
-#define QMM_MAX_ROWS_A8 5   /* int8 activations: 16-bit sums in registers, float sums in L1 */
 #if AVX2_ONLY
+#define QMM_MAX_ROWS_A8 5   /* int8 activations: 16-bit sums in registers, float sums in L1 */
 #define QMM_MAX_ROWS_Q8 6   /* int8 weights: 12 accumulators, the widened codes and a broadcast */
 #else
+#define QMM_MAX_ROWS_A8 4
 #define QMM_MAX_ROWS_Q8 QMM_MAX_ROWS
 #endif
 #endif
@@ -1037,12 +1038,9 @@ static void qmm_step(int kind, const float *x, int64_t ldx, const a8_rows *a8, i
     case 1 * 16 + 2: QMM_CALL(2, 1); break;
     case 1 * 16 + 3: QMM_CALL(3, 1); break;
     case 1 * 16 + 4: QMM_CALL(4, 1); break;
-#if !QMM_WIDE
-    case 1 * 16 + 5: QMM_CALL(5, 1); break;
-    case 1 * 16 + 6: QMM_CALL(6, 1); break;    /* int8 weights only (QMM_MAX_ROWS_Q8) */
-    case 1 * 16 + 7: QMM_CALL(7, 1); break;
-    case 1 * 16 + 8: QMM_CALL(8, 1); break;
-    case 1 * 16 + 9: QMM_CALL(9, 1); break;
+#if AVX2_ONLY
+    case 1 * 16 + 5: QMM_CALL(5, 1); break;    /* int8 activations and int8 weights */
+    case 1 * 16 + 6: QMM_CALL(6, 1); break;    /* int8 weights (QMM_MAX_ROWS_Q8) */
 #endif
 #if QMM_WIDE
     case 8 * 16 + 1: QMM_CALL(1, 8); break;
