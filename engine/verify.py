@@ -260,33 +260,52 @@ def _commit_tokens(packed: PackedTrees, path: torch.Tensor, num_accepted: torch.
     return torch.where(k < n, drafted, torch.where(k == n, bonus[:, None], PAD_TOKEN))
 
 
-VERIFY_ENV = "SPECSERVE_VERIFY"   # reference | triton: force greedy verification's implementation
+VERIFY_ENV = "SPECSERVE_VERIFY"   # reference | triton | native: force greedy verification's implementation
 
 
-def _greedy_kernel(packed: PackedTrees):
-    """The Triton greedy-verification kernel (kernels/verify_greedy.py) where it serves: on CUDA when
-    triton imports and the trees fit its registers; $SPECSERVE_VERIFY forces the choice (triton on
-    CPU tensors needs TRITON_INTERPRET=1). None: the torch reference."""
+def _greedy_kernel(packed: PackedTrees) -> str:
+    """Which implementation verifies greedily: 'triton' (kernels/verify_greedy.py) on CUDA when triton
+    imports and the trees fit its registers; 'native' (the walk itself, `kernels/cpu.py`
+    `verify_greedy_stacked`) on CPU tensors where the native library builds — there a host read costs
+    nothing, and the walk takes microseconds where the reference's ~40 tensor operations take about a
+    millisecond; else 'reference'. $SPECSERVE_VERIFY forces the choice (triton on CPU tensors needs
+    TRITON_INTERPRET=1)."""
     forced = os.environ.get(VERIFY_ENV, "").strip().lower()
-    if forced not in ("", "reference", "triton"):
-        raise ValueError(f"{VERIFY_ENV} must be 'reference' or 'triton', not {forced!r}")
-    if forced == "reference" or (not forced and packed.tokens.device.type != "cuda"):
-        return None
+    if forced not in ("", "reference", "triton", "native"):
+        raise ValueError(f"{VERIFY_ENV} must be 'reference', 'triton' or 'native', not {forced!r}")
+    if forced == "reference":
+        return "reference"
+    cpu = packed.tokens.device.type == "cpu"
+    if forced == "native" or (not forced and cpu):
+        from specserve.kernels import cpu as native_cpu
+        if cpu and native_cpu.available():
+            return "native"
+        if forced:
+            raise RuntimeError(f"{VERIFY_ENV}=native needs CPU tensors and the native CPU kernels")
+        return "reference"
+    if not forced and packed.tokens.device.type != "cuda":
+        return "reference"
     from specserve.kernels import verify_greedy as kernel
     if kernel.triton is None:
         if forced:
             raise RuntimeError(f"{VERIFY_ENV}=triton but triton is not installed")
-        return None
-    return kernel if packed.max_nodes <= kernel.MAX_NODES else None
+        return "reference"
+    return "triton" if packed.max_nodes <= kernel.MAX_NODES else "reference"
 
 
 def verify_greedy_batched(packed: PackedTrees, target_argmax: torch.Tensor) -> BatchVerifyResult:
-    """`verify_greedy` for T trees at once (`verify_greedy_batched_reference`, or on CUDA the same
-    in one Triton launch, kernels/verify_greedy.py). target_argmax: [T, N] int64, argmax of the
-    target's logits at every node (padding columns ignored)."""
+    """`verify_greedy` for T trees at once (`verify_greedy_batched_reference`; on CUDA the same in one
+    Triton launch, kernels/verify_greedy.py; on the CPU the walk in native code). target_argmax:
+    [T, N] int64, argmax of the target's logits at every node (padding columns ignored)."""
     kernel = _greedy_kernel(packed)
-    if kernel is None:
+    if kernel == "reference":
         return verify_greedy_batched_reference(packed, target_argmax)
+    if kernel == "native":
+        from specserve.kernels import cpu as native_cpu
+        rows = native_cpu.verify_greedy_stacked(packed.tokens, packed.parents, packed.num_nodes, packed.num_roots,
+                                                target_argmax, packed.max_depth, packed.max_next_roots)
+        return BatchVerifyResult.from_stacked(rows, packed.max_depth)
+    from specserve.kernels import verify_greedy as kernel
     rows = kernel.verify_greedy_stacked(packed.tokens, packed.parents, packed.depths, packed.mask, packed.num_nodes,
                                         packed.num_roots, target_argmax, packed.max_depth, packed.max_next_roots)
     return BatchVerifyResult.from_stacked(rows, packed.max_depth)

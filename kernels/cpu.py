@@ -69,6 +69,8 @@ _SIGNATURES = {
                        _i64, _i64, _p, _p, _p, _int, _int, _p, _p, _i64],   # returns int
     "rope_cache_attention": [_p, _int, _p, _p, _p, _p, _p, _int, _p, _int, _i64, _p, _p, _p, _i64, _i64, _p, _p, _p,
                              _i64, _i64, _i64, _f, _int],
+    "verify_greedy": [_p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _p],
+    "compact_tree_kv": [_p, _i64, _i64, _i64, _i64, _p, _int, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _i64],
 }
 
 
@@ -247,6 +249,55 @@ def attend(qkv: torch.Tensor, rope, meta, k_cache: torch.Tensor, v_cache: torch.
         v_cache.data_ptr(), _half(k_cache), out.data_ptr(), _flag(out), *_metadata_args(meta), num_heads, num_kv_heads,
         head_dim, scale, torch.get_num_threads())
     return out
+
+
+def verify_greedy_stacked(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+                          num_roots: torch.Tensor, target_argmax: torch.Tensor, max_depth: int,
+                          max_next_roots: int) -> torch.Tensor:
+    """`engine.verify.verify_greedy_batched_reference`'s result for `tree.pack_trees` fields (int64
+    CPU tensors: tokens / parents [T, N], num_nodes / num_roots [T]) and the target's argmax at every
+    node [T, N], as `BatchVerifyResult.stacked()` lays it out: [T, 2 (D+1) + 2 + W-1] int64."""
+    tokens, parents = tokens.contiguous(), parents.contiguous()
+    num_nodes, num_roots = num_nodes.contiguous(), num_roots.contiguous()
+    target_argmax = target_argmax.to(torch.int64)
+    if target_argmax.stride(-1) != 1:
+        target_argmax = target_argmax.contiguous()
+    T, N = tokens.shape
+    out = torch.empty(T, 2 * (max_depth + 1) + 2 + max_next_roots - 1, dtype=torch.int64)
+    library().verify_greedy(tokens.data_ptr(), parents.data_ptr(), N, num_nodes.data_ptr(), num_roots.data_ptr(),
+                            target_argmax.data_ptr(), target_argmax.stride(0), T, max_depth, max_next_roots,
+                            out.data_ptr())
+    return out
+
+
+def compact_layout_ok(kv: torch.Tensor) -> bool:
+    """Whether `compact_tree_kv` takes this cache: CPU, [2, layers, slots, heads, dim] with each slot's
+    [heads, dim] row contiguous and the (K/V, layer) planes evenly strided."""
+    return (kv.device.type == "cpu" and kv.dim() == 5 and kv.stride(4) == 1 and kv.stride(3) == kv.shape[4]
+            and kv.stride(2) >= kv.shape[3] * kv.shape[4] and kv.stride(0) == kv.shape[1] * kv.stride(1))
+
+
+def compact_tree_kv(kv: torch.Tensor, block_tables: torch.Tensor, block_size: int, prefix_lens: torch.Tensor,
+                    paths: torch.Tensor, path_lens: torch.Tensor) -> None:
+    """`kernels.kv_compact.compact_tree_kv` on a CPU cache [2, layers, slots, heads, dim] of any dtype
+    laid out as `compact_layout_ok` says: the accepted rows moved in place with a copy per (pair, plane), identity pairs skipped.
+    block_tables int32 or int64 [T, max_blocks]; prefix_lens, path_lens [T] and paths [T, P] int64."""
+    T, P = paths.shape
+    if T == 0 or P == 0:
+        return
+    assert compact_layout_ok(kv) and block_tables.dtype in (torch.int32, torch.int64)
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    prefix_lens, path_lens = prefix_lens.to(torch.int64).contiguous(), path_lens.to(torch.int64).contiguous()
+    paths = paths.to(torch.int64)
+    if paths.stride(-1) != 1:
+        paths = paths.contiguous()
+    es = kv.element_size()
+    library().compact_tree_kv(kv.data_ptr(), kv.shape[0] * kv.shape[1], kv.stride(1) * es, kv.stride(2) * es,
+                              kv.shape[3] * kv.shape[4] * es, block_tables.data_ptr(),
+                              int(block_tables.dtype == torch.int32), block_tables.stride(0), block_tables.shape[1],
+                              block_size, prefix_lens.data_ptr(), paths.data_ptr(), paths.stride(0),
+                              path_lens.data_ptr(), T, P)
 
 
 def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1237,3 +1237,83 @@ int decoder_layers(const layer_params *layers, int64_t num_layers, float *h, flo
 #endif
     return rc;
 }
+
+/* ---- after the forward: greedy tree verification and the accepted path's KV commit ------------
+ *
+ * On the CPU a host read costs nothing, so the walks that the torch references (engine/verify.py,
+ * kernels/kv_compact.py) express as ~40 tensor operations over [T, N, N] relations run here as the
+ * loops they describe: microseconds instead of a millisecond per step. */
+
+/* `engine.verify.verify_greedy_batched_reference`'s result for T trees padded to N nodes
+ * (`tree.pack_trees`: parents[i] < i, roots first, -1 for a root and for padding), rows of
+ * `BatchVerifyResult.stacked()`: [path (D+1) | tokens (D+1) | accepted | root | alternates (W-1)].
+ * Each root's walk moves from a node into its first child (lowest index) whose token is the
+ * target's argmax at the node, until none is; the longest walk wins, ties to the lowest root; the
+ * bonus token is the argmax at its end. argmax: [T, N] with row stride `stride_a`. */
+void verify_greedy(const int64_t *tokens, const int64_t *parents, int64_t N, const int64_t *num_nodes,
+                   const int64_t *num_roots, const int64_t *argmax, int64_t stride_a, int64_t T, int64_t D,
+                   int64_t W, int64_t *out) {
+    const int64_t d1 = D + 1, width = 2 * d1 + 2 + (W - 1);
+    int64_t *walk = malloc(2 * d1 * sizeof(int64_t)), *best = walk + d1;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t *tok = tokens + t * N, *par = parents + t * N, *am = argmax + t * stride_a;
+        const int64_t n = num_nodes[t] < N ? num_nodes[t] : N, roots = num_roots[t];
+        int64_t best_len = -1, best_root = 0, bonus = 0;
+        for (int64_t r = 0; r < roots && r < n; r++) {
+            int64_t cur = r, len = 0, want = am[cur];
+            walk[0] = r;
+            while (len < D) {
+                int64_t next = -1;
+                for (int64_t j = cur + 1; j < n; j++)
+                    if (par[j] == cur && tok[j] == want) { next = j; break; }
+                if (next < 0) break;
+                walk[++len] = cur = next;
+                want = am[cur];
+            }
+            if (len > best_len) {
+                memcpy(best, walk, (len + 1) * sizeof(int64_t));
+                best_len = len, best_root = r, bonus = want;
+            }
+        }
+        int64_t *row = out + t * width;
+        for (int64_t k = 0; k < width; k++) row[k] = -1;
+        if (best_len < 0) { row[2 * d1] = 0; row[2 * d1 + 1] = 0; continue; }   /* no node: nothing to walk */
+        for (int64_t k = 0; k <= best_len; k++) row[k] = best[k];
+        for (int64_t k = 0; k < best_len; k++) row[d1 + k] = tok[best[k + 1]];
+        row[d1 + best_len] = bonus;
+        row[2 * d1] = best_len;
+        row[2 * d1 + 1] = best_root;
+    }
+    free(walk);
+}
+
+/* `kernels.kv_compact.compact_tree_kv`: sequence t's accepted path (node indices, increasing) moves
+ * from position prefix[t] + paths[t, i] to prefix[t] + i, for i < path_lens[t], in every one of the
+ * `planes` (K and V of each layer) of the cache. Strides in bytes: `plane_stride` between planes,
+ * `slot_stride` between slots; a slot's row is `row_bytes` contiguous bytes. Pairs are moved in
+ * increasing i, each read before the next is written (the overlap argument of kv_compact.py);
+ * identity pairs (a path that is the chain's prefix) move nothing. */
+void compact_tree_kv(char *kv, int64_t planes, int64_t plane_stride, int64_t slot_stride, int64_t row_bytes,
+                     const void *tables, int tables_i32, int64_t table_stride, int64_t table_width,
+                     int64_t block_size, const int64_t *prefix, const int64_t *paths, int64_t path_stride,
+                     const int64_t *path_lens, int64_t T, int64_t P) {
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t n = path_lens[t] < P ? path_lens[t] : P;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t node = paths[t * path_stride + i];
+            if (node < 0 || node == i) continue;
+            int64_t slot[2];
+            for (int s = 0; s < 2; s++) {
+                const int64_t pos = prefix[t] + (s ? i : node);
+                int64_t blk = pos / block_size;
+                blk = blk < 0 ? 0 : blk >= table_width ? table_width - 1 : blk;
+                const int64_t b = tables_i32 ? ((const int32_t *)tables)[t * table_stride + blk]
+                                             : ((const int64_t *)tables)[t * table_stride + blk];
+                slot[s] = b * block_size + pos % block_size;
+            }
+            for (int64_t p = 0; p < planes; p++)
+                memmove(kv + p * plane_stride + slot[1] * slot_stride, kv + p * plane_stride + slot[0] * slot_stride,
+                        row_bytes);
+        }
+    }
+}

@@ -36,9 +36,13 @@ Flat commit (`compact_kv`): `kv[:, :, dst] = kv[:, :, src]` for arbitrary pairs,
 scatter. Its Triton kernel gives each program one (K/V, layer, column chunk), loads all N source
 rows, synchronises, then stores them, so any overlap is safe there too.
 
-Dispatch: Triton on CUDA tensors when triton is importable, the torch reference elsewhere;
-`SPECSERVE_KV_COMPACT=reference|triton` forces one (the tests force `triton` on CPU tensors under
-`TRITON_INTERPRET=1`, which triton reads when the kernels below are defined, i.e. at import).
+Dispatch: Triton on CUDA tensors when triton is importable; on CPU tensors the native kernel
+(`kernels/cpu.py` `compact_tree_kv`: the pairs in increasing i, a copy per pair and plane, identity
+pairs skipped — tens of microseconds where the reference's gather and scatter take most of a
+millisecond) where the native library builds, else the torch reference;
+`SPECSERVE_KV_COMPACT=reference|triton|native` forces one (the tests force `triton` on CPU tensors
+under `TRITON_INTERPRET=1`, which triton reads when the kernels below are defined, i.e. at import).
+The flat commit has no native kernel: it runs the reference on the CPU.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from specserve.kernels import cpu as native_cpu
 
 try:
     import triton
@@ -58,15 +64,20 @@ MAX_FLAT_PAIRS = 1024   # the flat kernel holds all pairs' rows of a column chun
 
 
 def _backend(kv: torch.Tensor) -> str:
-    """The implementation to run: $SPECSERVE_KV_COMPACT when set, else triton on CUDA tensors."""
+    """The implementation to run: $SPECSERVE_KV_COMPACT when set, else triton on CUDA tensors and
+    native on contiguous CPU tensors (where the library builds)."""
     forced = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if forced in ("reference", "triton"):
+    if forced in ("reference", "triton", "native"):
         if forced == "triton" and triton is None:
             raise RuntimeError(f"{BACKEND_ENV}=triton but triton is not installed")
+        if forced == "native" and not native_cpu.available():
+            raise RuntimeError(f"{BACKEND_ENV}=native but the native CPU kernels do not build here")
         return forced
     if forced:
-        raise ValueError(f"{BACKEND_ENV} must be 'reference' or 'triton', not {forced!r}")
-    return "triton" if kv.is_cuda and triton is not None else "reference"
+        raise ValueError(f"{BACKEND_ENV} must be 'reference', 'triton' or 'native', not {forced!r}")
+    if kv.is_cuda:
+        return "triton" if triton is not None else "reference"
+    return "native" if native_cpu.compact_layout_ok(kv) and native_cpu.available() else "reference"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,8 +207,11 @@ def compact_tree_kv(
     device; nothing is read back to the host. Sequences must own disjoint blocks, paths must be
     strictly increasing, and the blocks of every accepted position must be in the table."""
     assert paths.dim() == 2 and block_tables.shape[0] == paths.shape[0] == prefix_lens.shape[0] == path_lens.shape[0]
-    if _backend(kv) == "triton":
+    backend = _backend(kv)
+    if backend == "triton":
         compact_tree_kv_triton(kv, block_tables, block_size, prefix_lens, paths, path_lens)
+    elif backend == "native" and native_cpu.compact_layout_ok(kv):
+        native_cpu.compact_tree_kv(kv, block_tables, block_size, prefix_lens, paths, path_lens)
     else:
         compact_tree_kv_reference(kv, block_tables, block_size, prefix_lens, paths, path_lens)
 

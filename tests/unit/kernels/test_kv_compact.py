@@ -5,6 +5,9 @@
   forests (roots > 0), root-only paths, fp32/bf16/fp16, shuffled block tables padded with a
   block another sequence owns, strided paths and K/V; nothing outside the moved destinations
   changes, and nothing is read back to the host.
+* The native CPU kernel (kernels/cpu.py `compact_tree_kv`, the CPU's default) equals the old loop
+  on the same batches, in this process, directly and through the dispatch; a cache whose rows are
+  not contiguous takes the reference.
 * The Triton kernels equal the reference on the same batches: on CPU tensors under
   TRITON_INTERPRET=1 in a subprocess (triton reads that variable when kernels are defined, so it
   must not leak into this process), and on CUDA in the `gpu` tests.
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from specserve.kernels import cpu as native_cpu
 from specserve.kernels import kv_compact
 from specserve.kernels.kv_compact import (
     compact_kv, compact_kv_reference, compact_tree_kv, compact_tree_kv_reference,
@@ -228,7 +232,8 @@ def test_flat_reference_gathers_before_it_scatters(kv, src, dst):
 def test_dispatch(monkeypatch):
     cpu = torch.zeros(2, 1, 4, 1, 1)
     monkeypatch.delenv(kv_compact.BACKEND_ENV, raising=False)
-    assert kv_compact._backend(cpu) == "reference"
+    assert kv_compact._backend(cpu) == ("native" if native_cpu.available() else "reference")
+    assert kv_compact._backend(torch.zeros(2, 1, 4, 1, 3)[..., :1]) == "reference"   # rows not contiguous
     monkeypatch.setenv(kv_compact.BACKEND_ENV, "reference")
     assert kv_compact._backend(cpu) == "reference"
     monkeypatch.setenv(kv_compact.BACKEND_ENV, "tensor-cores")
@@ -237,6 +242,38 @@ def test_dispatch(monkeypatch):
     monkeypatch.setenv(kv_compact.BACKEND_ENV, "reference")
     b = make_batch(11, 16, torch.float32)
     check_tree_impl(compact_tree_kv, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# the native CPU kernel
+# ------------------------------------------------------------------------------------------------
+
+needs_native = pytest.mark.skipif(not native_cpu.available(), reason="the native CPU kernels do not build here")
+
+
+@needs_native
+@pytest.mark.parametrize("batch", tree_cases())
+def test_native_equals_old_host_loop(batch, monkeypatch):
+    check_tree_impl(native_cpu.compact_tree_kv, batch)
+    monkeypatch.delenv(kv_compact.BACKEND_ENV, raising=False)
+    check_tree_impl(compact_tree_kv, batch)        # the CPU dispatch's own choice
+
+
+@needs_native
+def test_native_moves_nothing_for_identity_paths_and_reads_strided_paths():
+    """A chain's prefix (every pair an identity) and root-only paths leave the cache as it was; a
+    strided view of the paths (as `BatchVerifyResult.path` is, inside the stacked rows) is read right."""
+    b = make_batch(3, 4, torch.float32)
+    chain = torch.full_like(b.paths, -1)
+    chain[:, :3] = torch.arange(3)
+    kv = b.kv.clone()
+    native_cpu.compact_tree_kv(kv, b.block_tables, 4, b.prefix_lens, chain, torch.full_like(b.path_lens, 3))
+    native_cpu.compact_tree_kv(kv, b.block_tables, 4, b.prefix_lens, b.paths, torch.zeros_like(b.path_lens))
+    assert torch.equal(kv, b.kv)
+    wide = torch.full((b.paths.shape[0], b.paths.shape[1] + 4), -1, dtype=torch.int64)
+    wide[:, 1:1 + b.paths.shape[1]] = b.paths
+    strided = dataclasses.replace(b, paths=wide[:, 1:1 + b.paths.shape[1]])
+    check_tree_impl(native_cpu.compact_tree_kv, strided)
 
 
 # ------------------------------------------------------------------------------------------------

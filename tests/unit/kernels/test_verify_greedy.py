@@ -1,9 +1,10 @@
-"""The Triton greedy-verification kernel (kernels/verify_greedy.py) against the torch reference
+"""The Triton greedy-verification kernel (kernels/verify_greedy.py) and the native CPU walk
+(kernels/cpu.py `verify_greedy_stacked`) against the torch reference
 (`engine.verify.verify_greedy_batched_reference`): the same stacked rows, exactly, on random batches
 of chains, bushy trees, forests and root-only trees with repeated sibling tokens and tied roots,
 trees of up to 64 nodes, drafts that are the target's argmax (long walks) and next-root columns;
-through `verify_batched`'s dispatch too. On the CPU under Triton's interpreter (this file runs
-itself as a script in a child process); `-m gpu` on CUDA."""
+through `verify_batched`'s dispatch too. Triton on the CPU under its interpreter (this file runs
+itself as a script in a child process) and `-m gpu` on CUDA; the native walk in this process."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from specserve.kernels import cpu as native_cpu
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -73,13 +76,50 @@ def test_kernel_equals_the_reference_interpreted(interpreted, name):
     assert interpreted[name] is None, interpreted[name]
 
 
-def test_the_reference_serves_on_the_cpu_unless_forced(monkeypatch):
-    """Without SPECSERVE_VERIFY, CPU tensors take the torch reference (no stacked buffer behind the
-    fields); a wrong value is refused."""
+needs_native = pytest.mark.skipif(not native_cpu.available(), reason="the native CPU kernels do not build here")
+
+
+@needs_native
+@pytest.mark.parametrize("n", range(60))
+def test_native_walk_equals_the_reference(n, monkeypatch):
+    """The native walk's rows are the reference's, directly and through the CPU dispatch."""
+    from specserve.engine import verify
+
+    monkeypatch.delenv("SPECSERVE_VERIFY", raising=False)
+    _, packed, argmax = cases()[n]
+    want = verify.verify_greedy_batched_reference(packed, argmax).stacked()
+    got = native_cpu.verify_greedy_stacked(packed.tokens, packed.parents, packed.num_nodes, packed.num_roots, argmax,
+                                           packed.max_depth, packed.max_next_roots)
+    assert got.shape == want.shape and torch.equal(got, want), (got, want)
+    dispatched = verify.verify_greedy_batched(packed, argmax)
+    assert dispatched.packed_rows is not None and torch.equal(dispatched.stacked(), want)
+    assert torch.equal(dispatched.tokens, verify.verify_greedy_batched_reference(packed, argmax).tokens)
+
+
+@needs_native
+def test_native_walk_reads_a_strided_argmax():
+    """A view of the argmax (as `verify_batched` may pass after merging keyed rows) gives the same rows."""
+    from specserve.engine import verify
+
+    _, packed, argmax = cases()[3]
+    wide = torch.zeros(argmax.shape[0], argmax.shape[1] + 5, dtype=torch.int64)
+    wide[:, 2:2 + argmax.shape[1]] = argmax
+    view = wide[:, 2:2 + argmax.shape[1]]
+    got = native_cpu.verify_greedy_stacked(packed.tokens, packed.parents, packed.num_nodes, packed.num_roots, view,
+                                           packed.max_depth, packed.max_next_roots)
+    assert torch.equal(got, verify.verify_greedy_batched_reference(packed, argmax).stacked())
+
+
+def test_the_cpu_dispatch(monkeypatch):
+    """Without SPECSERVE_VERIFY, CPU tensors take the native walk where it builds (a stacked buffer
+    behind the fields), else the torch reference; SPECSERVE_VERIFY=reference forces the reference;
+    a wrong value is refused."""
     from specserve.engine import verify
 
     monkeypatch.delenv("SPECSERVE_VERIFY", raising=False)
     _, packed, argmax = cases()[0]
+    assert (verify.verify_greedy_batched(packed, argmax).packed_rows is not None) == native_cpu.available()
+    monkeypatch.setenv("SPECSERVE_VERIFY", "reference")
     assert verify.verify_greedy_batched(packed, argmax).packed_rows is None
     monkeypatch.setenv("SPECSERVE_VERIFY", "fast")
     with pytest.raises(ValueError, match="SPECSERVE_VERIFY"):
