@@ -1075,8 +1075,9 @@ static inline int qmm_tiles(int kind, int M) {
     if (kind == 5) return M == 1 ? 8 : (M == 2 ? 4 : (M <= 4 ? 2 : 1));
     return M == 1 ? 8 : (M == 2 ? 4 : 2);
 #else
-    (void)kind;
-    return M <= 2 ? 2 : 1;
+    /* int4 x int8 (kind 5): two rows take one tile a step, as three do -- measured 10 % faster than two
+     * tiles on a 2-core AVX2 EPYC (the layer stack's matmuls, interleaved, median of 40) */
+    return M <= (kind == 5 ? 1 : 2) ? 2 : 1;
 #endif
 }
 
