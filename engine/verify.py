@@ -177,6 +177,7 @@ from typing import Sequence  # noqa: E402
 from specserve.engine.sampler import (SamplingTensors, argmax, exponential_noise, keyed_exponentials,  # noqa: E402
                                      processed_probs)
 from specserve.engine.tree import PackedTrees  # noqa: E402
+from specserve.kernels import cpu as native_cpu  # noqa: E402
 
 PAD_TOKEN = -1   # pads `BatchVerifyResult.tokens` after the bonus token (and path / alternates)
 
@@ -275,15 +276,14 @@ def _greedy_kernel(packed: PackedTrees) -> str:
         raise ValueError(f"{VERIFY_ENV} must be 'reference', 'triton' or 'native', not {forced!r}")
     if forced == "reference":
         return "reference"
-    cpu = packed.tokens.device.type == "cpu"
-    if forced == "native" or (not forced and cpu):
-        from specserve.kernels import cpu as native_cpu
-        if cpu and native_cpu.available():
+    device = packed.tokens.device.type
+    if forced == "native" or (not forced and device == "cpu"):
+        if device == "cpu" and native_cpu.available():
             return "native"
         if forced:
             raise RuntimeError(f"{VERIFY_ENV}=native needs CPU tensors and the native CPU kernels")
         return "reference"
-    if not forced and packed.tokens.device.type != "cuda":
+    if not forced and device != "cuda":
         return "reference"
     from specserve.kernels import verify_greedy as kernel
     if kernel.triton is None:
@@ -301,7 +301,6 @@ def verify_greedy_batched(packed: PackedTrees, target_argmax: torch.Tensor) -> B
     if kernel == "reference":
         return verify_greedy_batched_reference(packed, target_argmax)
     if kernel == "native":
-        from specserve.kernels import cpu as native_cpu
         rows = native_cpu.verify_greedy_stacked(packed.tokens, packed.parents, packed.num_nodes, packed.num_roots,
                                                 target_argmax, packed.max_depth, packed.max_next_roots)
         return BatchVerifyResult.from_stacked(rows, packed.max_depth)

@@ -280,8 +280,8 @@ def compact_layout_ok(kv: torch.Tensor) -> bool:
 def compact_tree_kv(kv: torch.Tensor, block_tables: torch.Tensor, block_size: int, prefix_lens: torch.Tensor,
                     paths: torch.Tensor, path_lens: torch.Tensor) -> None:
     """`kernels.kv_compact.compact_tree_kv` on a CPU cache [2, layers, slots, heads, dim] of any dtype
-    laid out as `compact_layout_ok` says: the accepted rows moved in place with a copy per (pair, plane), identity pairs skipped.
-    block_tables int32 or int64 [T, max_blocks]; prefix_lens, path_lens [T] and paths [T, P] int64."""
+    laid out as `compact_layout_ok` says: the accepted rows moved in place with a copy per (pair,
+    plane), identity pairs skipped. block_tables int32 or int64 [T, max_blocks]; prefix_lens, path_lens [T] and paths [T, P] int64."""
     T, P = paths.shape
     if T == 0 or P == 0:
         return

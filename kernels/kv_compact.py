@@ -65,13 +65,16 @@ MAX_FLAT_PAIRS = 1024   # the flat kernel holds all pairs' rows of a column chun
 
 def _backend(kv: torch.Tensor) -> str:
     """The implementation to run: $SPECSERVE_KV_COMPACT when set, else triton on CUDA tensors and
-    native on contiguous CPU tensors (where the library builds)."""
+    native on CPU caches whose layout it takes (`cpu.compact_layout_ok`, where the library builds).
+    A cache the native kernel cannot take runs the reference, forced or not."""
     forced = os.environ.get(BACKEND_ENV, "").strip().lower()
     if forced in ("reference", "triton", "native"):
         if forced == "triton" and triton is None:
             raise RuntimeError(f"{BACKEND_ENV}=triton but triton is not installed")
         if forced == "native" and not native_cpu.available():
             raise RuntimeError(f"{BACKEND_ENV}=native but the native CPU kernels do not build here")
+        if forced == "native" and not native_cpu.compact_layout_ok(kv):
+            return "reference"
         return forced
     if forced:
         raise ValueError(f"{BACKEND_ENV} must be 'reference', 'triton' or 'native', not {forced!r}")
@@ -210,7 +213,7 @@ def compact_tree_kv(
     backend = _backend(kv)
     if backend == "triton":
         compact_tree_kv_triton(kv, block_tables, block_size, prefix_lens, paths, path_lens)
-    elif backend == "native" and native_cpu.compact_layout_ok(kv):
+    elif backend == "native":
         native_cpu.compact_tree_kv(kv, block_tables, block_size, prefix_lens, paths, path_lens)
     else:
         compact_tree_kv_reference(kv, block_tables, block_size, prefix_lens, paths, path_lens)

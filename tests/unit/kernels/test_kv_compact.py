@@ -236,6 +236,10 @@ def test_dispatch(monkeypatch):
     assert kv_compact._backend(torch.zeros(2, 1, 4, 1, 3)[..., :1]) == "reference"   # rows not contiguous
     monkeypatch.setenv(kv_compact.BACKEND_ENV, "reference")
     assert kv_compact._backend(cpu) == "reference"
+    if native_cpu.available():
+        monkeypatch.setenv(kv_compact.BACKEND_ENV, "native")
+        assert kv_compact._backend(cpu) == "native"
+        assert kv_compact._backend(torch.zeros(2, 1, 4, 1, 3)[..., :1]) == "reference"   # a layout it cannot take
     monkeypatch.setenv(kv_compact.BACKEND_ENV, "tensor-cores")
     with pytest.raises(ValueError):
         kv_compact._backend(cpu)
